@@ -1,0 +1,1 @@
+"""Subcommands of the ``kvroute`` CLI, one module each (see ``kvroute.cli``)."""

@@ -1,0 +1,332 @@
+"""The engine model: a vLLM v1 scheduler over a BlockPool, with a cost model for time.
+
+Pure by design (sans-I/O): no clock, no sockets, no asyncio. A driver hands it requests and the
+current time and asks it to run a step; it answers what happened and how long the step took.
+The simulator drives it on virtual time, the emulator on the wall clock.
+
+Scheduling follows ``vllm/v1/core/sched/scheduler.py``:
+
+* Continuous batching under a token budget (``max_num_batched_tokens``) and a sequence cap.
+* Running requests first, in order; one that cannot get a block for its next token preempts
+  the most recently admitted running request (its blocks are freed and it goes back to the
+  front of the waiting queue, to be recomputed later).
+* Then waiting requests, first come first served: look up the longest cached prefix (at most
+  ``num_tokens - 1`` tokens, so a fully cached prompt still recomputes its last token), then
+  allocate slots for the uncached part; if the blocks are not there the request keeps waiting
+  and so does everyone behind it. Prefix-cache statistics are recorded at admission (an
+  unadmitted lookup is not counted), and not for a preempted request coming back.
+* Blocks become cached as soon as they are full and scheduled, before the step runs (a request
+  admitted in the next step already hits them), generated tokens included.
+* A finished request frees its blocks tail-first.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvroute.blocks import BlockHasher, as_token_array
+from kvroute.engine.cost import CostModel
+from kvroute.engine.events import EventBatch, KVCacheEvent
+from kvroute.engine.pool import BlockPool
+
+
+@dataclass(slots=True, eq=False)
+class EngineRequest:
+    """One request inside the engine.
+
+    Args:
+        request_id: unique id.
+        prompt_token_ids: the prompt.
+        output_token_ids: the tokens the "sampler" will produce, in order; the request finishes
+            after ``max_tokens`` of them (or all of them, if fewer are given).
+        arrival_time: when the engine received it (after any front-end delay).
+        block_hashes: hashes of the prompt's full blocks, if the caller already has them
+            (the simulator memoizes shared prefixes); extended as blocks fill.
+    """
+
+    request_id: str
+    prompt_token_ids: np.ndarray
+    output_token_ids: np.ndarray
+    arrival_time: float
+    block_hashes: list[int] = field(default_factory=list)
+    max_tokens: int = -1
+    # -- state, owned by the engine --
+    num_output: int = 0
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = -1
+    num_cached_blocks: int = 0
+    num_preemptions: int = 0
+    blocks: list[int] = field(default_factory=list)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    admitted_time: float | None = None
+
+    def __post_init__(self) -> None:
+        self.prompt_token_ids = as_token_array(self.prompt_token_ids)
+        self.output_token_ids = as_token_array(self.output_token_ids)
+        if self.max_tokens < 0 or self.max_tokens > len(self.output_token_ids):
+            self.max_tokens = len(self.output_token_ids)
+        if self.max_tokens < 1:
+            raise ValueError("a request must generate at least one token")
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + self.num_output
+
+    def token_ids(self, stop: int | None = None) -> np.ndarray:
+        """Prompt plus the tokens generated so far (up to ``stop``)."""
+        n = self.num_tokens if stop is None else stop
+        if n <= len(self.prompt_token_ids):
+            return self.prompt_token_ids[:n]
+        return np.concatenate(
+            [self.prompt_token_ids, self.output_token_ids[: n - len(self.prompt_token_ids)]]
+        )
+
+
+@dataclass(slots=True)
+class RequestOutput:
+    """What one step produced for one request."""
+
+    request: EngineRequest
+    new_token_id: int
+    first_token: bool
+    finished: bool
+
+
+@dataclass(slots=True)
+class StepResult:
+    """One engine step: scheduled at ``start``, outputs ready at ``end``."""
+
+    start: float
+    end: float
+    prefill_tokens: int
+    decode_seqs: int
+    outputs: list[RequestOutput]
+    events: EventBatch | None = None
+
+
+@dataclass(slots=True)
+class PrefixCacheStats:
+    """vLLM's prefix-cache counters (tokens), cumulative."""
+
+    requests: int = 0
+    queries: int = 0
+    hits: int = 0
+    preempted_requests: int = 0
+    preempted_queries: int = 0
+    preempted_hits: int = 0
+
+
+class Engine:
+    """One vLLM worker: a BlockPool, a scheduler and a cost model.
+
+    Args:
+        num_blocks: KV blocks including the null block.
+        block_size: tokens per block.
+        cost: the step-time model.
+        hash_seed: root of the block-hash chain (see ``kvroute.blocks``).
+        enable_caching: prefix caching on (vLLM's default in v1).
+        emit_events: collect KV events per step (the emulator publishes them).
+    """
+
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        cost: CostModel,
+        hasher: BlockHasher | None = None,
+        enable_caching: bool = True,
+        emit_events: bool = False,
+    ) -> None:
+        self.pool = BlockPool(num_blocks, block_size, enable_caching, emit_events)
+        self.block_size = block_size
+        self.cost = cost
+        self.hasher = hasher or BlockHasher(block_size)
+        if self.hasher.block_size != block_size:
+            raise ValueError("hasher block size differs from the engine's")
+        self.waiting: deque[EngineRequest] = deque()
+        self.running: list[EngineRequest] = []
+        self.requests: dict[str, EngineRequest] = {}
+        self.stats = PrefixCacheStats()
+        self.num_preemptions = 0
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+
+    # -- driver API --------------------------------------------------------------------------
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running)
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    def add_request(self, request: EngineRequest) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"duplicate request id {request.request_id!r}")
+        self.hasher.extend(request.block_hashes, request.prompt_token_ids)
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> bool:
+        """Drop a request (client went away); its blocks are freed like a finished one's."""
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return False
+        if request in self.running:
+            self.running.remove(request)
+            self._free(request)
+        else:
+            self.waiting.remove(request)
+        return True
+
+    def reset_prefix_cache(self) -> bool:
+        return self.pool.reset_prefix_cache()
+
+    def step(self, now: float) -> StepResult:
+        """Schedule and run one step starting at ``now``."""
+        scheduled = self._schedule()
+        prefill_tokens = 0
+        decode_seqs = 0
+        for request, n in scheduled:
+            if request.num_computed_tokens >= request.num_prompt_tokens:
+                decode_seqs += 1
+            else:
+                prefill_tokens += n
+        end = now + self.cost.step_time(prefill_tokens, decode_seqs)
+        outputs = self._update(scheduled, end)
+        events = None
+        if self.pool.emit_events:
+            taken = self.pool.take_events()
+            if taken:
+                events = EventBatch(ts=end, events=taken)
+        return StepResult(now, end, prefill_tokens, decode_seqs, outputs, events)
+
+    # -- scheduling --------------------------------------------------------------------------
+
+    def _schedule(self) -> list[tuple[EngineRequest, int]]:
+        budget = self.cost.max_num_batched_tokens
+        scheduled: list[tuple[EngineRequest, int]] = []
+        preempted = False
+
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self._allocate(request, n):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted = True
+                if victim is request:
+                    break
+            else:
+                scheduled.append((request, n))
+                budget -= n
+                i += 1
+                continue
+            break  # the request preempted itself: nothing more can run this step
+
+        if preempted:
+            return scheduled
+        while self.waiting and budget > 0 and len(self.running) < self.cost.max_num_seqs:
+            request = self.waiting[0]
+            hit_blocks: list[int] = []
+            if request.num_computed_tokens == 0:
+                max_blocks = (request.num_tokens - 1) // self.block_size
+                self.hasher.extend(request.block_hashes, request.token_ids())
+                hit_blocks = self.pool.find_longest_hit(request.block_hashes, max_blocks)
+            num_hit = len(hit_blocks) * self.block_size
+            n = min(request.num_tokens - num_hit, budget)
+            if not self._allocate(request, n, hit_blocks):
+                break
+            self.waiting.popleft()
+            if request.num_preemptions:
+                self.stats.preempted_requests += 1
+                self.stats.preempted_queries += request.num_tokens
+                self.stats.preempted_hits += num_hit
+            else:
+                self.stats.requests += 1
+                self.stats.queries += request.num_tokens
+                self.stats.hits += num_hit
+                self.prompt_tokens_total += request.num_prompt_tokens
+            if request.num_cached_tokens < 0:
+                request.num_cached_tokens = num_hit
+            request.num_computed_tokens = num_hit
+            self.running.append(request)
+            scheduled.append((request, n))
+            budget -= n
+        return scheduled
+
+    def _allocate(self, request: EngineRequest, num_new: int, hit_blocks: list[int] = ()) -> bool:
+        """vLLM's ``allocate_slots``: room for ``num_new`` more tokens after the hit blocks;
+        False (and no change) if the free queue cannot supply them."""
+        pool = self.pool
+        num_computed = request.num_computed_tokens + len(hit_blocks) * self.block_size
+        required = -(-(num_computed + num_new) // self.block_size)
+        need = required - len(request.blocks) - len(hit_blocks)
+        if need > pool.num_free_blocks - pool.num_evictable(hit_blocks):
+            return False
+        if hit_blocks:
+            pool.touch(hit_blocks)
+            request.blocks.extend(hit_blocks)
+            request.num_cached_blocks = len(request.blocks)
+        if need > 0:
+            request.blocks.extend(pool.get_new_blocks(need))
+        num_full = min(num_computed + num_new, request.num_tokens) // self.block_size
+        if num_full > request.num_cached_blocks:
+            if len(request.block_hashes) < num_full:
+                self.hasher.extend(request.block_hashes, request.token_ids())
+            pool.cache_full_blocks(
+                request.blocks,
+                request.block_hashes,
+                request.num_cached_blocks,
+                num_full,
+                request.token_ids(num_full * self.block_size) if pool.emit_events else None,
+            )
+            request.num_cached_blocks = num_full
+        return True
+
+    def _free(self, request: EngineRequest) -> None:
+        self.pool.free_blocks(request.blocks[::-1])
+        request.blocks = []
+        request.num_cached_blocks = 0
+
+    def _preempt(self, request: EngineRequest) -> None:
+        self._free(request)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def _update(self, scheduled: list[tuple[EngineRequest, int]], end: float) -> list[RequestOutput]:
+        outputs = []
+        for request, n in scheduled:
+            request.num_computed_tokens += n
+            if request.num_computed_tokens < request.num_tokens:
+                continue  # a prefill chunk that does not reach the end samples nothing
+            token = int(request.output_token_ids[request.num_output])
+            request.num_output += 1
+            self.generation_tokens_total += 1
+            first = request.first_token_time is None
+            if first:
+                request.first_token_time = end
+            finished = request.num_output >= request.max_tokens
+            if finished:
+                request.finish_time = end
+                self.running.remove(request)
+                self._free(request)
+                del self.requests[request.request_id]
+            outputs.append(RequestOutput(request, token, first, finished))
+        return outputs
