@@ -214,6 +214,65 @@ class Engine:
                 events = EventBatch(ts=end, events=taken)
         return StepResult(now, end, prefill_tokens, decode_seqs, outputs, events)
 
+    def decode_run_length(self) -> int:
+        """How many identical decode-only steps could run back to back from here, or 0.
+
+        Eligible when every running request is decoding, nothing is waiting, and the blocks
+        all of them need for the run are free (so no step would preempt); the run stops at the
+        step in which the first request finishes. Running those steps at once with
+        ``run_decode_steps`` leaves the cache exactly as stepping one at a time would (a
+        request's new blocks are taken together rather than interleaved with other requests',
+        which changes only which block ids they get and the order of events; so runs are not
+        offered while events are being collected).
+        """
+        if self.waiting or not self.running or self.pool.emit_events:
+            return 0
+        if len(self.running) > self.cost.max_num_batched_tokens:
+            return 0
+        steps = min(r.max_tokens - r.num_output for r in self.running)
+        if steps < 2:
+            return 0
+        bs = self.block_size
+        need = 0
+        for r in self.running:
+            if r.num_computed_tokens != r.num_tokens - 1:
+                return 0
+            need += -(-(r.num_computed_tokens + steps) // bs) - len(r.blocks)
+        return steps if need <= self.pool.num_free_blocks else 0
+
+    def decode_step_time(self) -> float:
+        return self.cost.step_time(0, len(self.running))
+
+    def run_decode_steps(self, now: float, steps: int) -> StepResult:
+        """Run ``steps`` decode steps at once (at most ``decode_run_length()``); only requests
+        that finish produce an output."""
+        bs = self.block_size
+        pool = self.pool
+        batch = len(self.running)
+        end = now + steps * self.decode_step_time()
+        outputs = []
+        for r in list(self.running):
+            computed = r.num_computed_tokens + steps
+            need = -(-computed // bs) - len(r.blocks)
+            if need > 0:
+                r.blocks.extend(pool.get_new_blocks(need))
+            num_full = computed // bs
+            if num_full > r.num_cached_blocks:
+                if len(r.block_hashes) < num_full:
+                    self.hasher.extend(r.block_hashes, r.token_ids(num_full * bs))
+                pool.cache_full_blocks(r.blocks, r.block_hashes, r.num_cached_blocks, num_full, None)
+                r.num_cached_blocks = num_full
+            r.num_computed_tokens = computed
+            r.num_output += steps
+            self.generation_tokens_total += steps
+            if r.num_output >= r.max_tokens:
+                r.finish_time = end
+                self.running.remove(r)
+                self._free(r)
+                del self.requests[r.request_id]
+                outputs.append(RequestOutput(r, int(r.output_token_ids[r.num_output - 1]), False, True))
+        return StepResult(now, end, 0, batch, outputs)
+
     # -- scheduling --------------------------------------------------------------------------
 
     def _schedule(self) -> list[tuple[EngineRequest, int]]:

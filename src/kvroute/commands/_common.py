@@ -1,0 +1,108 @@
+"""Flags shared by several subcommands: workload shape, worker KV geometry and sweeps."""
+
+from __future__ import annotations
+
+import argparse
+import re
+
+from kvroute.errors import UserError
+from kvroute.model import MODEL_PRESETS, ModelShape, dtype_bytes, kv_bytes_per_token, num_kv_blocks
+from kvroute.workload import LengthDist, WorkloadSpec
+
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgt]?)(i?b?)\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "k": 1024, "m": 1024**2, "g": 1024**3, "t": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """``1073741824``, ``1G``, ``1GiB``, ``64M`` → bytes (binary units, as vLLM's examples use)."""
+    m = _SIZE.match(str(text))
+    if not m:
+        raise UserError(f"bad size {text!r}: use bytes or a suffix such as 64M, 1G, 1GiB")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+def add_workload_arguments(parser: argparse.ArgumentParser, prefixes_default: str) -> None:
+    g = parser.add_argument_group("workload (the reference experiment's by default)")
+    g.add_argument("--prefixes", "-K", default=prefixes_default, metavar="K[,K...]",
+                   help="number of distinct shared prefixes; a comma list sweeps (default %(default)s)")
+    g.add_argument("--prefix-tokens", default="2032", metavar="N|LO:HI|A,B",
+                   help="prefix length: fixed, uniform range, or choices (default %(default)s)")
+    g.add_argument("--suffix-tokens", default="339", metavar="N|LO:HI|A,B",
+                   help="unique suffix length per request (default %(default)s; mean prompt 2,371)")
+    g.add_argument("--output-tokens", type=int, default=64, help="tokens generated per request (default %(default)s)")
+    g.add_argument("--requests", type=int, default=None,
+                   help="measured requests per point (default max(200, 20·K))")
+    g.add_argument("--zipf", type=float, default=0.0, metavar="ALPHA",
+                   help="Zipf popularity exponent over prefixes; 0 = each prefix equally often")
+    g.add_argument("--seed", type=int, default=0, help="fixes tokens, order and random choices (default %(default)s)")
+
+
+def workload_spec(args: argparse.Namespace, prefixes: int) -> WorkloadSpec:
+    return WorkloadSpec(
+        prefixes=prefixes,
+        prefix_tokens=LengthDist.parse(args.prefix_tokens),
+        suffix_tokens=LengthDist.parse(args.suffix_tokens),
+        output_tokens=args.output_tokens,
+        requests=args.requests,
+        zipf_alpha=args.zipf,
+        seed=args.seed,
+    )
+
+
+def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("worker KV cache (the reference: Qwen3-0.6B bf16, 1 GiB, block 16)")
+    g.add_argument("--kv-cache-memory-bytes", default="1GiB", metavar="SIZE",
+                   help="KV memory per worker, as vLLM's flag (default %(default)s)")
+    g.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODEL_PRESETS),
+                   help="model preset giving KV bytes per token (default %(default)s)")
+    g.add_argument("--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]",
+                   help="model KV geometry instead of a preset, e.g. 28,8,128,bfloat16")
+    g.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV bytes per token, overriding the model")
+    g.add_argument("--block-size", type=int, default=None,
+                   help="KV block size in tokens (default: the model preset's, 16 on GPU)")
+
+
+def model_shape(args: argparse.Namespace) -> ModelShape:
+    if args.model_shape:
+        parts = [p.strip() for p in args.model_shape.split(",")]
+        try:
+            layers, heads, dim = (int(p) for p in parts[:3])
+            dtype = parts[3] if len(parts) > 3 else "bfloat16"
+            dtype_bytes(dtype)
+            if len(parts) not in (3, 4):
+                raise ValueError
+        except ValueError:
+            raise UserError(
+                f"bad --model-shape {args.model_shape!r}: expected LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
+            ) from None
+        return ModelShape(args.model_shape, layers, heads, dim, dtype)
+    return MODEL_PRESETS[args.model]
+
+
+def kv_geometry(args: argparse.Namespace) -> tuple[int, int, int]:
+    """(num_blocks incl. the null block, block_size, bytes per token) from the worker flags."""
+    shape = model_shape(args)
+    try:
+        per_token = args.kv_bytes_per_token or kv_bytes_per_token(
+            shape.num_layers, shape.num_kv_heads, shape.head_dim, dtype_bytes(shape.dtype)
+        )
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    block_size = args.block_size or shape.block_size
+    if block_size < 1 or per_token < 1:
+        raise UserError("block size and KV bytes per token must be >= 1")
+    blocks = num_kv_blocks(parse_bytes(args.kv_cache_memory_bytes), per_token, block_size)
+    if blocks < 2:
+        raise UserError(
+            f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes} holds {blocks} blocks of "
+            f"{block_size} tokens × {per_token} B: too small for even one block besides the null block"
+        )
+    return blocks, block_size, per_token
+
+
+def name_list(text: str, choices: list[str], what: str) -> list[str]:
+    names = [n.strip() for n in str(text).split(",") if n.strip()]
+    bad = [n for n in names if n not in choices]
+    if not names or bad:
+        raise UserError(f"bad {what} {text!r}: choose from {', '.join(choices)}")
+    return names

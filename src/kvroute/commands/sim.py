@@ -1,0 +1,127 @@
+"""``kvroute sim``: the reference experiment on simulated workers, in seconds."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvroute.commands._common import (
+    add_worker_arguments,
+    add_workload_arguments,
+    kv_geometry,
+    name_list,
+    workload_spec,
+)
+from kvroute.engine import PRESETS, get_preset
+from kvroute.errors import UserError
+from kvroute.model import WorkloadShape, block_accounting, capacity_requests, usable_blocks
+from kvroute.records import Point
+from kvroute.report import print_tables
+from kvroute.routing.policies import POLICIES
+from kvroute.sim import WorkerConfig, run_point, sweep_points
+from kvroute.workload import generate, parse_int_list
+
+NAME = "sim"
+HELP = "simulate the reference experiment (or any sweep) on modelled vLLM workers"
+DESCRIPTION = """\
+Run a sweep of the reference experiment on simulated vLLM workers: the same cache and
+scheduler model as the emulator, on a virtual clock, so the whole sweep takes seconds.
+
+With no flags it reproduces EXPERIMENT.md: 6 and 3 workers behind random balancing (what a
+Kubernetes Service does with a new connection per request), K in 2,7,12,24 prefixes,
+concurrency 4,8,16, 3 trials each (medians), 1 GiB of KV per worker for Qwen3-0.6B.
+Flags given explicitly override the preset's values.
+
+examples:
+  kvroute sim                                   # the reference sweep, four tables
+  kvroute sim --workers 6 --prefixes 24 --concurrency 8 --policy random,prefix-hash
+  kvroute sim --prefixes 64 --zipf 1.2 --json zipf.json
+  kvroute sim --kv-cache-memory-bytes 2GiB --prefix-tokens 1000:4000
+"""
+
+PRESET_VALUES = {
+    "reference": {"workers": "6,3", "prefixes": "2,7,12,24", "concurrency": "4,8,16", "trials": 3, "policy": "random"},
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--preset", choices=sorted(PRESET_VALUES), default="reference",
+                        help="starting values for the sweep (default %(default)s)")
+    parser.add_argument("--workers", "-W", default=None, metavar="W[,W...]",
+                        help="workers per fleet; comma list sweeps (reference: 6,3)")
+    parser.add_argument("--concurrency", "-c", default=None, metavar="C[,C...]",
+                        help="closed-loop clients (reference: 4,8,16)")
+    parser.add_argument("--trials", type=int, default=None, help="trials per point, medians reported (reference: 3)")
+    parser.add_argument("--policy", default=None, metavar="P[,P...]",
+                        help=f"balancing policies: {', '.join(POLICIES)} (reference: random)")
+    parser.add_argument("--load-factor", type=float, default=None, metavar="EPS",
+                        help="prefix-hash only: spill when the owner exceeds (1+EPS)·mean load")
+    parser.add_argument("--timing", default="reference-gpu", choices=sorted(PRESETS),
+                        help="cost-model preset for step times (default %(default)s)")
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH",
+                        help="write every point (medians and per-trial values) as JSON")
+    add_workload_arguments(parser, prefixes_default=None)
+    add_worker_arguments(parser)
+
+
+def run(args: argparse.Namespace) -> int:
+    preset = PRESET_VALUES[args.preset]
+    workers = parse_int_list(args.workers or preset["workers"], "--workers")
+    prefixes = parse_int_list(args.prefixes or preset["prefixes"], "--prefixes")
+    concurrency = parse_int_list(args.concurrency or preset["concurrency"], "--concurrency")
+    policies = name_list(args.policy or preset["policy"], list(POLICIES), "--policy")
+    trials = args.trials if args.trials is not None else preset["trials"]
+    if trials < 1:
+        raise UserError("--trials must be >= 1")
+    if args.load_factor is not None and args.load_factor < 0:
+        raise UserError("--load-factor must be >= 0")
+    num_blocks, block_size, _ = kv_geometry(args)
+    config = WorkerConfig(num_blocks, block_size, get_preset(args.timing))
+    policy_options = {"load_factor": args.load_factor} if args.load_factor is not None else {}
+
+    workloads = {k: generate(workload_spec(args, k)) for k in prefixes}
+    for wl in workloads.values():
+        config.check_fits(wl)
+    points = sweep_points(workers, prefixes, concurrency, policies)
+    console = Console()
+    results: list[Point] = []
+    with Progress(
+        TextColumn("[bold]sim[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
+        TimeElapsedColumn(), console=console, transient=True,
+    ) as progress:
+        task = progress.add_task("", total=len(points) * trials)
+        for point in points:
+            progress.update(task, description=f"W={point.workers} K={point.prefixes} c={point.concurrency} {point.policy}")
+            options = policy_options if point.policy == "prefix-hash" else {}
+            results.append(
+                run_point(point, workloads[point.prefixes], config, trials, args.seed, options,
+                          on_trial=lambda: progress.advance(task))
+            )
+    # C for the formula column: the reference request's footprint (mean lengths).
+    shape = WorkloadShape.reference(
+        prefixes=1,
+        prefix_tokens=round(workloads[prefixes[0]].spec.prefix_tokens.mean),
+        suffix_tokens=workloads[prefixes[0]].spec.suffix_tokens.mean,
+        output_tokens=args.output_tokens,
+    )
+    footprint = float(block_accounting(shape, block_size).footprint_blocks[0])
+    capacity = capacity_requests(usable_blocks(num_blocks), footprint)
+    print_tables(results, capacity, console)
+    if args.json:
+        write_points_json(args.json, results, {"command": "sim", "capacity_requests": capacity,
+                                               "num_blocks": num_blocks, "block_size": block_size,
+                                               "timing": args.timing, "seed": args.seed})
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def write_points_json(path: Path, points: list[Point], meta: dict) -> None:
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": meta, "points": [p.to_json() for p in points]}, indent=2))
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -1,0 +1,195 @@
+"""The reference experiment's four tables, rendered the same way for sim, bench and experiment.
+
+1. Request hit rate by K and topology (at one concurrency), beside the formula min(1, C/K)
+   and the routing bound min(1, W·C/K), and the two token-level hit measures.
+2. TTFT split by hit and miss (p50/p90 with counts) at the lowest concurrency, largest fleet.
+3. Overall TTFT p50/p99 by K and concurrency.
+4. Throughput (requests/s) by K and concurrency.
+
+A "topology" is a (workers, policy) pair: ``6w random``, ``3w service``, ``6w router``…
+``reference`` points (e.g. the simulator's prediction for a measured run, labelled with the
+measured topology's policy name) are shown beside the measured ones when given.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from rich.console import Console
+from rich.table import Table
+
+from kvroute.records import Point
+
+
+def topology(point: Point) -> str:
+    return f"{point.workers}w {point.policy}"
+
+
+def _fmt(v: float | None, spec: str = ".1f") -> str:
+    return "—" if v is None else format(v, spec)
+
+
+def _pct(v: float | None) -> str:
+    return "—" if v is None else f"{100 * v:.1f}%"
+
+
+def _pick_concurrency(points: list[Point], preferred: int) -> int:
+    levels = sorted({p.concurrency for p in points})
+    return preferred if preferred in levels else levels[len(levels) // 2]
+
+
+def _index(points: Iterable[Point]) -> dict[tuple[int, int, int, str], Point]:
+    return {(p.workers, p.prefixes, p.concurrency, p.policy): p for p in points}
+
+
+def hit_rate_table(
+    points: list[Point],
+    capacity_requests: float | None,
+    concurrency: int = 8,
+    reference: list[Point] | None = None,
+    reference_label: str = "sim",
+) -> Table:
+    c = _pick_concurrency(points, concurrency)
+    chosen = [p for p in points if p.concurrency == c]
+    topologies = sorted({(p.workers, p.policy) for p in chosen}, key=lambda t: (-t[0], t[1]))
+    fleet_sizes = sorted({w for w, _ in topologies}, reverse=True)
+    ref = _index(reference or [])
+    table = Table(title=f"1. Request hit rate by K and topology (concurrency {c}, median of trials)")
+    table.add_column("K", justify="right")
+    for w, pol in topologies:
+        table.add_column(f"{w}w {pol}", justify="right")
+        if reference:
+            table.add_column(f"{reference_label}", justify="right", style="dim")
+    if capacity_requests is not None:
+        table.add_column("min(1, C/K)", justify="right", style="cyan")
+        for w in fleet_sizes:
+            table.add_column(f"min(1, {w}·C/K)", justify="right", style="cyan")
+    by = _index(chosen)
+    for k in sorted({p.prefixes for p in chosen}):
+        row = [str(k)]
+        for w, pol in topologies:
+            p = by.get((w, k, c, pol))
+            row.append(_pct(p.median("request_hit_rate")) if p else "—")
+            if reference:
+                r = ref.get((w, k, c, pol))
+                row.append(_pct(r.median("request_hit_rate")) if r else "—")
+        if capacity_requests is not None:
+            row.append(_pct(min(1.0, capacity_requests / k)))
+            row.extend(_pct(min(1.0, w * capacity_requests / k)) for w in fleet_sizes)
+        table.add_row(*row)
+    notes = []
+    if capacity_requests is not None:
+        notes.append(f"C = {capacity_requests:.2f} requests' worth of KV blocks per worker")
+    notes.append(hit_measures_agreement(points))
+    table.caption = "\n".join(notes)
+    return table
+
+
+def hit_measures_agreement(points: list[Point]) -> str:
+    """How far the token hit ratio from per-request ``cached_tokens`` is from the one from the
+    workers' Prometheus counters (EXPERIMENT.md rule 4), over every trial."""
+    diffs = [
+        abs(t.metrics_token_hit_rate - t.token_hit_rate)
+        for p in points
+        for t in p.trials
+        if t.metrics_token_hit_rate is not None
+    ]
+    if not diffs:
+        return "token hit ratio: per-request measure only (no worker metrics scraped)"
+    return (
+        f"token hit ratio, per-request usage vs worker counters: max |Δ| = {max(diffs):.4f} "
+        f"over {len(diffs)} trials"
+    )
+
+
+def ttft_split_table(points: list[Point]) -> Table:
+    c = min(p.concurrency for p in points)
+    w = max(p.workers for p in points)
+    chosen = sorted(
+        (p for p in points if p.concurrency == c and p.workers == w),
+        key=lambda p: (p.policy, p.prefixes),
+    )
+    table = Table(title=f"2. TTFT on hit vs miss, ms (concurrency {c}, {w} workers)")
+    for name in ("topology", "K", "hit p50", "hit p90", "hits", "miss p50", "miss p90", "misses"):
+        table.add_column(name, justify="right" if name != "topology" else "left")
+    for p in chosen:
+        hits = p.median("hits")
+        requests = p.median("requests")
+        misses = None if hits is None or requests is None else requests - hits
+        table.add_row(
+            topology(p),
+            str(p.prefixes),
+            _fmt(p.median("ttft_hit_p50_ms")),
+            _fmt(p.median("ttft_hit_p90_ms")),
+            _fmt(hits, ".0f"),
+            _fmt(p.median("ttft_miss_p50_ms")),
+            _fmt(p.median("ttft_miss_p90_ms")),
+            _fmt(misses, ".0f"),
+        )
+    return table
+
+
+def _by_concurrency_table(points: list[Point], title: str, cell) -> Table:
+    levels = sorted({p.concurrency for p in points})
+    table = Table(title=title)
+    table.add_column("topology")
+    table.add_column("K", justify="right")
+    for c in levels:
+        table.add_column(f"c={c}", justify="right")
+    by = _index(points)
+    for w, pol in sorted({(p.workers, p.policy) for p in points}, key=lambda t: (-t[0], t[1])):
+        for k in sorted({p.prefixes for p in points if (p.workers, p.policy) == (w, pol)}):
+            row = [f"{w}w {pol}", str(k)]
+            for c in levels:
+                p = by.get((w, k, c, pol))
+                row.append(cell(p) if p else "—")
+            table.add_row(*row)
+    return table
+
+
+def ttft_table(points: list[Point]) -> Table:
+    return _by_concurrency_table(
+        points,
+        "3. TTFT p50 / p99, ms, by K and concurrency",
+        lambda p: f"{_fmt(p.median('ttft_p50_ms'), '.0f')} / {_fmt(p.median('ttft_p99_ms'), '.0f')}",
+    )
+
+
+def throughput_table(points: list[Point]) -> Table:
+    return _by_concurrency_table(
+        points,
+        "4. Throughput, requests/s",
+        lambda p: _fmt(p.median("throughput_rps")),
+    )
+
+
+def failures_line(points: list[Point]) -> str | None:
+    failed = sum(int(p.median("failed") or 0) for p in points)
+    if not failed:
+        return None
+    worst = max(points, key=lambda p: p.median("failed") or 0)
+    return (
+        f"{failed} failed requests (median per point, counted as misses); worst: "
+        f"{topology(worst)} K={worst.prefixes} c={worst.concurrency}"
+    )
+
+
+def print_tables(
+    points: list[Point],
+    capacity_requests: float | None,
+    console: Console | None = None,
+    reference: list[Point] | None = None,
+    reference_label: str = "sim",
+) -> None:
+    """Print the four tables (and a failure summary when requests failed)."""
+    console = console or Console()
+    if not points:
+        console.print("no points to report")
+        return
+    console.print(hit_rate_table(points, capacity_requests, reference=reference, reference_label=reference_label))
+    console.print(ttft_split_table(points))
+    console.print(ttft_table(points))
+    console.print(throughput_table(points))
+    line = failures_line(points)
+    if line:
+        console.print(f"[red]{line}[/red]")

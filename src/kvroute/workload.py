@@ -1,0 +1,214 @@
+"""Workloads: the reference experiment's request generator and its extensions.
+
+The reference workload (EXPERIMENT.md): K shared prefixes of 2,032 tokens (127 full blocks of
+16), each request one prefix plus a unique 339-token suffix (mean prompt 2,371 tokens), 64
+output tokens, max(200, 20·K) measured requests with every prefix equally often, the order
+shuffled by a fixed seed, and one warmup request per prefix before measuring.
+
+Extensions: Zipf(α) prefix popularity, and mixed prefix/suffix lengths drawn from a
+``LengthDist``. Everything is built as token ids from a seed, so lengths are exact and the
+same seed gives the same requests, in the same order, on every run and every topology.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from kvroute.errors import UserError
+
+#: Token ids used when no tokenizer vocabulary is given: clear of the small ids tokenizers
+#: reserve for special tokens.
+DEFAULT_VOCAB = np.arange(1000, 30000, dtype=np.uint32)
+
+
+@dataclass(frozen=True)
+class LengthDist:
+    """A token length: fixed, uniform over ``[low, high]``, or a choice among listed values.
+
+    Parsed from ``"2032"``, ``"1000:4000"`` (uniform, inclusive) or ``"512,2032,4096"``.
+    """
+
+    low: int
+    high: int
+    choices: tuple[int, ...] = ()
+
+    @classmethod
+    def parse(cls, text: str | int) -> LengthDist:
+        if isinstance(text, int):
+            return cls.fixed(text)
+        s = str(text).strip()
+        try:
+            if ":" in s:
+                lo, hi = (int(x) for x in s.split(":"))
+                dist = cls(lo, hi)
+            elif "," in s:
+                values = tuple(int(x) for x in s.split(","))
+                dist = cls(min(values), max(values), values)
+            else:
+                dist = cls.fixed(int(s))
+        except ValueError:
+            raise UserError(
+                f"bad length {text!r}: use N, LOW:HIGH (uniform) or A,B,C (choices)"
+            ) from None
+        if dist.low < 0 or dist.high < dist.low:
+            raise UserError(f"bad length {text!r}: lengths must be >= 0 and LOW <= HIGH")
+        return dist
+
+    @classmethod
+    def fixed(cls, n: int) -> LengthDist:
+        return cls(n, n)
+
+    @property
+    def is_fixed(self) -> bool:
+        return self.low == self.high
+
+    @property
+    def mean(self) -> float:
+        return float(np.mean(self.choices)) if self.choices else (self.low + self.high) / 2
+
+    def sample(self, rng: np.random.Generator, n: int) -> np.ndarray:
+        if self.choices:
+            return rng.choice(np.asarray(self.choices), size=n)
+        if self.is_fixed:
+            return np.full(n, self.low, dtype=np.int64)
+        return rng.integers(self.low, self.high + 1, size=n)
+
+    def __str__(self) -> str:
+        if self.choices:
+            return ",".join(map(str, self.choices))
+        return str(self.low) if self.is_fixed else f"{self.low}:{self.high}"
+
+
+@dataclass(frozen=True)
+class WorkloadSpec:
+    """What to generate.
+
+    Args:
+        prefixes: K, the number of distinct shared prefixes.
+        prefix_tokens: length of each prefix (drawn once per prefix).
+        suffix_tokens: length of each request's unique suffix (drawn per request).
+        output_tokens: tokens each request generates.
+        requests: measured requests; default max(200, 20·K).
+        zipf_alpha: 0 for the reference's uniform mix (each prefix equally often), else prefix
+            ranked i (1-based) is drawn with probability ∝ i^-α.
+        seed: fixes tokens, popularity draws and order.
+    """
+
+    prefixes: int
+    prefix_tokens: LengthDist = LengthDist.fixed(2032)
+    suffix_tokens: LengthDist = LengthDist.fixed(339)
+    output_tokens: int = 64
+    requests: int | None = None
+    zipf_alpha: float = 0.0
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.prefixes < 1:
+            raise UserError(f"need at least one prefix, got {self.prefixes}")
+        if self.output_tokens < 1:
+            raise UserError(f"output tokens must be >= 1, got {self.output_tokens}")
+        if self.requests is not None and self.requests < 1:
+            raise UserError(f"requests must be >= 1, got {self.requests}")
+        if self.zipf_alpha < 0:
+            raise UserError(f"Zipf alpha must be >= 0, got {self.zipf_alpha}")
+
+    @property
+    def num_requests(self) -> int:
+        return self.requests if self.requests is not None else max(200, 20 * self.prefixes)
+
+    def popularity(self) -> np.ndarray:
+        """Probability of each prefix (index = prefix id = popularity rank - 1)."""
+        if self.zipf_alpha == 0:
+            return np.full(self.prefixes, 1.0 / self.prefixes)
+        w = np.arange(1, self.prefixes + 1, dtype=float) ** -self.zipf_alpha
+        return w / w.sum()
+
+
+@dataclass(slots=True)
+class RequestSpec:
+    """One request to send: exact prompt tokens and the shared prefix it starts with."""
+
+    index: int
+    prefix_id: int
+    prompt_token_ids: np.ndarray
+    prefix_len: int
+    output_tokens: int
+    warmup: bool = False
+    session_id: str | None = None
+
+    @property
+    def prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class Workload:
+    """Generated requests: ``warmup`` (one per prefix, not measured) then ``requests``."""
+
+    spec: WorkloadSpec
+    prefixes: list[np.ndarray]
+    warmup: list[RequestSpec]
+    requests: list[RequestSpec]
+    vocab: np.ndarray = field(repr=False, default_factory=lambda: DEFAULT_VOCAB)
+
+    @property
+    def mean_prompt_tokens(self) -> float:
+        return float(np.mean([r.prompt_tokens for r in self.requests]))
+
+
+def _prefix_order(spec: WorkloadSpec, rng: np.random.Generator) -> np.ndarray:
+    n, k = spec.num_requests, spec.prefixes
+    if spec.zipf_alpha == 0:
+        # Each prefix equally often (the first n mod k prefixes once more when k ∤ n).
+        order = np.arange(n) % k
+    else:
+        order = rng.choice(k, size=n, p=spec.popularity())
+    rng.shuffle(order)
+    return order
+
+
+def generate(spec: WorkloadSpec, vocab: np.ndarray | None = None) -> Workload:
+    """Build the workload for ``spec``; deterministic in ``spec.seed``.
+
+    Args:
+        vocab: token ids to draw from (a tokenizer's safe vocabulary when prompts will be sent
+            as text and must re-tokenize exactly); default ``DEFAULT_VOCAB``.
+    """
+    vocab = DEFAULT_VOCAB if vocab is None else np.asarray(vocab, dtype=np.uint32)
+    if len(vocab) < 2:
+        raise UserError("the token vocabulary needs at least 2 ids")
+    rng = np.random.default_rng(spec.seed)
+    prefix_lens = spec.prefix_tokens.sample(rng, spec.prefixes)
+    prefixes = [vocab[rng.integers(0, len(vocab), size=int(n))] for n in prefix_lens]
+    order = _prefix_order(spec, rng)
+    total = spec.prefixes + len(order)
+    suffix_lens = spec.suffix_tokens.sample(rng, total)
+
+    def make(index: int, prefix_id: int, suffix_len: int, warmup: bool) -> RequestSpec:
+        suffix = vocab[rng.integers(0, len(vocab), size=int(suffix_len))]
+        prompt = np.concatenate([prefixes[prefix_id], suffix])
+        if len(prompt) == 0:
+            raise UserError("a prompt needs at least one token (prefix + suffix lengths are 0)")
+        return RequestSpec(index, prefix_id, prompt, len(prefixes[prefix_id]), spec.output_tokens, warmup)
+
+    warmup = [make(i, i, suffix_lens[i], True) for i in range(spec.prefixes)]
+    requests = [
+        make(i, int(p), suffix_lens[spec.prefixes + i], False) for i, p in enumerate(order)
+    ]
+    return Workload(spec, prefixes, warmup, requests, vocab)
+
+
+_INT_LIST = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
+
+
+def parse_int_list(text: str, what: str) -> list[int]:
+    """``"2,7,12"`` → ``[2, 7, 12]``; a UserError naming ``what`` otherwise."""
+    if not _INT_LIST.match(str(text)):
+        raise UserError(f"bad {what} {text!r}: expected a number or a comma list like 2,7,12")
+    values = [int(x) for x in str(text).split(",")]
+    if any(v < 1 for v in values):
+        raise UserError(f"bad {what} {text!r}: values must be >= 1")
+    return values
