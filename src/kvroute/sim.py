@@ -144,14 +144,15 @@ class Simulation:
             if item is None:
                 return
             pos, spec = item
-            hashes = prefix_hashes.prompt_hashes(spec.prefix_id, spec.prefix_len, spec.prompt_token_ids)
-            w = self.policy.choose(RequestView(hashes, spec.prompt_tokens), self.states)
+            prompt = spec.prompt_token_ids
+            hashes = prefix_hashes.prompt_hashes(spec.prefix_id, spec.prefix_len, prompt)
+            w = self.policy.choose(RequestView(hashes, len(prompt)), self.states)
             self.states[w].in_flight += 1
-            self.states[w].in_flight_tokens += spec.prompt_tokens
+            self.states[w].in_flight_tokens += len(prompt)
             rid = f"{pos}"
             request = EngineRequest(
                 rid,
-                spec.prompt_token_ids,
+                prompt,
                 output_token_ids[: spec.output_tokens],
                 self.now + frontend,
                 block_hashes=hashes,

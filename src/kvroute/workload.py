@@ -129,19 +129,29 @@ class WorkloadSpec:
 
 @dataclass(slots=True)
 class RequestSpec:
-    """One request to send: exact prompt tokens and the shared prefix it starts with."""
+    """One request to send: a shared prefix (by reference, not copied) and its own suffix."""
 
     index: int
     prefix_id: int
-    prompt_token_ids: np.ndarray
-    prefix_len: int
+    prefix: np.ndarray
+    suffix: np.ndarray
     output_tokens: int
     warmup: bool = False
     session_id: str | None = None
 
     @property
+    def prefix_len(self) -> int:
+        return len(self.prefix)
+
+    @property
     def prompt_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.prefix) + len(self.suffix)
+
+    @property
+    def prompt_token_ids(self) -> np.ndarray:
+        """The exact prompt, built on demand so a million requests do not each hold a copy
+        of their prefix."""
+        return np.concatenate([self.prefix, self.suffix])
 
 
 @dataclass
@@ -189,10 +199,9 @@ def generate(spec: WorkloadSpec, vocab: np.ndarray | None = None) -> Workload:
 
     def make(index: int, prefix_id: int, suffix_len: int, warmup: bool) -> RequestSpec:
         suffix = vocab[rng.integers(0, len(vocab), size=int(suffix_len))]
-        prompt = np.concatenate([prefixes[prefix_id], suffix])
-        if len(prompt) == 0:
+        if len(prefixes[prefix_id]) + len(suffix) == 0:
             raise UserError("a prompt needs at least one token (prefix + suffix lengths are 0)")
-        return RequestSpec(index, prefix_id, prompt, len(prefixes[prefix_id]), spec.output_tokens, warmup)
+        return RequestSpec(index, prefix_id, prefixes[prefix_id], suffix, spec.output_tokens, warmup)
 
     warmup = [make(i, i, suffix_lens[i], True) for i in range(spec.prefixes)]
     requests = [

@@ -59,6 +59,10 @@ class BlockPool:
         # hash -> blocks holding it, oldest first; a lookup returns the first.
         self.cached: dict[int, list[int]] = {}
         self.pending_events: list[KVCacheEvent] = []
+        #: Bumped whenever a change could let a waiting request in: a block returns to the
+        #: free queue, blocks become cached, or the cache is reset. (Taking blocks or
+        #: evicting them only ever makes admission harder.)
+        self.version = 0
 
     # -- queries ---------------------------------------------------------------------------
 
@@ -112,23 +116,23 @@ class BlockPool:
         out = []
         popitem = self.free_queue.popitem
         ref = self.ref_cnt
+        block_hash = self.block_hash
+        cached = self.cached
         for _ in range(n):
-            b, _ = popitem(last=False)
-            if self.block_hash[b] is not None:
-                self._evict(b)
+            b = popitem(last=False)[0]
+            h = block_hash[b]
+            if h is not None:  # evict: the block's memory is reused now
+                block_hash[b] = None
+                holders = cached[h]
+                if len(holders) == 1:
+                    del cached[h]
+                else:
+                    holders.remove(b)
+                if self.emit_events:
+                    self.pending_events.append(BlockRemoved(block_hashes=[h]))
             ref[b] = 1
             out.append(b)
         return out
-
-    def _evict(self, b: int) -> None:
-        h = self.block_hash[b]
-        self.block_hash[b] = None
-        blocks = self.cached[h]
-        blocks.remove(b)
-        if not blocks:
-            del self.cached[h]
-        if self.emit_events:
-            self.pending_events.append(BlockRemoved(block_hashes=[h]))
 
     def cache_full_blocks(
         self,
@@ -149,6 +153,7 @@ class BlockPool:
         """
         if not self.enable_caching or num_cached >= num_full:
             return
+        self.version += 1
         for i in range(num_cached, num_full):
             b = blocks[i]
             h = block_hashes[i]
@@ -174,6 +179,7 @@ class BlockPool:
         the given order (callers pass a request's blocks reversed: tail evicted first)."""
         ref = self.ref_cnt
         free = self.free_queue
+        self.version += 1
         for b in ordered_blocks:
             ref[b] -= 1
             if ref[b] == 0:
@@ -188,6 +194,7 @@ class BlockPool:
             return False
         self.cached.clear()
         self.block_hash = [None] * self.num_blocks
+        self.version += 1
         if self.emit_events:
             self.pending_events.append(AllBlocksCleared())
         return True

@@ -155,6 +155,8 @@ class Engine:
         self.running: list[EngineRequest] = []
         self.requests: dict[str, EngineRequest] = {}
         self.stats = PrefixCacheStats()
+        # The waiting head's last failed admission: (request, pool.version, token budget).
+        self._blocked: tuple[EngineRequest, int, int] | None = None
         self.num_preemptions = 0
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
@@ -280,10 +282,23 @@ class Engine:
         scheduled: list[tuple[EngineRequest, int]] = []
         preempted = False
 
+        bs = self.block_size
         i = 0
         while i < len(self.running) and budget > 0:
             request = self.running[i]
-            n = min(request.num_tokens - request.num_computed_tokens, budget)
+            computed = request.num_computed_tokens
+            n = min(len(request.prompt_token_ids) + request.num_output - computed, budget)
+            if (
+                n == 1
+                and computed < len(request.blocks) * bs
+                and (computed + 1) // bs == request.num_cached_blocks
+            ):
+                # The common decode step: its slot exists and it completes no block, so
+                # allocate_slots would change nothing.
+                scheduled.append((request, 1))
+                budget -= 1
+                i += 1
+                continue
             while not self._allocate(request, n):
                 victim = self.running.pop()
                 self._preempt(victim)
@@ -301,14 +316,26 @@ class Engine:
             return scheduled
         while self.waiting and budget > 0 and len(self.running) < self.cost.max_num_seqs:
             request = self.waiting[0]
+            blocked = self._blocked
+            if (
+                blocked
+                and blocked[0] is request
+                and blocked[1] == self.pool.version
+                and budget >= blocked[2]
+            ):
+                # Nothing that could admit it has happened since it last failed (no block
+                # freed or newly cached, and its chunk would be no smaller): it fails again.
+                break
             hit_blocks: list[int] = []
             if request.num_computed_tokens == 0:
                 max_blocks = (request.num_tokens - 1) // self.block_size
-                self.hasher.extend(request.block_hashes, request.token_ids())
+                if len(request.block_hashes) < request.num_tokens // self.block_size:
+                    self.hasher.extend(request.block_hashes, request.token_ids())
                 hit_blocks = self.pool.find_longest_hit(request.block_hashes, max_blocks)
             num_hit = len(hit_blocks) * self.block_size
             n = min(request.num_tokens - num_hit, budget)
             if not self._allocate(request, n, hit_blocks):
+                self._blocked = (request, self.pool.version, budget)
                 break
             self.waiting.popleft()
             if request.num_preemptions:
@@ -373,7 +400,7 @@ class Engine:
         outputs = []
         for request, n in scheduled:
             request.num_computed_tokens += n
-            if request.num_computed_tokens < request.num_tokens:
+            if request.num_computed_tokens < len(request.prompt_token_ids) + request.num_output:
                 continue  # a prefill chunk that does not reach the end samples nothing
             token = int(request.output_token_ids[request.num_output])
             request.num_output += 1

@@ -1,0 +1,72 @@
+"""Simulator speed: the full reference sweep, and one million requests over 64 workers.
+
+Goals (issue "Engine model and simulator"): the ``--preset reference`` sweep in < 10 s on one
+core of the 2-core CI machine, and 1,000,000 requests over 64 workers in < 60 s.
+
+    python benchmarks/sim_speed.py                 # both figures
+    python benchmarks/sim_speed.py --requests 100000   # a quicker large run
+
+Pinned to one core when ``os.sched_setaffinity`` is available.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import resource
+import time
+
+from kvroute.cli import main as kvroute_main
+from kvroute.engine import REFERENCE_GPU
+from kvroute.routing.policies import make_policy
+from kvroute.sim import WorkerConfig, run_trial
+from kvroute.workload import WorkloadSpec, generate
+
+
+def reference_sweep_seconds() -> float:
+    t0 = time.perf_counter()
+    with open(os.devnull, "w") as devnull:
+        import contextlib
+
+        with contextlib.redirect_stdout(devnull):
+            rc = kvroute_main(["sim", "--preset", "reference"])
+    assert rc == 0
+    return time.perf_counter() - t0
+
+
+def large_run(requests: int, workers: int, prefixes: int, concurrency: int) -> tuple[float, float, float]:
+    t0 = time.perf_counter()
+    workload = generate(WorkloadSpec(prefixes=prefixes, requests=requests, seed=0))
+    t_gen = time.perf_counter() - t0
+    config = WorkerConfig(585, 16, REFERENCE_GPU)
+    t1 = time.perf_counter()
+    result = run_trial(workload, workers, concurrency, config, make_policy("random", random.Random(0)))
+    t_sim = time.perf_counter() - t1
+    return t_gen, t_sim, result.stats().request_hit_rate
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--requests", type=int, default=1_000_000)
+    parser.add_argument("--workers", type=int, default=64)
+    parser.add_argument("--prefixes", type=int, default=256)
+    parser.add_argument("--concurrency", type=int, default=512)
+    parser.add_argument("--skip-sweep", action="store_true")
+    args = parser.parse_args()
+    if hasattr(os, "sched_setaffinity"):
+        os.sched_setaffinity(0, {sorted(os.sched_getaffinity(0))[0]})
+    if not args.skip_sweep:
+        print(f"reference sweep (kvroute sim --preset reference, 72 trials): {reference_sweep_seconds():.2f} s  (goal < 10 s)")
+    t_gen, t_sim, hit = large_run(args.requests, args.workers, args.prefixes, args.concurrency)
+    rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    print(
+        f"{args.requests:,} requests, {args.workers} workers, K={args.prefixes}, c={args.concurrency}: "
+        f"generate {t_gen:.1f} s + simulate {t_sim:.1f} s = {t_gen + t_sim:.1f} s "
+        f"({1e6 * t_sim / args.requests:.0f} µs/request; goal < 60 s for 1M), "
+        f"hit rate {hit:.3f}, peak RSS {rss:.0f} MiB"
+    )
+
+
+if __name__ == "__main__":
+    main()

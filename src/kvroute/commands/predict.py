@@ -1,0 +1,329 @@
+"""``kvroute predict``: the analytic model's hit rates for a fleet, without running anything.
+
+A thin layer over ``kvroute.model``: parse flags, build the workload shape and the KV capacity,
+call ``predict`` for every (policy, W, K) point, print one table and the notes on where each
+estimate holds, and optionally write the predictions as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import re
+from pathlib import Path
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+
+from kvroute import model
+from kvroute.errors import UserError
+
+NAME = "predict"
+HELP = "predict prefix-cache hit rates from KV capacity and workload shape (no servers)"
+DESCRIPTION = """\
+Predict prefix-cache hit rates of W vLLM workers behind a balancer, from the model's KV size,
+--kv-cache-memory-bytes and the workload's shape. Nothing is started or sent.
+
+Reference experiment (EXPERIMENT.md): Qwen3-0.6B, 114,688 B of KV per token; 1 GiB per worker
+at block size 16 is 585 blocks (584 usable); a request of 2,032 prefix + 339 suffix tokens and
+64 output tokens leaves 152 blocks cached, so C = 584/152 = 3.84 requests fit per worker.
+
+  kvroute predict --workers 6,3 --prefixes 2,7,12,24
+
+Columns:
+  C          requests whose cached blocks fit in one worker (usable blocks / blocks each).
+  C/K        min(1, C/K): random balancing, LRU, uniform popularity, equal lengths, K >> 1.
+             W does not appear: every worker stores every prefix.
+  W*C/K      min(1, W*C/K): the bound for routing each prefix to one owner.
+  first      exact where every prefix fits on every worker: W*K - K first-contact misses
+  contact    after a one-per-prefix warmup (6 workers, K=2, 200 requests: 190 hits = 0.950;
+             3 workers: 196 = 0.980); 0 under prefix-hash. "—" where prefixes are evicted.
+  Che        Che's approximation of LRU (skew, mixed lengths), steady state.
+  pred hit   Che over the measured window, first contacts included.
+  pred tokens  the same in tokens, as vLLM's prefix_cache_hits / prefix_cache_queries count:
+             190 hits of 200 → 190*2,032 / (200*2,371) = 0.814.
+
+More:
+  kvroute predict --prefixes 24 --zipf 1.0 --policy random,prefix-hash
+  kvroute predict --prefixes 12 --prefix-tokens 512,2032,4000     (mixed lengths, in turn)
+  kvroute predict --model tiny-cpu --kv-cache-memory-bytes 4M     (vLLM on CPU: 64 blocks of 128)
+  kvroute predict --model-shape 32,8,128,bf16 --kv-cache-memory-bytes 20G --json out.json
+"""
+
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([a-zA-Z]*)$")
+_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+
+
+def parse_bytes(text: str) -> int:
+    """A byte count as vLLM's ``--kv-cache-memory-bytes`` takes it, plus IEC/SI units.
+
+    ``1073741824``; vLLM's own suffixes, upper case binary and lower case decimal (``1G`` =
+    2^30, ``1g`` = 10^9, ``64M`` = 64·2^20); ``1GiB``/``64MiB`` (binary) and ``1GB`` (decimal).
+    """
+    match = _SIZE.match(str(text).strip())
+    if not match:
+        raise UserError(f"bad size {text!r}: use bytes or a suffix, e.g. 1073741824, 1G, 64M, 1GiB")
+    number, unit = match.groups()
+    if not unit:
+        mult = 1
+    elif len(unit) == 1 and unit in _BINARY:
+        mult = _BINARY[unit]
+    elif len(unit) == 1 and unit in _DECIMAL:
+        mult = _DECIMAL[unit]
+    elif len(unit) == 3 and unit[1:].lower() == "ib" and unit[0].upper() in _BINARY:
+        mult = _BINARY[unit[0].upper()]
+    elif len(unit) == 2 and unit[1] == "B" and unit[0].lower() in _DECIMAL:
+        mult = _DECIMAL[unit[0].lower()]
+    else:
+        raise UserError(f"bad size {text!r}: unknown unit {unit!r} (K, M, G, T, KiB, GiB, GB, ...)")
+    value = float(number) * mult
+    if value != int(value):
+        raise UserError(f"bad size {text!r}: not a whole number of bytes")
+    return int(value)
+
+
+def _int_list(text: str, what: str) -> list[int]:
+    try:
+        values = [int(x) for x in str(text).split(",")]
+    except ValueError:
+        raise UserError(f"bad {what} {text!r}: expected a number or a comma list like 2,7,12") from None
+    if any(v < 1 for v in values):
+        raise UserError(f"bad {what} {text!r}: values must be >= 1")
+    return values
+
+
+def _non_negative_float(text: str, what: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise UserError(f"bad {what} {text!r}: expected a number") from None
+    if value < 0 or not math.isfinite(value):
+        raise UserError(f"bad {what} {text!r}: must be a finite number >= 0")
+    return value
+
+
+def _model_shape(args: argparse.Namespace) -> tuple[str, int, int]:
+    """(description, KV bytes per token, default block size) from the model flags."""
+    if args.kv_bytes_per_token is not None:
+        if args.kv_bytes_per_token < 1:
+            raise UserError(f"--kv-bytes-per-token must be >= 1, got {args.kv_bytes_per_token}")
+        return f"{args.kv_bytes_per_token:,} B/token", args.kv_bytes_per_token, 16
+    if args.model_shape is not None:
+        parts = [p.strip() for p in args.model_shape.split(",")]
+        if len(parts) not in (3, 4):
+            raise UserError(
+                f"bad --model-shape {args.model_shape!r}: expected LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
+            )
+        try:
+            layers, heads, dim = (int(p) for p in parts[:3])
+            shape = model.ModelShape(
+                args.model_shape, layers, heads, dim, parts[3] if len(parts) == 4 else "bfloat16"
+            )
+            return f"{layers} layers x {heads} KV heads x {dim} ({shape.dtype})", shape.kv_bytes_per_token, 16
+        except ValueError as exc:
+            raise UserError(f"bad --model-shape {args.model_shape!r}: {exc}") from None
+    shape = model.MODEL_PRESETS[args.model]
+    return shape.name, shape.kv_bytes_per_token, shape.block_size
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--workers", default="6,3", help="W, or a comma list (default 6,3)")
+    parser.add_argument(
+        "--prefixes", default="2,7,12,24", help="K, or a comma list (default 2,7,12,24)"
+    )
+    parser.add_argument(
+        "--prefix-tokens",
+        default="2032",
+        help="prefix length; a comma list gives prefixes these lengths in turn (default 2032)",
+    )
+    parser.add_argument("--suffix-tokens", default="339", help="mean unique suffix (default 339)")
+    parser.add_argument("--output-tokens", default="64", help="mean output tokens (default 64)")
+    parser.add_argument(
+        "--requests", type=int, default=None, help="measured requests (default max(200, 20*K))"
+    )
+    parser.add_argument(
+        "--zipf", default="0", metavar="ALPHA", help="Zipf popularity exponent; 0 = uniform"
+    )
+    parser.add_argument(
+        "--no-warmup",
+        action="store_true",
+        help="no unmeasured request per prefix before the window",
+    )
+    shape = parser.add_mutually_exclusive_group()
+    shape.add_argument(
+        "--model",
+        choices=sorted(model.MODEL_PRESETS),
+        default="qwen3-0.6b",
+        help="model preset (default qwen3-0.6b; tiny-cpu is vLLM on CPU with block size 128)",
+    )
+    shape.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="N")
+    shape.add_argument(
+        "--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
+    )
+    parser.add_argument(
+        "--kv-cache-memory-bytes",
+        default="1GiB",
+        metavar="SIZE",
+        help="KV memory per worker: bytes, 1G/64M (binary, as vLLM), 1GiB (default 1GiB)",
+    )
+    parser.add_argument(
+        "--block-size",
+        type=int,
+        default=None,
+        help="tokens per KV block (default: the preset's, 16 on GPU, 128 for tiny-cpu)",
+    )
+    parser.add_argument(
+        "--policy",
+        default="random",
+        help="random (a Service), prefix-hash (one owner per prefix), or both: random,prefix-hash",
+    )
+    parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write predictions")
+
+
+def run(args: argparse.Namespace) -> int:
+    workers = _int_list(args.workers, "--workers")
+    prefixes = _int_list(args.prefixes, "--prefixes")
+    prefix_tokens = _int_list(args.prefix_tokens, "--prefix-tokens")
+    suffix = _non_negative_float(args.suffix_tokens, "--suffix-tokens")
+    output = _non_negative_float(args.output_tokens, "--output-tokens")
+    alpha = _non_negative_float(args.zipf, "--zipf")
+    policies = [p.strip() for p in args.policy.split(",")]
+    for p in policies:
+        if p not in model.POLICIES:
+            raise UserError(f"unknown policy {p!r}; choose from {', '.join(model.POLICIES)}")
+    if args.requests is not None and args.requests < 1:
+        raise UserError(f"--requests must be >= 1, got {args.requests}")
+    memory = parse_bytes(args.kv_cache_memory_bytes)
+    described, bytes_per_token, default_block = _model_shape(args)
+    block_size = args.block_size if args.block_size is not None else default_block
+    if block_size < 1:
+        raise UserError(f"--block-size must be >= 1, got {block_size}")
+    blocks = model.num_kv_blocks(memory, bytes_per_token, block_size)
+    if blocks < 2:
+        raise UserError(
+            f"{memory:,} bytes hold {blocks} blocks of {block_size} tokens at "
+            f"{bytes_per_token:,} B/token; a worker needs at least 2 (one is the null block)"
+        )
+
+    predictions: list[model.Prediction] = []
+    try:
+        for k in prefixes:
+            shape = model.WorkloadShape.reference(
+                k, prefix_tokens, suffix, output, alpha, args.requests, not args.no_warmup
+            )
+            for policy in policies:
+                for w in workers:
+                    predictions.append(model.predict(shape, w, blocks, block_size, policy))
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+
+    console = Console()
+    usable = model.usable_blocks(blocks)
+    console.print(
+        f"[bold]{described}[/]: {bytes_per_token:,} B of KV per token; "
+        f"{memory:,} B per worker = {blocks:,} blocks of {block_size} tokens "
+        f"({usable:,} usable, the null block excluded)"
+    )
+    mixed = "mixed prefixes " + ",".join(map(str, prefix_tokens)) if len(prefix_tokens) > 1 else (
+        f"{prefix_tokens[0]:,}-token prefix"
+    )
+    console.print(
+        f"Request: {mixed} + {suffix:g} suffix tokens, {output:g} output tokens; "
+        f"popularity {'uniform' if alpha == 0 else f'Zipf({alpha:g})'}"
+        f"{'' if not args.no_warmup else '; no warmup'}"
+    )
+    footprints = {round(p.blocks_per_request, 6) for p in predictions}
+    if len(footprints) == 1:
+        p = predictions[0]
+        per_request = (
+            f"{p.blocks_per_request:g}"
+            if p.blocks_per_request == int(p.blocks_per_request)
+            else f"{p.blocks_per_request:.1f}"
+        )
+        console.print(
+            f"Each request leaves {per_request} blocks cached (prompt and output, full "
+            f"blocks), so C = {p.usable_blocks} / {per_request} = {p.capacity_requests:.2f} "
+            "requests fit per worker"
+        )
+    else:
+        console.print("C varies by point (mixed lengths or skew): the mean blocks per request")
+    console.print(_table(predictions))
+    console.print(
+        "pred hit: Che over the measured window, first contacts included; pred tokens: the "
+        "same as cached / prompt tokens (vLLM's prefix_cache_hits / prefix_cache_queries)",
+        highlight=False,
+    )
+    console.print("[bold]Where each estimate holds[/]")
+    for note in _notes(predictions):
+        console.print(f"- {note}", highlight=False)
+
+    if args.json is not None:
+        payload = {
+            "model": described,
+            "kv_bytes_per_token": bytes_per_token,
+            "kv_cache_memory_bytes": memory,
+            "block_size": block_size,
+            "num_blocks": blocks,
+            "prefix_tokens": prefix_tokens,
+            "suffix_tokens": suffix,
+            "output_tokens": output,
+            "zipf_alpha": alpha,
+            "warmup": not args.no_warmup,
+            "points": [p.to_json() for p in predictions],
+        }
+        try:
+            args.json.write_text(json.dumps(payload, indent=2) + "\n")
+        except OSError as exc:
+            raise UserError(f"cannot write {args.json}: {exc.strerror}") from None
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _table(predictions: list[model.Prediction]) -> Table:
+    """One row per point, hit rates as fractions."""
+    table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
+    for name in ("policy", "W", "K", "N", "C", "C/K", "W*C/K", "first\ncontact", "Che"):
+        table.add_column(name, justify="left" if name == "policy" else "right", no_wrap=True)
+    table.add_column("pred\nhit", justify="right", no_wrap=True)
+    table.add_column("pred\ntokens", justify="right", no_wrap=True)
+    for p in predictions:
+        first = "—" if p.first_contact_hit is None else f"{p.first_contact_hit:.3f}"
+        table.add_row(
+            p.policy,
+            str(p.workers),
+            str(p.prefixes),
+            str(p.requests),
+            f"{p.capacity_requests:.2f}",
+            f"{p.formula_hit:.3f}",
+            f"{p.bound_hit:.3f}",
+            first,
+            f"{p.che_hit:.3f}",
+            f"{p.request_hit_rate:.3f}",
+            f"{p.token_hit_rate:.3f}",
+        )
+    return table
+
+
+#: The order notes are printed in; notes particular to one point go after the general ones.
+_NOTE_ORDER = (
+    model.NOTE_FORMULA,
+    model.NOTE_SKEW,
+    model.NOTE_MIXED,
+    model.NOTE_BOUND,
+    model.NOTE_FIRST_CONTACT,
+    model.NOTE_NO_FIRST_CONTACT,
+    model.NOTE_CHE,
+    model.NOTE_WINDOW,
+)
+
+
+def _notes(predictions: list[model.Prediction]) -> list[str]:
+    """Every distinct note of the points, general ones first in a fixed order."""
+    seen: list[str] = []
+    for p in predictions:
+        seen.extend(n for n in p.notes if n not in seen)
+    rank = {note: i for i, note in enumerate(_NOTE_ORDER)}
+    return sorted(seen, key=lambda n: rank.get(n, len(_NOTE_ORDER)))

@@ -1,0 +1,174 @@
+"""Simulator: the reference experiment's exact first-contact counts, the C/K shape, policy
+effects, determinism, and exactness of coalesced decode runs."""
+
+import random
+
+import numpy as np
+import pytest
+
+from kvroute.blocks import BlockHasher, PrefixHashCache
+from kvroute.cli import main
+from kvroute.engine import REFERENCE_GPU
+from kvroute.errors import UserError
+from kvroute.routing.policies import PrefixHashPolicy, RequestView, WorkerState, make_policy
+from kvroute.sim import SweepPoint, WorkerConfig, run_point, run_trial
+from kvroute.workload import LengthDist, WorkloadSpec, generate
+
+REFERENCE = WorkerConfig(num_blocks=585, block_size=16, cost=REFERENCE_GPU)
+
+
+@pytest.mark.parametrize("workers, hits", [(6, 190), (3, 196)])
+def test_k2_random_misses_exactly_first_contacts_every_trial(workers, hits):
+    workload = generate(WorkloadSpec(prefixes=2, seed=0))
+    point = run_point(SweepPoint(workers, 2, 8, "random"), workload, REFERENCE, trials=3, seed=0)
+    assert [t.hits for t in point.trials] == [hits] * 3
+    assert [t.requests for t in point.trials] == [200] * 3
+
+
+def test_hit_rate_follows_c_over_k_and_does_not_depend_on_workers():
+    capacity = 584 / 152  # usable blocks / blocks one reference request leaves cached
+    for k in (7, 12, 24):
+        workload = generate(WorkloadSpec(prefixes=k, seed=0))
+        rates = [
+            run_point(SweepPoint(w, k, 8, "random"), workload, REFERENCE, 3, 0).median("request_hit_rate")
+            for w in (6, 3)
+        ]
+        for rate in rates:
+            assert rate == pytest.approx(capacity / k, abs=0.06)
+        assert abs(rates[0] - rates[1]) < 0.07
+
+
+def test_prefix_hash_far_above_random_at_k24():
+    workload = generate(WorkloadSpec(prefixes=24, seed=0))
+    rnd = run_point(SweepPoint(6, 24, 8, "random"), workload, REFERENCE, 1, 0)
+    owned = run_point(SweepPoint(6, 24, 8, "prefix-hash"), workload, REFERENCE, 1, 0)
+    assert owned.median("request_hit_rate") > rnd.median("request_hit_rate") + 0.4
+
+
+def test_both_hit_measures_agree_in_the_simulator():
+    workload = generate(WorkloadSpec(prefixes=12, seed=3))
+    trial = run_trial(workload, 6, 16, REFERENCE, make_policy("random", random.Random(1))).stats()
+    assert trial.metrics_token_hit_rate == pytest.approx(trial.token_hit_rate, abs=1e-12)
+
+
+def test_hit_and_miss_ttft_match_the_calibration():
+    workload = generate(WorkloadSpec(prefixes=24, seed=0))
+    point = run_point(SweepPoint(6, 24, 4, "random"), workload, REFERENCE, 1, 0)
+    assert point.median("ttft_hit_p50_ms") == pytest.approx(40, abs=5)
+    assert 105 <= point.median("ttft_miss_p50_ms") <= 113
+
+
+def test_same_seed_same_results_other_seed_other_order():
+    def run(seed):
+        workload = generate(WorkloadSpec(prefixes=7, seed=seed))
+        return run_trial(workload, 6, 8, REFERENCE, make_policy("random", random.Random(seed))).records
+
+    a, b, c = run(5), run(5), run(6)
+    assert [(r.prefix_id, r.cached_tokens, r.ttft_s, r.worker) for r in a] == [
+        (r.prefix_id, r.cached_tokens, r.ttft_s, r.worker) for r in b
+    ]
+    assert [r.prefix_id for r in a] != [r.prefix_id for r in c]
+
+
+@pytest.mark.parametrize("workers, k, c", [(6, 24, 16), (3, 12, 8), (2, 7, 4)])
+def test_coalesced_decode_runs_equal_single_steps(workers, k, c):
+    workload = generate(WorkloadSpec(prefixes=k, seed=1))
+    results = [
+        run_trial(workload, workers, c, REFERENCE, make_policy("random", random.Random(2)), coalesce=flag)
+        for flag in (False, True)
+    ]
+    single, coalesced = (r.records for r in results)
+    assert [(r.cached_tokens, r.worker) for r in single] == [(r.cached_tokens, r.worker) for r in coalesced]
+    assert np.allclose([r.ttft_s for r in single], [r.ttft_s for r in coalesced], rtol=0, atol=1e-9)
+    assert np.allclose([r.e2e_s for r in single], [r.e2e_s for r in coalesced], rtol=0, atol=1e-9)
+
+
+def test_request_too_large_for_a_worker_is_a_user_error():
+    workload = generate(WorkloadSpec(prefixes=2, requests=4))
+    tiny = WorkerConfig(num_blocks=20, block_size=16, cost=REFERENCE_GPU)
+    with pytest.raises(UserError, match="needs .* KV blocks"):
+        run_trial(workload, 2, 1, tiny, make_policy("random"))
+
+
+def test_prefix_hash_bounded_load_spills_from_a_busy_owner():
+    hasher = BlockHasher(16)
+    view = RequestView(hasher.hash_blocks(np.arange(32)), 32)
+    workers = [WorkerState(f"w{i}") for i in range(4)]
+    policy = PrefixHashPolicy(load_factor=0.25)
+    owner = policy.choose(view, workers)
+    assert PrefixHashPolicy().choose(view, workers) == owner
+    workers[owner].in_flight = 6
+    spilled = policy.choose(view, workers)
+    assert spilled != owner
+    assert spilled == policy.ranking(view, workers)[1]  # the next in the prefix's own order
+    assert PrefixHashPolicy().choose(view, workers) == owner  # unbounded never spills
+
+
+def test_workload_reference_shape():
+    wl = generate(WorkloadSpec(prefixes=7, seed=0))
+    assert len(wl.requests) == 200 and len(wl.warmup) == 7
+    assert wl.mean_prompt_tokens == 2371
+    counts = np.bincount([r.prefix_id for r in wl.requests])
+    assert counts.max() - counts.min() <= 1  # each prefix equally often (200 = 7·28 + 4)
+    assert all(np.array_equal(r.prefix, wl.prefixes[r.prefix_id]) for r in wl.requests)
+    suffixes = {r.suffix.tobytes() for r in wl.requests + wl.warmup}
+    assert len(suffixes) == 207  # every suffix unique
+    assert len(generate(WorkloadSpec(prefixes=24)).requests) == 480
+
+
+def test_workload_zipf_and_mixed_lengths():
+    wl = generate(
+        WorkloadSpec(prefixes=64, zipf_alpha=1.2, prefix_tokens=LengthDist.parse("500:3000"),
+                     suffix_tokens=LengthDist.parse("100,300"), requests=2000, seed=4)
+    )
+    counts = np.bincount([r.prefix_id for r in wl.requests], minlength=64)
+    assert counts[0] > 5 * counts[10] > 0  # rank 1 far more popular than rank 11
+    lengths = {len(p) for p in wl.prefixes}
+    assert len(lengths) > 30 and min(lengths) >= 500 and max(lengths) <= 3000
+    assert {r.prompt_tokens - r.prefix_len for r in wl.requests} == {100, 300}
+
+
+def test_prefix_hash_cache_matches_plain_hashing():
+    hasher = BlockHasher(16)
+    cache = PrefixHashCache(hasher)
+    wl = generate(WorkloadSpec(prefixes=2, requests=6, prefix_tokens=LengthDist.fixed(40)))
+    for r in wl.requests:
+        assert cache.prompt_hashes(r.prefix_id, r.prefix_len, r.prompt_token_ids) == hasher.hash_blocks(
+            r.prompt_token_ids
+        )
+
+
+def test_sim_cli_writes_json_with_the_point_contract(tmp_path, capsys):
+    out = tmp_path / "points.json"
+    rc = main(["sim", "--workers", "6", "--prefixes", "2,24", "--concurrency", "8", "--trials", "2",
+               "--policy", "random,prefix-hash", "--json", str(out)])
+    assert rc == 0
+    import json
+
+    data = json.loads(out.read_text())
+    assert len(data["points"]) == 4
+    for p in data["points"]:
+        for key in ("workers", "prefixes", "concurrency", "policy", "trials", "request_hit_rate",
+                    "token_hit_rate", "ttft_hit_p50_ms", "ttft_miss_p50_ms", "ttft_p50_ms",
+                    "ttft_p99_ms", "throughput_rps", "per_trial"):
+            assert key in p
+        assert 0 <= p["request_hit_rate"] <= 1 and len(p["per_trial"]) == 2
+    k2 = next(p for p in data["points"] if p["prefixes"] == 2 and p["policy"] == "random")
+    assert k2["request_hit_rate"] == 0.95
+    assert "Request hit rate" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["sim", "--workers", "six"], "--workers"),
+        (["sim", "--policy", "sticky"], "--policy"),
+        (["sim", "--kv-cache-memory-bytes", "lots"], "bad size"),
+        (["sim", "--prefix-tokens", "9:1"], "bad length"),
+        (["sim", "--kv-cache-memory-bytes", "8M", "--workers", "1", "--prefixes", "1"], "KV blocks"),
+    ],
+)
+def test_sim_cli_bad_input_is_one_line(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
