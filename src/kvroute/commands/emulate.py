@@ -1,0 +1,184 @@
+"""``kvroute emulate``: serve emulated vLLM workers (OpenAI API, /metrics, KV events)."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import signal
+import sys
+
+from kvroute.emulator.config import MODEL_PRESETS, EmulatorConfig, parse_memory_bytes
+from kvroute.engine.cost import PRESETS
+from kvroute.errors import UserError
+
+NAME = "emulate"
+HELP = "serve emulated vLLM workers: OpenAI API, Prometheus metrics and KV events"
+DESCRIPTION = """\
+Serve one or more emulated vLLM workers. Each speaks vLLM's OpenAI-compatible API
+(/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health,
+/reset_prefix_cache), exposes vLLM's Prometheus metrics on /metrics and, with
+--kv-events-config, publishes vLLM's KV cache events over ZeroMQ. Its prefix cache and
+scheduler are kvroute's engine model; time comes from a cost-model preset, optionally run
+faster than real time with --time-scale (all ratios kept).
+
+The KV cache size follows vLLM: blocks = --kv-cache-memory-bytes // (block size x KV bytes
+per token). The default model preset (Qwen3-0.6B, bf16: 114,688 B/token, block 16) with
+1 GiB gives 585 blocks, as in the reference experiment.
+
+Flags named like vLLM's mean the same thing. --workers N serves N independent workers on
+consecutive ports from --port (each with its own cache and metrics; KV event endpoints move
+by one port per worker too).
+
+Example: six workers like the reference experiment, KV events on ports 5557-5562:
+
+  kvroute emulate --workers 6 --port 8001 --enable-prompt-tokens-details \\
+      --kv-events-config '{"enable_kv_cache_events":true,"publisher":"zmq",
+                           "endpoint":"tcp://*:5557","topic":"kv-events"}'
+
+Example: a fast worker for tests (no model time at all):
+
+  kvroute emulate --port 8000 --timing instant
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    serve = parser.add_argument_group("serving (as vLLM)")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    serve.add_argument(
+        "--port", type=int, default=8000,
+        help="port of the first worker; 0 picks free ports (default: %(default)s)",
+    )
+    serve.add_argument(
+        "--served-model-name", nargs="+", metavar="NAME",
+        help="model name(s) the server answers to; the first is used in responses and "
+        "metrics (default: the model preset's name)",
+    )
+    serve.add_argument("--max-model-len", type=int, default=4096, help="context length (default: %(default)s)")
+    serve.add_argument(
+        "--block-size", type=int,
+        help="tokens per KV block (default: the model preset's: 16, or 128 for tiny-cpu)",
+    )
+    serve.add_argument(
+        "--kv-cache-memory-bytes", default="1G",
+        help="KV cache size per worker; suffixes as vLLM: 64M, 1G binary, 1g decimal "
+        "(default: %(default)s)",
+    )
+    serve.add_argument(
+        "--num-gpu-blocks-override", type=int, metavar="N",
+        help="use exactly N KV blocks (null block included), ignoring the memory size",
+    )
+    serve.add_argument("--max-num-seqs", type=int, help="most requests running at once (default: the timing preset's)")
+    serve.add_argument(
+        "--max-num-batched-tokens", type=int,
+        help="token budget of one step (default: the timing preset's)",
+    )
+    serve.add_argument(
+        "--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=True,
+        help="automatic prefix caching (default: on)",
+    )
+    serve.add_argument(
+        "--enable-prompt-tokens-details", action="store_true",
+        help="report usage.prompt_tokens_details.cached_tokens",
+    )
+    serve.add_argument(
+        "--kv-events-config", metavar="JSON",
+        help="vLLM's KV events JSON, e.g. "
+        '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\'',
+    )
+    serve.add_argument(
+        "--tokenizer", metavar="DIR",
+        help="local Hugging Face tokenizer directory (default: kvroute's built-in tokenizer)",
+    )
+
+    own = parser.add_argument_group("emulation (kvroute)")
+    own.add_argument("--workers", type=int, default=1, help="number of workers (default: %(default)s)")
+    own.add_argument(
+        "--model-preset", choices=sorted(MODEL_PRESETS), default="qwen3-0.6b",
+        help="model whose KV size, block size, timing and name are the defaults (default: %(default)s)",
+    )
+    own.add_argument(
+        "--kv-bytes-per-token", type=int,
+        help="KV cache bytes per token (default: the model preset's)",
+    )
+    own.add_argument(
+        "--timing", choices=sorted(PRESETS),
+        help="cost-model preset for step times (default: the model preset's: reference-gpu, "
+        "or cpu-tiny for tiny-cpu)",
+    )
+    own.add_argument(
+        "--time-scale", type=float, default=1.0,
+        help="run this many times faster than real time (default: %(default)s)",
+    )
+    own.add_argument(
+        "--kv-events-wire-format", choices=("map", "array"), default="map",
+        help="KV event encoding: map (current vLLM) or array (older, positional) (default: %(default)s)",
+    )
+
+
+def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
+    overrides = {
+        "max_model_len": args.max_model_len,
+        "kv_cache_memory_bytes": parse_memory_bytes(args.kv_cache_memory_bytes),
+        "num_gpu_blocks_override": args.num_gpu_blocks_override,
+        "time_scale": args.time_scale,
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "enable_prefix_caching": args.enable_prefix_caching,
+        "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+        "kv_events_config": args.kv_events_config,
+        "kv_events_wire_format": args.kv_events_wire_format,
+        "tokenizer": args.tokenizer,
+    }
+    optional = {
+        "served_model_name": tuple(args.served_model_name) if args.served_model_name else None,
+        "block_size": args.block_size,
+        "kv_bytes_per_token": args.kv_bytes_per_token,
+        "timing": args.timing,
+    }
+    overrides.update({k: v for k, v in optional.items() if v is not None})
+    config = EmulatorConfig.for_model(args.model_preset, **overrides)
+    config.validate()
+    return config
+
+
+async def _serve(config: EmulatorConfig, workers: int, host: str, port: int) -> None:
+    from kvroute.emulator.server import start_workers
+
+    if port and port + workers - 1 > 65535:
+        raise UserError(f"--port {port} with --workers {workers} runs past port 65535")
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    running = await start_workers(config, workers, host, port)
+    try:
+        blocks = config.num_gpu_blocks
+        print(
+            f"kvroute emulate: {workers} worker(s), model {config.model_name}, "
+            f"{blocks} KV blocks of {config.block_size} tokens, timing {config.timing}"
+            + (f" x{config.time_scale:g}" if config.time_scale != 1.0 else ""),
+            flush=True,
+        )
+        for i, w in enumerate(running):
+            line = f"  worker {i}: {w.url}/v1"
+            if w.kv_events_endpoint:
+                line += f"  kv-events {w.kv_events_endpoint}"
+                if w.kv_events_replay_endpoint:
+                    line += f" (replay {w.kv_events_replay_endpoint})"
+            print(line, flush=True)
+        await stop.wait()
+    finally:
+        await asyncio.gather(*(w.close() for w in running), return_exceptions=True)
+
+
+def run(args: argparse.Namespace) -> int:
+    config = config_from_args(args)
+    try:
+        import uvloop
+
+        runner = uvloop.run
+    except ImportError:  # uvloop is optional (not on Windows)
+        runner = asyncio.run
+    runner(_serve(config, args.workers, args.host, args.port))
+    print("kvroute emulate: stopped", file=sys.stderr, flush=True)
+    return 0

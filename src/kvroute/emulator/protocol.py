@@ -1,0 +1,496 @@
+"""vLLM's OpenAI-compatible protocol, without I/O: request parsing and validation, response
+and stream-chunk shapes, error objects.
+
+Shapes follow vLLM's ``vllm/entrypoints/openai`` (protocol, serving_completion, serving_chat,
+api_server). The facts that matter to clients and to kvroute:
+
+* Errors are ``{"error": {"message", "type", "param", "code"}}`` with ``code`` the HTTP
+  status. Body validation failures (malformed JSON, missing or mistyped fields) say
+  ``"type": "Bad Request"`` (vLLM's handler for FastAPI's validation error); checks made while
+  serving say ``"BadRequestError"``; an unknown model is a 404 ``"NotFoundError"``.
+* ``usage.prompt_tokens_details`` is set only with ``--enable-prompt-tokens-details`` *and*
+  a non-zero cached count (vLLM tests ``num_cached_tokens`` for truth): a miss reads
+  ``null`` in a non-streamed response and is absent from the streamed usage chunk.
+* A streamed usage chunk (``stream_options.include_usage``) has ``"choices": []`` and drops
+  null fields; the stream ends with ``data: [DONE]``.
+* Completions default to 16 output tokens; chat defaults to the rest of the context window
+  (``max_model_len`` minus the prompt).
+
+The emulator always generates exactly ``max_tokens`` tokens, so ``finish_reason`` is
+``"length"``. Sampling fields (temperature, top_p, seed, stop, ignore_eos, ...) are accepted
+and have no effect.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from dataclasses import dataclass
+from http import HTTPStatus
+from typing import Any
+
+import numpy as np
+
+from kvroute.emulator.textgen import OutputTokenGenerator
+
+_dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+#: vLLM's default output length for completions (SamplingParams.max_tokens).
+COMPLETION_DEFAULT_MAX_TOKENS = 16
+
+
+class ApiError(Exception):
+    """An error answered to the client as an OpenAI-style error object."""
+
+    def __init__(
+        self,
+        message: str,
+        status: HTTPStatus = HTTPStatus.BAD_REQUEST,
+        err_type: str = "BadRequestError",
+        param: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.err_type = err_type
+        self.param = param
+
+    def to_json(self) -> dict:
+        return {
+            "error": {
+                "message": self.message,
+                "type": self.err_type,
+                "param": self.param,
+                "code": int(self.status),
+            }
+        }
+
+    def body(self) -> bytes:
+        return _dumps(self.to_json()).encode()
+
+
+def validation_error(message: str, param: str | None = None) -> ApiError:
+    """A malformed body: what vLLM's RequestValidationError handler answers."""
+    return ApiError(message, HTTPStatus.BAD_REQUEST, HTTPStatus.BAD_REQUEST.phrase, param)
+
+
+def random_request_id() -> str:
+    return uuid.uuid4().hex
+
+
+# -- request parsing -----------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class ServingContext:
+    """What parsing needs to know about the server."""
+
+    served_model_names: tuple[str, ...]
+    max_model_len: int
+    tokenizer: Any  # kvroute.tokens.Tokenizer
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_names[0]
+
+
+@dataclass(slots=True)
+class GenerationRequest:
+    """A validated completion or chat request, tokenized."""
+
+    kind: str  # "completion" | "chat"
+    prompt_token_ids: list[int]
+    max_tokens: int
+    stream: bool
+    include_usage: bool
+    continuous_usage: bool
+    model: str
+    request_id: str
+
+
+def parse_json_body(raw: bytes) -> dict:
+    """The request body as a JSON object, or a 400 like vLLM's."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise validation_error(f"JSON decode error: {exc}") from None
+    if not isinstance(body, dict):
+        raise validation_error("Input should be a valid dictionary or object to extract fields from")
+    return body
+
+
+def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
+    value = body.get(name)
+    if value is None:
+        return default
+    # bool is an int subclass: JSON true must not pass as a number.
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise validation_error(f"{name}: Input should be a valid {kinds[0].__name__}", name)
+    return value
+
+
+def _check_model(body: dict, ctx: ServingContext) -> str:
+    model = _field(body, "model", (str,))
+    if model is None:
+        return ctx.model_name
+    if model not in ctx.served_model_names:
+        raise ApiError(
+            f"The model `{model}` does not exist.",
+            HTTPStatus.NOT_FOUND,
+            "NotFoundError",
+            "model",
+        )
+    return model
+
+
+def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
+    options = _field(body, "stream_options", (dict,))
+    if options is None:
+        return False, False
+    if not stream:
+        raise ApiError(
+            "Stream options can only be defined when `stream=True`.", param="stream_options"
+        )
+    include = _field(options, "include_usage", (bool,))
+    continuous = _field(options, "continuous_usage_stats", (bool,))
+    return include is not False, bool(continuous)
+
+
+def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int | None:
+    for name in names:
+        value = _field(body, name, (int,))
+        if value is not None:
+            if value < 1:
+                raise ApiError(f"max_tokens must be at least 1, got {value}.", param=name)
+            return value
+    return default
+
+
+def _check_length(prompt_len: int, max_tokens: int | None, ctx: ServingContext) -> int:
+    """vLLM's input validation: the prompt must leave room for at least one output token,
+    and prompt plus ``max_tokens`` must fit the context window."""
+    n = ctx.max_model_len
+    if prompt_len >= n:
+        raise ApiError(
+            f"This model's maximum context length is {n} tokens. However, your request has "
+            f"{prompt_len} input tokens. Please reduce the length of the input messages."
+        )
+    if max_tokens is None:
+        return n - prompt_len
+    if prompt_len + max_tokens > n:
+        raise ApiError(
+            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
+            f"maximum context length is {n} tokens and your request has {prompt_len} input "
+            f"tokens ({max_tokens} > {n} - {prompt_len}).",
+            param="max_tokens",
+        )
+    return max_tokens
+
+
+def _check_n(body: dict) -> None:
+    n = _field(body, "n", (int,))
+    if n is not None and n != 1:
+        raise ApiError("n must be 1: the emulator generates one choice per request.", param="n")
+
+
+def _token_ids(values: list, ctx: ServingContext) -> list[int]:
+    # One vectorized check instead of a Python loop: prompts are thousands of ids long.
+    # (The caller has made sure every item is an int and not a bool.)
+    ids = np.asarray(values, dtype=np.int64)
+    bad = (ids < 0) | (ids >= ctx.tokenizer.vocab_size)
+    if bad.any():
+        raise ApiError(f"Token id {int(ids[bad.argmax()])} is out of vocabulary", param="prompt")
+    return values
+
+
+def _completion_prompt(prompt: Any, ctx: ServingContext) -> list[int]:
+    """A completion prompt is text, token ids, or a batch of either; batches of more than one
+    prompt are refused (one request, one choice)."""
+    if isinstance(prompt, str):
+        return ctx.tokenizer.encode(prompt, add_special_tokens=True)
+    if isinstance(prompt, list):
+        if not prompt:
+            raise ApiError("Prompt cannot be empty.", param="prompt")
+        if all(type(t) is int for t in prompt):  # noqa: E721 (bool is not a token id)
+            return _token_ids(prompt, ctx)
+        if all(isinstance(p, (str, list)) for p in prompt):
+            if len(prompt) > 1:
+                raise ApiError(
+                    "The emulator serves one prompt per request; send batched prompts as "
+                    "separate requests.",
+                    param="prompt",
+                )
+            return _completion_prompt(prompt[0], ctx)
+    raise validation_error(
+        "prompt: Input should be a string, a list of token ids, or a list of those", "prompt"
+    )
+
+
+def parse_completion(body: dict, ctx: ServingContext) -> GenerationRequest:
+    """Validate a ``/v1/completions`` body and tokenize its prompt."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise validation_error("Field required: prompt", "prompt")
+    model = _check_model(body, ctx)
+    stream = bool(_field(body, "stream", (bool,), False))
+    include_usage, continuous = _stream_options(body, stream)
+    _check_n(body)
+    max_tokens = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
+    prompt = _completion_prompt(body["prompt"], ctx)
+    if not prompt:
+        raise ApiError("Prompt cannot be empty.", param="prompt")
+    max_tokens = _check_length(len(prompt), max_tokens, ctx)
+    return GenerationRequest(
+        "completion", prompt, max_tokens, stream, include_usage, continuous, model,
+        f"cmpl-{random_request_id()}",
+    )
+
+
+def _message_text(message: Any, index: int) -> dict:
+    """One chat message with its content flattened to text, as vLLM's "string" content
+    format does (text parts joined by newlines)."""
+    if not isinstance(message, dict):
+        raise validation_error(f"messages.{index}: Input should be a valid dictionary", "messages")
+    role = message.get("role")
+    if not isinstance(role, str):
+        raise validation_error(f"messages.{index}.role: Field required", "messages")
+    content = message.get("content")
+    if content is None:
+        text = ""
+    elif isinstance(content, str):
+        text = content
+    elif isinstance(content, list):
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
+                part.get("text"), str
+            ):
+                raise ApiError(
+                    f"messages.{index}.content: the emulator accepts only text parts",
+                    param="messages",
+                )
+            parts.append(part["text"])
+        text = "\n".join(parts)
+    else:
+        raise validation_error(f"messages.{index}.content: Input should be a valid string", "messages")
+    return {"role": role, "content": text}
+
+
+def chat_prompt_ids(messages: Any, ctx: ServingContext, add_generation_prompt: bool = True) -> list[int]:
+    """Apply the chat template and tokenize without adding special tokens again (the
+    template already holds them), as vLLM does."""
+    if not isinstance(messages, list):
+        raise validation_error("messages: Input should be a valid list", "messages")
+    if not messages:
+        raise ApiError("messages must not be empty", param="messages")
+    flat = [_message_text(m, i) for i, m in enumerate(messages)]
+    text = ctx.tokenizer.apply_chat_template(flat, add_generation_prompt=add_generation_prompt)
+    return ctx.tokenizer.encode(text, add_special_tokens=False)
+
+
+def parse_chat(body: dict, ctx: ServingContext) -> GenerationRequest:
+    """Validate a ``/v1/chat/completions`` body and tokenize its templated messages."""
+    if "messages" not in body or body["messages"] is None:
+        raise validation_error("Field required: messages", "messages")
+    model = _check_model(body, ctx)
+    stream = bool(_field(body, "stream", (bool,), False))
+    include_usage, continuous = _stream_options(body, stream)
+    _check_n(body)
+    max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
+    add_generation_prompt = _field(body, "add_generation_prompt", (bool,), True)
+    prompt = chat_prompt_ids(body["messages"], ctx, add_generation_prompt)
+    max_tokens = _check_length(len(prompt), max_tokens, ctx)
+    return GenerationRequest(
+        "chat", prompt, max_tokens, stream, include_usage, continuous, model,
+        f"chatcmpl-{random_request_id()}",
+    )
+
+
+def parse_tokenize(body: dict, ctx: ServingContext) -> dict:
+    """``POST /tokenize``: a completion-style ``prompt`` or chat ``messages``."""
+    _check_model(body, ctx)
+    if "messages" in body:
+        add_generation_prompt = _field(body, "add_generation_prompt", (bool,), True)
+        tokens = chat_prompt_ids(body["messages"], ctx, add_generation_prompt)
+    elif "prompt" in body:
+        prompt = _field(body, "prompt", (str,))
+        if prompt is None:
+            raise validation_error("Field required: prompt", "prompt")
+        add_special = _field(body, "add_special_tokens", (bool,), True)
+        tokens = ctx.tokenizer.encode(prompt, add_special_tokens=add_special)
+    else:
+        raise validation_error("Field required: prompt or messages", "prompt")
+    return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": list(tokens), "token_strs": None}
+
+
+# -- responses -----------------------------------------------------------------------------
+
+
+def usage_json(
+    prompt_tokens: int, completion_tokens: int, cached_tokens: int, details: bool
+) -> dict:
+    """vLLM's UsageInfo (field order as vLLM serializes it)."""
+    usage: dict = {
+        "prompt_tokens": prompt_tokens,
+        "total_tokens": prompt_tokens + completion_tokens,
+        "completion_tokens": completion_tokens,
+        "prompt_tokens_details": None,
+    }
+    if details and cached_tokens:
+        usage["prompt_tokens_details"] = {"cached_tokens": cached_tokens}
+    return usage
+
+
+class ResponseWriter:
+    """Builds one request's response bodies and SSE chunks.
+
+    Streamed chunks are formatted from a prefix and suffix computed once per request, so a
+    token costs one small string encode rather than a dict and a full ``json.dumps``.
+    """
+
+    def __init__(self, request: GenerationRequest, textgen: OutputTokenGenerator, details: bool) -> None:
+        self.request = request
+        self.textgen = textgen
+        self.details = details
+        self.created = int(time.time())
+        head = (
+            f'{{"id":"{request.request_id}","object":"%s","created":{self.created},'
+            f'"model":{_dumps(request.model)},"choices":['
+        )
+        if request.kind == "completion":
+            self._head = head % "text_completion"
+            self._text_head = self._head + '{"index":0,"text":'
+        else:
+            self._head = head % "chat.completion.chunk"
+            self._text_head = self._head + '{"index":0,"delta":{"content":'
+
+    # -- streaming --
+
+    def role_chunk(self) -> bytes:
+        """The chat stream's first chunk: the assistant role with empty content."""
+        return (
+            f'data: {self._head}{{"index":0,"delta":{{"role":"assistant","content":""}},'
+            '"logprobs":null,"finish_reason":null}]}\n\n'
+        ).encode()
+
+    def token_chunk(self, token_ids: list[int], finished: bool, num_generated: int) -> bytes:
+        """One streamed chunk carrying the text of ``token_ids``."""
+        text = _dumps(self.textgen.text(token_ids, first=num_generated == len(token_ids)))
+        finish = '"length"' if finished else "null"
+        usage = ""
+        if self.request.continuous_usage:
+            p = len(self.request.prompt_token_ids)
+            usage = (
+                f',"usage":{{"prompt_tokens":{p},"total_tokens":{p + num_generated},'
+                f'"completion_tokens":{num_generated}}}'
+            )
+        if self.request.kind == "completion":
+            tail = f',"logprobs":null,"finish_reason":{finish},"stop_reason":null}}]{usage}}}'
+        else:
+            stop = ',"stop_reason":null' if finished else ""
+            tail = f'}},"logprobs":null,"finish_reason":{finish}{stop}}}]{usage}}}'
+        return f"data: {self._text_head}{text}{tail}\n\n".encode()
+
+    def usage_chunk(self, num_generated: int, cached_tokens: int) -> bytes:
+        """The final usage chunk: no choices, null fields dropped."""
+        usage = usage_json(len(self.request.prompt_token_ids), num_generated, cached_tokens, self.details)
+        if usage["prompt_tokens_details"] is None:
+            del usage["prompt_tokens_details"]
+        return f'data: {self._head}],"usage":{_dumps(usage)}}}\n\n'.encode()
+
+    # -- whole responses --
+
+    def full_response(self, token_ids: list[int], cached_tokens: int) -> bytes:
+        req = self.request
+        text = self.textgen.text(token_ids)
+        usage = usage_json(len(req.prompt_token_ids), len(token_ids), cached_tokens, self.details)
+        if req.kind == "completion":
+            body = {
+                "id": req.request_id,
+                "object": "text_completion",
+                "created": self.created,
+                "model": req.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "text": text,
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                        "prompt_logprobs": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": usage,
+                "kv_transfer_params": None,
+            }
+        else:
+            body = {
+                "id": req.request_id,
+                "object": "chat.completion",
+                "created": self.created,
+                "model": req.model,
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {
+                            "role": "assistant",
+                            "content": text,
+                            "refusal": None,
+                            "annotations": None,
+                            "audio": None,
+                            "function_call": None,
+                            "tool_calls": [],
+                            "reasoning_content": None,
+                        },
+                        "logprobs": None,
+                        "finish_reason": "length",
+                        "stop_reason": None,
+                    }
+                ],
+                "service_tier": None,
+                "system_fingerprint": None,
+                "usage": usage,
+                "prompt_logprobs": None,
+                "kv_transfer_params": None,
+            }
+        return _dumps(body).encode()
+
+
+def models_json(ctx: ServingContext, created: int, root: str) -> dict:
+    """``GET /v1/models``: one card per served name, as vLLM lists them."""
+    return {
+        "object": "list",
+        "data": [
+            {
+                "id": name,
+                "object": "model",
+                "created": created,
+                "owned_by": "vllm",
+                "root": root,
+                "parent": None,
+                "max_model_len": ctx.max_model_len,
+                "permission": [
+                    {
+                        "id": f"modelperm-{random_request_id()}",
+                        "object": "model_permission",
+                        "created": created,
+                        "allow_create_engine": False,
+                        "allow_sampling": True,
+                        "allow_logprobs": True,
+                        "allow_search_indices": False,
+                        "allow_view": True,
+                        "allow_fine_tuning": False,
+                        "organization": "*",
+                        "group": None,
+                        "is_blocking": False,
+                    }
+                ],
+            }
+            for name in ctx.served_model_names
+        ],
+    }
+
+
+def dumps(obj: Any) -> bytes:
+    return _dumps(obj).encode()

@@ -1,0 +1,50 @@
+"""KV cache events in vLLM's exact wire format: config, codec, publisher and subscriber.
+
+* :mod:`.config` - ``KVEventsConfig`` (vLLM's ``--kv-events-config``) and endpoint rules.
+* :mod:`.wire` - msgpack payloads of both vLLM shapes, sans I/O.
+* :mod:`.publisher` - ``KVEventPublisher``, a ``ZmqEventPublisher`` twin for the emulator.
+* :mod:`.subscriber` - ``KVEventSubscriber``, asyncio consumer with gap replay, for the router.
+"""
+
+from kvroute.kvevents.config import PUBLISHER_KINDS, KVEventsConfig, offset_endpoint, publisher_binds
+from kvroute.kvevents.publisher import KVEventPublisher
+from kvroute.kvevents.subscriber import (
+    EngineRestarted,
+    EventsReceived,
+    GapDetected,
+    KVEventSubscriber,
+    MalformedPayload,
+    ReplayFailed,
+    SubscriberItem,
+)
+from kvroute.kvevents.wire import (
+    END_SEQ,
+    WIRE_FORMATS,
+    DecodedBatch,
+    KVEventDecodeError,
+    decode_batch,
+    encode_batch,
+    encode_seq,
+)
+
+__all__ = [
+    "DecodedBatch",
+    "END_SEQ",
+    "EngineRestarted",
+    "EventsReceived",
+    "GapDetected",
+    "KVEventDecodeError",
+    "KVEventPublisher",
+    "KVEventSubscriber",
+    "KVEventsConfig",
+    "MalformedPayload",
+    "PUBLISHER_KINDS",
+    "ReplayFailed",
+    "SubscriberItem",
+    "WIRE_FORMATS",
+    "decode_batch",
+    "encode_batch",
+    "encode_seq",
+    "offset_endpoint",
+    "publisher_binds",
+]

@@ -1,0 +1,492 @@
+"""The emulator's OpenAI-compatible API, exercised with the official ``openai`` client.
+
+The tests talk to a server only through HTTP and read what they need to know about it from the
+``engine_server`` fixture (base URL, model name, block size, flags), so the same functions can
+run against a real vLLM server: parameterize ``engine_server`` with one that starts
+``vllm serve`` with ``--enable-prompt-tokens-details`` (see VLLM.md). Tests that need the
+emulator's internals or emulator-only behaviour say so in their name (``test_emulator_...``).
+
+Prompts are token ids drawn at random from a range valid in every vocabulary kvroute uses
+(the built-in tokenizer's 32,000 and the tiny CPU model's 8,192), with a fresh random prefix
+per test so no test depends on what an earlier one left in the cache.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import aiohttp
+import numpy as np
+import openai
+import pytest
+
+from kvroute.emulator import EmulatorConfig, start_workers
+
+MAX_MODEL_LEN = 1024
+
+
+@dataclass
+class EngineServer:
+    """A running server and what the tests may assume about it."""
+
+    base_url: str  # http://host:port (no /v1)
+    model: str
+    block_size: int
+    max_model_len: int
+    prompt_tokens_details: bool
+
+    def client(self) -> openai.AsyncOpenAI:
+        return openai.AsyncOpenAI(base_url=f"{self.base_url}/v1", api_key="x", max_retries=0)
+
+
+async def _emulator(details: bool, **overrides) -> AsyncIterator[EngineServer]:
+    settings = dict(
+        served_model_name=("test-model", "alias-model"),
+        max_model_len=MAX_MODEL_LEN,
+        timing="instant",
+        enable_prompt_tokens_details=details,
+    )
+    config = EmulatorConfig.for_model("qwen3-0.6b", **{**settings, **overrides})
+    (worker,) = await start_workers(config, 1)
+    try:
+        yield EngineServer(worker.url, "test-model", config.block_size, MAX_MODEL_LEN, details)
+    finally:
+        await worker.close()
+
+
+@pytest.fixture
+async def engine_server() -> AsyncIterator[EngineServer]:
+    """A server started with ``--enable-prompt-tokens-details``."""
+    async for server in _emulator(details=True):
+        yield server
+
+
+@pytest.fixture
+async def plain_engine_server() -> AsyncIterator[EngineServer]:
+    """A server started without ``--enable-prompt-tokens-details``."""
+    async for server in _emulator(details=False):
+        yield server
+
+
+@pytest.fixture
+def rng() -> np.random.Generator:
+    # A different stream per test (and per run), so prefixes never collide across tests.
+    return np.random.default_rng()
+
+
+def random_ids(rng: np.random.Generator, n: int) -> list[int]:
+    return rng.integers(1000, 8000, size=n).tolist()
+
+
+# -- listing, health, tokenize -----------------------------------------------------------------
+
+
+async def test_models_lists_served_names_with_max_model_len(engine_server: EngineServer):
+    async with engine_server.client() as client:
+        models = await client.models.list()
+    ids = [m.id for m in models.data]
+    assert ids[0] == engine_server.model
+    assert models.data[0].owned_by == "vllm"
+    assert models.data[0].model_extra["max_model_len"] == engine_server.max_model_len
+
+
+async def test_health_is_200_with_empty_body(engine_server: EngineServer):
+    async with aiohttp.ClientSession() as s, s.get(f"{engine_server.base_url}/health") as r:
+        assert r.status == 200
+        assert await r.read() == b""
+
+
+async def test_tokenize_counts_the_prompt_the_completion_uses(engine_server: EngineServer):
+    text = "the quick brown fox jumps over the lazy dog"
+    async with aiohttp.ClientSession() as s:
+        async with s.post(
+            f"{engine_server.base_url}/tokenize", json={"model": engine_server.model, "prompt": text}
+        ) as r:
+            assert r.status == 200
+            tok = await r.json()
+    assert tok["count"] == len(tok["tokens"]) > 0
+    assert tok["max_model_len"] == engine_server.max_model_len
+    async with engine_server.client() as client:
+        done = await client.completions.create(model=engine_server.model, prompt=text, max_tokens=2)
+    assert done.usage.prompt_tokens == tok["count"]
+
+
+# -- completions --------------------------------------------------------------------------------
+
+
+async def test_completion_generates_exactly_max_tokens(engine_server: EngineServer, rng):
+    async with engine_server.client() as client:
+        done = await client.completions.create(
+            model=engine_server.model,
+            prompt=random_ids(rng, 50),
+            max_tokens=7,
+            temperature=0,
+            extra_body={"ignore_eos": True},
+        )
+    assert done.id.startswith("cmpl-")
+    assert done.object == "text_completion"
+    assert done.model == engine_server.model
+    (choice,) = done.choices
+    assert choice.finish_reason == "length"
+    assert choice.text
+    assert done.usage.prompt_tokens == 50
+    assert done.usage.completion_tokens == 7
+    assert done.usage.total_tokens == 57
+
+
+async def test_completion_default_max_tokens_is_16(engine_server: EngineServer, rng):
+    async with engine_server.client() as client:
+        done = await client.completions.create(
+            model=engine_server.model, prompt=random_ids(rng, 20), extra_body={"ignore_eos": True}
+        )
+    assert done.usage.completion_tokens == 16
+
+
+async def test_completion_accepts_an_alias_name(engine_server: EngineServer, rng):
+    if engine_server.model != "test-model":
+        pytest.skip("the emulator fixture serves two names")
+    async with engine_server.client() as client:
+        done = await client.completions.create(model="alias-model", prompt=random_ids(rng, 20), max_tokens=1)
+    assert done.model == "alias-model"
+
+
+async def test_completion_stream_matches_non_stream_and_reports_usage(engine_server: EngineServer, rng):
+    prompt = random_ids(rng, 40)
+    kwargs = dict(model=engine_server.model, prompt=prompt, max_tokens=9, temperature=0,
+                  extra_body={"ignore_eos": True})
+    async with engine_server.client() as client:
+        whole = await client.completions.create(**kwargs)
+        stream = await client.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [c async for c in stream]
+    text_chunks = [c for c in chunks if c.choices]
+    assert "".join(c.choices[0].text for c in text_chunks) == whole.choices[0].text
+    assert text_chunks[-1].choices[0].finish_reason == "length"
+    assert all(c.choices[0].finish_reason is None for c in text_chunks[:-1])
+    usage_chunk = chunks[-1]
+    assert usage_chunk.choices == []
+    assert usage_chunk.usage.prompt_tokens == 40
+    assert usage_chunk.usage.completion_tokens == 9
+    assert len({c.id for c in chunks}) == 1
+
+
+async def test_stream_without_include_usage_sends_no_usage(engine_server: EngineServer, rng):
+    async with engine_server.client() as client:
+        stream = await client.completions.create(
+            model=engine_server.model, prompt=random_ids(rng, 30), max_tokens=4, stream=True
+        )
+        chunks = [c async for c in stream]
+    assert chunks and all(c.choices for c in chunks)
+    assert all(c.usage is None for c in chunks)
+
+
+async def test_stream_ends_with_done_marker(engine_server: EngineServer, rng):
+    body = {"model": engine_server.model, "prompt": random_ids(rng, 30), "max_tokens": 3,
+            "stream": True, "stream_options": {"include_usage": True}}
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{engine_server.base_url}/v1/completions", json=body) as r:
+            assert r.status == 200
+            assert r.headers["Content-Type"].startswith("text/event-stream")
+            raw = (await r.read()).decode()
+    events = [e for e in raw.split("\n\n") if e]
+    assert all(e.startswith("data: ") for e in events)
+    assert events[-1] == "data: [DONE]"
+    usage = json.loads(events[-2][len("data: "):])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 3
+
+
+async def test_second_request_with_shared_prefix_reports_cached_tokens(engine_server: EngineServer, rng):
+    bs = engine_server.block_size
+    prefix = random_ids(rng, 3 * bs)
+    async with engine_server.client() as client:
+        first = await client.completions.create(
+            model=engine_server.model, prompt=prefix + random_ids(rng, 10), max_tokens=2
+        )
+        second = await client.completions.create(
+            model=engine_server.model, prompt=prefix + random_ids(rng, 10), max_tokens=2
+        )
+    # vLLM leaves prompt_tokens_details out when nothing was cached.
+    details = first.usage.prompt_tokens_details
+    assert details is None or not details.cached_tokens
+    assert second.usage.prompt_tokens_details.cached_tokens == 3 * bs
+
+
+async def test_streamed_usage_reports_cached_tokens(engine_server: EngineServer, rng):
+    bs = engine_server.block_size
+    prefix = random_ids(rng, 2 * bs)
+    async with engine_server.client() as client:
+        await client.completions.create(model=engine_server.model, prompt=prefix + [7], max_tokens=1)
+        stream = await client.completions.create(
+            model=engine_server.model, prompt=prefix + [9, 9], max_tokens=2, stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+    assert chunks[-1].usage.prompt_tokens_details.cached_tokens == 2 * bs
+
+
+async def test_fully_cached_prompt_still_recomputes_its_last_block(engine_server: EngineServer, rng):
+    bs = engine_server.block_size
+    prompt = random_ids(rng, 4 * bs)
+    async with engine_server.client() as client:
+        for _ in range(2):
+            done = await client.completions.create(model=engine_server.model, prompt=prompt, max_tokens=1)
+    # At most num_tokens - 1 tokens can hit, and only whole blocks: 3 of the 4.
+    assert done.usage.prompt_tokens_details.cached_tokens == 3 * bs
+
+
+async def test_cached_tokens_absent_without_the_flag(plain_engine_server: EngineServer, rng):
+    server = plain_engine_server
+    prefix = random_ids(rng, 3 * server.block_size)
+    async with server.client() as client:
+        for _ in range(2):
+            done = await client.completions.create(model=server.model, prompt=prefix + [5], max_tokens=1)
+        stream = await client.completions.create(
+            model=server.model, prompt=prefix + [6], max_tokens=1, stream=True,
+            stream_options={"include_usage": True},
+        )
+        chunks = [c async for c in stream]
+    assert done.usage.prompt_tokens_details is None
+    assert chunks[-1].usage is not None
+    assert chunks[-1].usage.prompt_tokens_details is None
+
+
+# -- chat -------------------------------------------------------------------------------------
+
+
+def _chat(rng, system_words: int) -> tuple[list[dict], list[dict]]:
+    system = " ".join(f"w{int(x)}" for x in rng.integers(0, 10**6, size=system_words))
+    return (
+        [{"role": "system", "content": system}, {"role": "user", "content": "first question"}],
+        [{"role": "system", "content": system}, {"role": "user", "content": "another one"}],
+    )
+
+
+async def test_chat_completion_non_stream(engine_server: EngineServer, rng):
+    messages, _ = _chat(rng, 20)
+    async with engine_server.client() as client:
+        done = await client.chat.completions.create(
+            model=engine_server.model, messages=messages, max_tokens=5
+        )
+    assert done.id.startswith("chatcmpl-")
+    assert done.object == "chat.completion"
+    (choice,) = done.choices
+    assert choice.message.role == "assistant"
+    assert choice.message.content
+    assert choice.finish_reason == "length"
+    assert done.usage.completion_tokens == 5
+
+
+async def test_chat_stream_starts_with_role_and_matches_non_stream(engine_server: EngineServer, rng):
+    messages, _ = _chat(rng, 20)
+    kwargs = dict(model=engine_server.model, messages=messages, max_tokens=6, temperature=0,
+                  extra_body={"ignore_eos": True})
+    async with engine_server.client() as client:
+        whole = await client.chat.completions.create(**kwargs)
+        stream = await client.chat.completions.create(
+            **kwargs, stream=True, stream_options={"include_usage": True}
+        )
+        chunks = [c async for c in stream]
+    assert chunks[0].object == "chat.completion.chunk"
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole.choices[0].message.content
+    assert [c for c in chunks if c.choices][-1].choices[0].finish_reason == "length"
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 6
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+async def test_chat_shared_system_prompt_is_cached(engine_server: EngineServer, rng):
+    first, second = _chat(rng, 8 * engine_server.block_size)
+    async with engine_server.client() as client:
+        a = await client.chat.completions.create(model=engine_server.model, messages=first, max_tokens=1)
+        b = await client.chat.completions.create(model=engine_server.model, messages=second, max_tokens=1)
+    cached = b.usage.prompt_tokens_details.cached_tokens
+    assert cached % engine_server.block_size == 0
+    # The system message is most of the prompt, so all but the last block or two hit.
+    assert a.usage.prompt_tokens - 2 * engine_server.block_size <= cached < b.usage.prompt_tokens
+
+
+async def test_chat_default_max_tokens_fills_the_context(engine_server: EngineServer, rng):
+    messages, _ = _chat(rng, 10)
+    async with engine_server.client() as client:
+        done = await client.chat.completions.create(model=engine_server.model, messages=messages)
+    assert done.usage.total_tokens == engine_server.max_model_len
+
+
+# -- errors -------------------------------------------------------------------------------------
+
+
+async def _post_raw(server: EngineServer, path: str, data: bytes, content_type="application/json"):
+    async with aiohttp.ClientSession() as s:
+        async with s.post(f"{server.base_url}{path}", data=data,
+                          headers={"Content-Type": content_type}) as r:
+            return r.status, await r.json()
+
+
+def _assert_error_object(body: dict, status: int) -> None:
+    error = body["error"]
+    assert isinstance(error["message"], str) and error["message"]
+    assert isinstance(error["type"], str)
+    assert error["code"] == status
+    assert "param" in error
+
+
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/chat/completions", "/tokenize"])
+async def test_malformed_json_is_400(engine_server: EngineServer, path):
+    status, body = await _post_raw(engine_server, path, b'{"model": "x", "prompt": ')
+    assert status == 400
+    _assert_error_object(body, 400)
+
+
+async def test_non_object_json_is_400(engine_server: EngineServer):
+    status, body = await _post_raw(engine_server, "/v1/completions", b"[1, 2, 3]")
+    assert status == 400
+    _assert_error_object(body, 400)
+
+
+async def test_wrong_content_type_is_400(engine_server: EngineServer):
+    status, body = await _post_raw(
+        engine_server, "/v1/completions", b'{"prompt": "hi"}', content_type="text/plain"
+    )
+    assert status == 400
+    _assert_error_object(body, 400)
+
+
+async def test_missing_prompt_is_400(engine_server: EngineServer):
+    async with engine_server.client() as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(model=engine_server.model, prompt=None, max_tokens=1)
+    assert err.value.status_code == 400
+
+
+async def test_missing_messages_is_400(engine_server: EngineServer):
+    status, body = await _post_raw(
+        engine_server, "/v1/chat/completions", json.dumps({"model": engine_server.model}).encode()
+    )
+    assert status == 400
+    _assert_error_object(body, 400)
+
+
+async def test_mistyped_field_is_400(engine_server: EngineServer):
+    data = json.dumps({"model": engine_server.model, "prompt": "hi", "max_tokens": "many"}).encode()
+    status, body = await _post_raw(engine_server, "/v1/completions", data)
+    assert status == 400
+    _assert_error_object(body, 400)
+
+
+async def test_prompt_longer_than_max_model_len_is_400(engine_server: EngineServer, rng):
+    async with engine_server.client() as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(
+                model=engine_server.model,
+                prompt=random_ids(rng, engine_server.max_model_len + 1),
+                max_tokens=1,
+            )
+    assert err.value.status_code == 400
+    assert "maximum context length" in err.value.body["message"]
+
+
+async def test_max_tokens_past_the_context_is_400(engine_server: EngineServer, rng):
+    async with engine_server.client() as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(
+                model=engine_server.model, prompt=random_ids(rng, 100),
+                max_tokens=engine_server.max_model_len,
+            )
+    assert err.value.status_code == 400
+
+
+async def test_zero_max_tokens_is_400(engine_server: EngineServer, rng):
+    async with engine_server.client() as client:
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model=engine_server.model, prompt=random_ids(rng, 5), max_tokens=0)
+
+
+async def test_unknown_model_is_404(engine_server: EngineServer, rng):
+    async with engine_server.client() as client:
+        with pytest.raises(openai.NotFoundError) as err:
+            await client.completions.create(model="no-such-model", prompt=random_ids(rng, 5), max_tokens=1)
+        with pytest.raises(openai.NotFoundError):
+            await client.chat.completions.create(
+                model="no-such-model", messages=[{"role": "user", "content": "hi"}], max_tokens=1
+            )
+    assert err.value.status_code == 404
+    assert err.value.body["type"] == "NotFoundError"
+
+
+async def test_stream_options_without_stream_is_400(engine_server: EngineServer, rng):
+    async with engine_server.client() as client:
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(
+                model=engine_server.model, prompt=random_ids(rng, 5), max_tokens=1,
+                stream_options={"include_usage": True},
+            )
+
+
+async def test_out_of_vocabulary_token_id_is_400(engine_server: EngineServer):
+    async with engine_server.client() as client:
+        with pytest.raises(openai.BadRequestError):
+            await client.completions.create(model=engine_server.model, prompt=[1, 2, 10**9], max_tokens=1)
+
+
+async def test_emulator_refuses_prompt_batches(engine_server: EngineServer, rng):
+    async with engine_server.client() as client:
+        with pytest.raises(openai.BadRequestError) as err:
+            await client.completions.create(
+                model=engine_server.model, prompt=[random_ids(rng, 5), random_ids(rng, 5)], max_tokens=1
+            )
+        one = await client.completions.create(
+            model=engine_server.model, prompt=[random_ids(rng, 5)], max_tokens=1
+        )
+    assert "one prompt per request" in err.value.body["message"]
+    assert one.usage.prompt_tokens == 5
+
+
+async def test_unknown_path_is_404_json(engine_server: EngineServer):
+    async with aiohttp.ClientSession() as s, s.get(f"{engine_server.base_url}/v1/nothing") as r:
+        assert r.status == 404
+        assert await r.json() == {"detail": "Not Found"}
+
+
+async def test_server_survives_bad_requests(engine_server: EngineServer, rng):
+    for data in (b"", b"null", b'{"prompt": {}}', b'{"prompt": [true]}', b'{"messages": "x"}'):
+        for path in ("/v1/completions", "/v1/chat/completions"):
+            status, body = await _post_raw(engine_server, path, data)
+            assert 400 <= status < 500, (path, data, body)
+    async with engine_server.client() as client:
+        done = await client.completions.create(model=engine_server.model, prompt=random_ids(rng, 5), max_tokens=1)
+    assert done.usage.completion_tokens == 1
+
+
+# -- disconnects --------------------------------------------------------------------------------
+
+
+async def _running(base_url: str) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    async with aiohttp.ClientSession() as s, s.get(f"{base_url}/metrics") as r:
+        text = await r.text()
+    for family in text_string_to_metric_families(text):
+        if family.name == "vllm:num_requests_running":
+            return sum(s.value for s in family.samples)
+    raise AssertionError("no vllm:num_requests_running")
+
+
+async def test_emulator_client_disconnect_aborts_the_request(rng):
+    # Real time (about 6 ms per decode step): 1,000 tokens would take ~6 s.
+    async for server in _emulator(details=True, timing="reference-gpu", time_scale=1.0):
+        body = {"model": server.model, "prompt": random_ids(rng, 20), "max_tokens": 1000, "stream": True}
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{server.base_url}/v1/completions", json=body) as r:
+                assert r.status == 200
+                await r.content.readuntil(b"\n\n")
+                assert await _running(server.base_url) == 1
+        for _ in range(100):
+            if await _running(server.base_url) == 0:
+                break
+            await asyncio.sleep(0.02)
+        assert await _running(server.base_url) == 0
