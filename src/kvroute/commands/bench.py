@@ -1,0 +1,344 @@
+"""``kvroute bench``: the reference experiment against any OpenAI-compatible endpoint."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+from argparse import Namespace
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvroute.bench.files import ResultsWriter, tables_as_html
+from kvroute.bench.prompts import (
+    PROMPT_FORMATS,
+    BenchWorkload,
+    PromptEncoder,
+    SessionSpec,
+    reference_workload,
+    session_workload,
+    trace_workload,
+)
+from kvroute.bench.runner import (
+    BenchOptions,
+    BenchRunner,
+    BenchTarget,
+    SweepHooks,
+    capacity_for,
+    discover_model,
+    server_cache_config,
+    simulate_points,
+)
+from kvroute.commands._common import add_workload_arguments, kv_geometry, workload_spec
+from kvroute.engine import PRESETS
+from kvroute.errors import UserError
+from kvroute.model import MODEL_PRESETS
+from kvroute.records import Point, RequestRecord
+from kvroute.report import print_tables
+from kvroute.workload import LengthDist, parse_int_list
+
+NAME = "bench"
+HELP = "run the reference experiment against an OpenAI-compatible endpoint (vLLM, emulator, router)"
+DESCRIPTION = """\
+Send the reference experiment's seeded requests to URL and measure prefix-cache hits two
+ways: per request (usage.prompt_tokens_details.cached_tokens, which vLLM reports only with
+--enable-prompt-tokens-details) and per worker (Prometheus counter deltas, when each worker's
+--metrics-url is given). Every request opens a new TCP connection, as a Kubernetes Service
+needs to balance it; the warmup (one request per prefix) is not measured; the order is fixed
+by --seed, identical across trials and topologies.
+
+Writes records.jsonl (one line per request), summary.json (the `kvroute sim --json` point
+format), points.csv, PNG plots and report.html to --out. Ctrl-C saves what was measured.
+
+examples:
+  kvroute bench --url http://127.0.0.1:8000 --metrics-url http://w0:8001 --metrics-url http://w1:8001
+  kvroute bench --url http://svc:8000 --workers 6 -K 2,12 -c 8 --trials 1 --compare-sim
+  kvroute bench --url http://127.0.0.1:8000 --rate 20 -K 12 --tokenizer ./qwen3-tokenizer
+  kvroute bench --url http://127.0.0.1:8000 --sessions 50 --turns 4 --prompt-format chat
+  kvroute bench --url http://127.0.0.1:8000 --trace requests.jsonl
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    t = parser.add_argument_group("target")
+    t.add_argument("--url", required=True, help="OpenAI-compatible base URL (balancer, router or worker)")
+    t.add_argument("--metrics-url", action="append", default=[], metavar="WORKER_URL",
+                   help="a worker's base or /metrics URL; repeat (or comma-separate) for each worker")
+    t.add_argument("--model", default=None, help="served model name (default: the first of GET /v1/models)")
+    t.add_argument("--workers", "-W", type=int, default=None,
+                   help="workers behind URL, for labels and the formula (default: number of --metrics-url)")
+    t.add_argument("--label", default="service",
+                   help="topology name in the reports, e.g. service or router (default %(default)s)")
+
+    load = parser.add_argument_group("load")
+    load.add_argument("--concurrency", "-c", default="4,8,16", metavar="C[,C...]",
+                      help="closed-loop clients; a comma list sweeps (default %(default)s)")
+    load.add_argument("--rate", type=float, default=None, metavar="REQ_PER_S",
+                      help="open loop: Poisson arrivals at this rate instead of --concurrency")
+    load.add_argument("--trials", type=int, default=3, help="trials per point; medians reported (default %(default)s)")
+    load.add_argument("--keep-alive", action="store_true",
+                      help="reuse connections (NOT the reference: a per-connection balancer then pins the client)")
+    load.add_argument("--no-reset", action="store_true",
+                      help="do not POST /reset_prefix_cache to the workers before each trial")
+    load.add_argument("--timeout", type=float, default=600.0, metavar="S", help="per request (default %(default)s)")
+
+    add_workload_arguments(parser, prefixes_default="2,7,12,24")
+    w = parser.add_argument_group("prompts, sessions and traces")
+    w.add_argument("--tokenizer", default=None, metavar="DIR",
+                   help="local Hugging Face tokenizer: prompts are sent as text that re-tokenizes exactly")
+    w.add_argument("--prompt-format", choices=PROMPT_FORMATS, default=None,
+                   help="ids: token ids on /v1/completions (default without --tokenizer); text: decoded "
+                        "text (default with it); chat: /v1/chat/completions with the chat template (without "
+                        "--tokenizer, lengths are counted with kvroute's built-in tokenizer, the emulator's)")
+    w.add_argument("--no-ignore-eos", action="store_true", help="do not send ignore_eos (non-vLLM servers)")
+    w.add_argument("--sessions", type=int, default=None,
+                   help="multi-turn conversations instead of single requests (each turn extends the last)")
+    w.add_argument("--turns", type=int, default=4, help="turns per session (default %(default)s)")
+    w.add_argument("--turn-tokens", default="64", metavar="N|LO:HI|A,B",
+                   help="tokens of each later user message (default %(default)s)")
+    w.add_argument("--trace", type=Path, default=None, metavar="JSONL",
+                   help="replay a trace: timestamp, prompt or token ids, output tokens, optional session id")
+
+    kv = parser.add_argument_group(
+        "formula's capacity C (only without --metrics-url; with it, the workers' "
+        "vllm:cache_config_info is used)"
+    )
+    kv.add_argument("--kv-cache-memory-bytes", default="1GiB", metavar="SIZE",
+                    help="KV memory per worker (default %(default)s)")
+    kv.add_argument("--kv-model", default="qwen3-0.6b", choices=sorted(MODEL_PRESETS),
+                    help="model preset giving KV bytes per token (default %(default)s)")
+    kv.add_argument("--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]",
+                    help="model KV geometry instead of a preset")
+    kv.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV bytes per token, overriding the model")
+    kv.add_argument("--block-size", type=int, default=None, help="KV block size (default: the preset's)")
+
+    out = parser.add_argument_group("output")
+    out.add_argument("--out", type=Path, default=None, help="results folder (default ./kvroute-results/<timestamp>)")
+    out.add_argument("--allow-missing-cached-tokens", action="store_true",
+                     help="measure even when no response reports cached_tokens (all count as misses)")
+    out.add_argument("--compare-sim", action="store_true",
+                     help="also run `kvroute sim` for the same configuration and show it beside the measurement")
+    out.add_argument("--sim-timing", default="reference-gpu", choices=sorted(PRESETS),
+                     help="timing preset of that simulation (default %(default)s)")
+
+
+def _metrics_urls(values: list[str]) -> tuple[str, ...]:
+    urls = [u.strip() for v in values for u in v.split(",") if u.strip()]
+    if len(set(urls)) != len(urls):
+        raise UserError("a --metrics-url is given twice: each worker's counters would count double")
+    return tuple(urls)
+
+
+def _options(args: Namespace) -> BenchOptions:
+    concurrency = tuple(parse_int_list(args.concurrency, "--concurrency"))
+    return BenchOptions(
+        concurrency=concurrency,
+        rate=args.rate,
+        trials=args.trials,
+        seed=args.seed,
+        keep_alive=args.keep_alive,
+        reset=not args.no_reset,
+        timeout_s=args.timeout,
+        allow_missing_cached_tokens=args.allow_missing_cached_tokens,
+    )
+
+
+def _workloads(args: Namespace, encoder: PromptEncoder, vocab) -> list[BenchWorkload]:
+    if args.trace is not None:
+        return [trace_workload(args.trace, encoder, args.output_tokens)]
+    prefixes = parse_int_list(args.prefixes, "--prefixes")
+    if args.sessions is not None:
+        sessions = SessionSpec(args.sessions, args.turns, LengthDist.parse(args.turn_tokens))
+        return [session_workload(workload_spec(args, k), sessions, encoder, vocab) for k in prefixes]
+    return [reference_workload(workload_spec(args, k), encoder, vocab) for k in prefixes]
+
+
+def _check_workload_flags(args: Namespace) -> None:
+    """Refuse bad workload flags before any network traffic."""
+    if args.trace is not None:
+        if not args.trace.is_file():
+            raise UserError(f"trace {args.trace} does not exist")
+        return
+    for k in parse_int_list(args.prefixes, "--prefixes"):
+        workload_spec(args, k)
+    if args.sessions is not None:
+        SessionSpec(args.sessions, args.turns, LengthDist.parse(args.turn_tokens))
+
+
+class _ProgressHooks(SweepHooks):
+    """Rich bars: the whole sweep, and the phase (warmup / measure) of the current trial."""
+
+    def __init__(self, progress: Progress, console: Console, total_trials: int) -> None:
+        self.progress = progress
+        self.console = console
+        self.sweep = progress.add_task("sweep", total=total_trials)
+        self.phase_task = progress.add_task("", total=1)
+        self.failed = 0
+        self._trials_started = 0
+
+    def trial_started(self, target, workload, concurrency, trial) -> None:
+        if self._trials_started:
+            self.progress.advance(self.sweep)
+        self._trials_started += 1
+        load = f"c={concurrency}" if concurrency else "open loop"
+        self.progress.update(self.sweep, description=f"{target.label} K={workload.prefixes} {load} trial {trial + 1}")
+
+    def phase(self, description: str, total: int) -> None:
+        self.progress.reset(self.phase_task, total=total, description=description)
+
+    def request_done(self, record: RequestRecord) -> None:
+        if not record.ok:
+            self.failed += 1
+        self.progress.advance(self.phase_task)
+
+    def warning(self, message: str) -> None:
+        self.console.print(f"[yellow]warning:[/yellow] {message}")
+
+    def finish(self) -> None:
+        self.progress.update(self.sweep, completed=self.progress.tasks[self.sweep].total)
+
+
+def _geometry(args: Namespace, configs: list[tuple[int, int]], console: Console) -> tuple[int, int, str]:
+    """(num_blocks, block_size, where from): the workers' own cache config when scraped."""
+    if configs:
+        if len(set(configs)) > 1:
+            console.print(f"[yellow]warning:[/yellow] workers differ in cache size {sorted(set(configs))}; "
+                          "the formula uses the smallest")
+        blocks, block_size = min(configs)
+        return blocks, block_size, "vllm:cache_config_info"
+    shaped = Namespace(
+        model=args.kv_model, model_shape=args.model_shape, kv_bytes_per_token=args.kv_bytes_per_token,
+        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
+    )
+    blocks, block_size, _ = kv_geometry(shaped)
+    return blocks, block_size, "worker KV flags"
+
+
+def run(args: Namespace) -> int:
+    metrics_urls = _metrics_urls(args.metrics_url)
+    options = _options(args)
+    if args.workers is not None and args.workers < 1:
+        raise UserError("--workers must be >= 1")
+    if args.trace is not None and args.sessions is not None:
+        raise UserError("--trace and --sessions are alternatives: a trace carries its own sessions")
+    _check_workload_flags(args)
+    prompt_format = args.prompt_format or ("text" if args.tokenizer else "ids")
+    out = args.out or Path("kvroute-results") / time.strftime("%Y%m%d-%H%M%S")
+    console = Console()
+
+    setup: dict = {}
+    runner_box: list[BenchRunner] = []
+    writer = ResultsWriter(out)
+
+    async def main() -> list[Point]:
+        model = args.model or await discover_model(args.url)
+        configs = await server_cache_config(metrics_urls)  # also checks the metrics URLs answer
+        blocks, block_size, geometry_source = _geometry(args, configs, console)
+        tokenizer = None
+        vocab = None
+        if args.tokenizer or prompt_format != "ids":
+            from kvroute.tokens import load_tokenizer, safe_vocabulary
+
+            tokenizer = load_tokenizer(args.tokenizer)
+            vocab = safe_vocabulary(tokenizer)
+        encoder = PromptEncoder(prompt_format, model, tokenizer, ignore_eos=not args.no_ignore_eos)
+        workloads = _workloads(args, encoder, vocab)
+        target = BenchTarget(args.url, metrics_urls, model, args.label, args.workers)
+        setup.update(model=model, blocks=blocks, block_size=block_size, geometry=geometry_source,
+                     workloads=workloads, target=target)
+        total = len(workloads) * len(options.load_levels) * options.trials
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            hooks = _ProgressHooks(progress, console, total)
+            runner = BenchRunner(target, options, writer, hooks)
+            runner_box.append(runner)
+            points = await runner.run(workloads)
+            hooks.finish()
+        if hooks.failed:
+            console.print(f"[red]{hooks.failed} requests failed[/red] (counted as misses; see records.jsonl)")
+        return points
+
+    interrupted = False
+    try:
+        points = _run_async(main)
+    except KeyboardInterrupt:
+        interrupted = True
+        if not runner_box:
+            raise
+        runner = runner_box[0]
+        partial = runner.interrupted_trial()
+        if partial is not None:
+            writer.trial_done(partial)
+            _attach_partial(runner.points, partial)
+        points = [p for p in runner.points if p.trials]
+    _report(args, options, setup, points, writer, console, interrupted)
+    if interrupted:
+        console.print(f"[yellow]interrupted[/yellow]: saved what was measured to {out}")
+        return 130
+    return 0
+
+
+def _attach_partial(points: list[Point], partial) -> None:
+    for p in points:
+        if (p.prefixes, p.concurrency) == (partial.prefixes, partial.concurrency):
+            p.trials.append(partial.stats)
+            return
+
+
+def _run_async(main):
+    try:
+        import uvloop
+    except ImportError:  # uvloop is not available on Windows
+        return asyncio.run(main())
+    return uvloop.run(main())
+
+
+def _report(args, options: BenchOptions, setup: dict, points: list[Point], writer: ResultsWriter,
+            console: Console, interrupted: bool) -> None:
+    if not points:
+        console.print("no points measured")
+        return
+    workloads = setup["workloads"]
+    capacity = capacity_for(workloads[0], setup["blocks"], setup["block_size"])
+    reference = None
+    if args.compare_sim:
+        reference = simulate_points(points, workloads, setup["blocks"], setup["block_size"],
+                                    args.sim_timing, options.trials, args.seed)
+        if not reference:
+            console.print("[yellow]warning:[/yellow] --compare-sim needs the reference workload "
+                          "(not sessions, traces or --rate); nothing simulated")
+            reference = None
+
+    def render(c: Console) -> None:
+        print_tables(points, capacity, c, reference=reference)
+
+    render(console)
+    if any(p.concurrency == 0 for p in points):
+        console.print(f"(c=0: open loop at {options.rate:g} requests/s)" if options.rate else "(c=0: trace replay)")
+    target: BenchTarget = setup["target"]
+    meta = {
+        "command": "bench",
+        "url": args.url,
+        "label": target.label,
+        "model": setup["model"],
+        "workers": target.num_workers,
+        "metrics_urls": list(target.metrics_urls),
+        "concurrency": list(options.concurrency) if options.rate is None else [],
+        "rate_rps": options.rate,
+        "trials": options.trials,
+        "seed": args.seed,
+        "keep_alive": options.keep_alive,
+        "reset_between_trials": options.reset,
+        "prompt_format": args.prompt_format or ("text" if args.tokenizer else "ids"),
+        "capacity_requests": capacity,
+        "num_blocks": setup["blocks"],
+        "block_size": setup["block_size"],
+        "capacity_from": setup["geometry"],
+        "partial": interrupted,
+    }
+    if reference:
+        meta["sim"] = {"timing": args.sim_timing, "points": [p.to_json() for p in reference]}
+    paths = writer.write_reports(points, meta, capacity, tables_as_html(render), reference)
+    console.print(f"wrote {writer.out}/: {', '.join(p.name for p in paths)}, records.jsonl")
