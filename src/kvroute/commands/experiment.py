@@ -1,0 +1,159 @@
+"""``kvroute experiment``: the reference experiment end to end, on a laptop or real servers."""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvroute.bench.files import ResultsWriter, tables_as_html
+from kvroute.commands._common import add_workload_arguments, workload_spec
+from kvroute.commands.bench import _ProgressHooks, _run_async
+from kvroute.engine import PRESETS
+from kvroute.errors import UserError
+from kvroute.experiment import TOPOLOGIES, ExperimentPlan, ExperimentResult, run_experiment
+from kvroute.fleet import external, launch_emulated
+from kvroute.report import print_tables
+from kvroute.workload import parse_int_list
+
+NAME = "experiment"
+HELP = "run the reference experiment end to end: workers, Service baseline, bench, tables"
+DESCRIPTION = """\
+Run EXPERIMENT.md end to end and print its four tables, with the simulator's prediction and
+the formula min(1, C/K) beside the measured values. By default the workers are emulated vLLM
+workers (`kvroute emulate`, the reference GPU timing, run --time-scale times faster than real
+time; every time shown is scaled back to the reference GPUs' milliseconds) behind `kvroute
+service` (a random backend per TCP connection, like a Kubernetes Service). The bench opens a
+new connection per request, sends the same seeded requests in the same order to every
+topology, excludes the warmup, resets caches between trials and checks the hits two ways.
+
+Results (JSON, CSV, plots, an HTML report, every request as JSONL) go to --out.
+Everything started is stopped on exit, on Ctrl-C and when a worker crashes.
+
+examples:
+  kvroute experiment --quick            # reduced sweep: W 6,3; K 2,12,24; c 4,8; 1 trial
+  kvroute experiment                    # the full reference sweep (72 trials)
+  kvroute experiment --engine urls --worker http://10.0.0.5:8000 --worker http://10.0.0.6:8000
+"""
+
+QUICK = {"workers": "6,3", "prefixes": "2,12,24", "concurrency": "4,8", "trials": 1}
+FULL = {"workers": "6,3", "prefixes": "2,7,12,24", "concurrency": "4,8,16", "trials": 3}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--engine", choices=("emulator", "urls"), default="emulator",
+                        help="emulator: start emulated workers (default); urls: use running servers (--worker)")
+    parser.add_argument("--worker", action="append", default=[], metavar="URL",
+                        help="a running worker's base URL, repeatable (with --engine urls)")
+    parser.add_argument("--workers", "-W", default=None, metavar="W[,W...]",
+                        help="fleet sizes to run (reference 6,3; with --engine urls: the number of --worker)")
+    parser.add_argument("--topology", default="service", metavar="T[,T...]",
+                        help=f"balancers to measure: {', '.join(TOPOLOGIES)} (default %(default)s)")
+    parser.add_argument("--quick", action="store_true",
+                        help="a reduced sweep (W 6,3; K 2,12,24; c 4,8; 1 trial) that takes a few minutes")
+    parser.add_argument("--concurrency", "-c", default=None, metavar="C[,C...]", help="closed-loop levels (reference 4,8,16)")
+    parser.add_argument("--trials", type=int, default=None, help="trials per point (reference 3)")
+    parser.add_argument("--timing", default="reference-gpu", choices=sorted(PRESETS),
+                        help="emulated workers' timing preset, also used for the prediction (default %(default)s)")
+    parser.add_argument("--time-scale", type=float, default=4.0,
+                        help="emulated workers run this many times faster than real time (default %(default)s)")
+    parser.add_argument("--out", type=Path, default=None, help="output folder (default kvroute-results/experiment-<time>)")
+    add_workload_arguments(parser, prefixes_default=None)
+
+
+def _plan(args: argparse.Namespace) -> ExperimentPlan:
+    base = QUICK if args.quick else FULL
+    if args.engine == "urls":
+        workers = [len(args.worker)]
+        if args.workers and parse_int_list(args.workers, "--workers") != workers:
+            raise UserError("with --engine urls the fleet is the --worker list; drop --workers")
+    else:
+        if args.worker:
+            raise UserError("--worker URLs are for --engine urls")
+        workers = parse_int_list(args.workers or base["workers"], "--workers")
+    if args.time_scale <= 0:
+        raise UserError("--time-scale must be > 0")
+    topologies = tuple(t.strip() for t in args.topology.split(",") if t.strip())
+    unknown = [t for t in topologies if t not in TOPOLOGIES]
+    if unknown or not topologies:
+        raise UserError(f"bad --topology {args.topology!r}: choose from {', '.join(TOPOLOGIES)}")
+    trials = args.trials if args.trials is not None else base["trials"]
+    if trials < 1:
+        raise UserError("--trials must be >= 1")
+    prefixes = parse_int_list(args.prefixes or base["prefixes"], "--prefixes")
+    return ExperimentPlan(
+        workers=tuple(workers),
+        specs=tuple(workload_spec(args, k) for k in prefixes),
+        concurrency=tuple(parse_int_list(args.concurrency or base["concurrency"], "--concurrency")),
+        trials=trials,
+        topologies=topologies,
+        timing=args.timing,
+        time_scale=args.time_scale if args.engine == "emulator" else 1.0,
+        seed=args.seed,
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    plan = _plan(args)
+    out = args.out or Path("kvroute-results") / time.strftime("experiment-%Y%m%d-%H%M%S")
+    writer = ResultsWriter(out)
+    console = Console()
+    result = ExperimentResult()
+    emulate_args = ["--timing", plan.timing, "--time-scale", f"{plan.time_scale:g}"]
+
+    async def start_fleet(workers: int):
+        if args.engine == "urls":
+            return external(args.worker)
+        console.print(f"starting {workers} emulated workers (timing {plan.timing}, ×{plan.time_scale:g})")
+        return await launch_emulated(workers, emulate_args)
+
+    async def main() -> None:
+        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                      console=console, transient=True) as progress:
+            hooks = _ProgressHooks(progress, console, plan.total_trials)
+            await run_experiment(plan, start_fleet, writer, hooks, result)
+            hooks.finish()
+
+    interrupted = False
+    try:
+        _run_async(main)
+    except KeyboardInterrupt:
+        interrupted = True
+    except UserError as exc:
+        if not result.measured:
+            raise
+        console.print(f"[red]error:[/red] {exc}")
+        interrupted = True
+    if not result.measured:
+        console.print("interrupted before any point was measured")
+        return 130
+
+    def render(c: Console) -> None:
+        print_tables(result.measured, result.capacity, c, reference=result.predicted or None)
+
+    render(console)
+    meta = {
+        "command": "experiment",
+        "engine": args.engine,
+        "workers": list(plan.workers),
+        "topologies": list(plan.topologies),
+        "timing": plan.timing,
+        "time_scale": plan.time_scale,
+        "trials": plan.trials,
+        "seed": plan.seed,
+        "capacity_requests": result.capacity,
+        "num_blocks": result.geometry[0] if result.geometry else None,
+        "block_size": result.geometry[1] if result.geometry else None,
+        "partial": interrupted,
+        "sim": {"points": [p.to_json() for p in result.predicted]},
+    }
+    paths = writer.write_reports(result.measured, meta, result.capacity, tables_as_html(render),
+                                 result.predicted or None)
+    console.print(f"wrote {writer.out}/: {', '.join(p.name for p in paths)}, records.jsonl")
+    if interrupted:
+        console.print(f"[yellow]stopped early[/yellow]: the tables show what was measured")
+        return 130
+    return 0
