@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import re
+
 from pathlib import Path
 
 from rich import box
@@ -18,6 +18,7 @@ from rich.console import Console
 from rich.table import Table
 
 from kvroute import model
+from kvroute.commands._common import parse_bytes
 from kvroute.errors import UserError
 
 NAME = "predict"
@@ -52,39 +53,6 @@ More:
   kvroute predict --model-shape 32,8,128,bf16 --kv-cache-memory-bytes 20G --json out.json
 """
 
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([a-zA-Z]*)$")
-_BINARY = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
-_DECIMAL = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
-
-
-def parse_bytes(text: str) -> int:
-    """A byte count as vLLM's ``--kv-cache-memory-bytes`` takes it, plus IEC/SI units.
-
-    ``1073741824``; vLLM's own suffixes, upper case binary and lower case decimal (``1G`` =
-    2^30, ``1g`` = 10^9, ``64M`` = 64·2^20); ``1GiB``/``64MiB`` (binary) and ``1GB`` (decimal).
-    """
-    match = _SIZE.match(str(text).strip())
-    if not match:
-        raise UserError(f"bad size {text!r}: use bytes or a suffix, e.g. 1073741824, 1G, 64M, 1GiB")
-    number, unit = match.groups()
-    if not unit:
-        mult = 1
-    elif len(unit) == 1 and unit in _BINARY:
-        mult = _BINARY[unit]
-    elif len(unit) == 1 and unit in _DECIMAL:
-        mult = _DECIMAL[unit]
-    elif len(unit) == 3 and unit[1:].lower() == "ib" and unit[0].upper() in _BINARY:
-        mult = _BINARY[unit[0].upper()]
-    elif len(unit) == 2 and unit[1] == "B" and unit[0].lower() in _DECIMAL:
-        mult = _DECIMAL[unit[0].lower()]
-    else:
-        raise UserError(f"bad size {text!r}: unknown unit {unit!r} (K, M, G, T, KiB, GiB, GB, ...)")
-    value = float(number) * mult
-    if value != int(value):
-        raise UserError(f"bad size {text!r}: not a whole number of bytes")
-    return int(value)
-
-
 def _int_list(text: str, what: str) -> list[int]:
     try:
         values = [int(x) for x in str(text).split(",")]
@@ -94,7 +62,6 @@ def _int_list(text: str, what: str) -> list[int]:
         raise UserError(f"bad {what} {text!r}: values must be >= 1")
     return values
 
-
 def _non_negative_float(text: str, what: str) -> float:
     try:
         value = float(text)
@@ -103,7 +70,6 @@ def _non_negative_float(text: str, what: str) -> float:
     if value < 0 or not math.isfinite(value):
         raise UserError(f"bad {what} {text!r}: must be a finite number >= 0")
     return value
-
 
 def _model_shape(args: argparse.Namespace) -> tuple[str, int, int]:
     """(description, KV bytes per token, default block size) from the model flags."""
@@ -127,7 +93,6 @@ def _model_shape(args: argparse.Namespace) -> tuple[str, int, int]:
             raise UserError(f"bad --model-shape {args.model_shape!r}: {exc}") from None
     shape = model.MODEL_PRESETS[args.model]
     return shape.name, shape.kv_bytes_per_token, shape.block_size
-
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="6,3", help="W, or a comma list (default 6,3)")
@@ -181,7 +146,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="random (a Service), prefix-hash (one owner per prefix), or both: random,prefix-hash",
     )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write predictions")
-
 
 def run(args: argparse.Namespace) -> int:
     workers = _int_list(args.workers, "--workers")
@@ -281,7 +245,6 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"wrote {args.json}")
     return 0
 
-
 def _table(predictions: list[model.Prediction]) -> Table:
     """One row per point, hit rates as fractions."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
@@ -306,7 +269,6 @@ def _table(predictions: list[model.Prediction]) -> Table:
         )
     return table
 
-
 #: The order notes are printed in; notes particular to one point go after the general ones.
 _NOTE_ORDER = (
     model.NOTE_FORMULA,
@@ -318,7 +280,6 @@ _NOTE_ORDER = (
     model.NOTE_CHE,
     model.NOTE_WINDOW,
 )
-
 
 def _notes(predictions: list[model.Prediction]) -> list[str]:
     """Every distinct note of the points, general ones first in a fixed order."""
