@@ -7,9 +7,10 @@ import asyncio
 import signal
 import sys
 
-from kvroute.emulator.config import MODEL_PRESETS, EmulatorConfig, parse_memory_bytes
+from kvroute.emulator.config import MODEL_PRESETS, EmulatorConfig
 from kvroute.engine.cost import PRESETS
 from kvroute.errors import UserError
+from kvroute.units import parse_bytes
 
 NAME = "emulate"
 HELP = "serve emulated vLLM workers: OpenAI API, Prometheus metrics and KV events"
@@ -118,7 +119,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     overrides = {
         "max_model_len": args.max_model_len,
-        "kv_cache_memory_bytes": parse_memory_bytes(args.kv_cache_memory_bytes),
+        "kv_cache_memory_bytes": parse_bytes(args.kv_cache_memory_bytes),
         "num_gpu_blocks_override": args.num_gpu_blocks_override,
         "time_scale": args.time_scale,
         "max_num_seqs": args.max_num_seqs,

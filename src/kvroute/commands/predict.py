@@ -10,7 +10,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-
 from pathlib import Path
 
 from rich import box
@@ -18,8 +17,8 @@ from rich.console import Console
 from rich.table import Table
 
 from kvroute import model
-from kvroute.commands._common import parse_bytes
 from kvroute.errors import UserError
+from kvroute.units import parse_bytes
 
 NAME = "predict"
 HELP = "predict prefix-cache hit rates from KV capacity and workload shape (no servers)"

@@ -12,7 +12,7 @@ In-process use (the experiment runner, router tests)::
         await w.close()
 """
 
-from kvroute.emulator.config import MODEL_PRESETS, EmulatorConfig, ModelPreset, parse_memory_bytes
+from kvroute.emulator.config import MODEL_PRESETS, EmulatorConfig, ModelPreset
 from kvroute.emulator.server import EmulatorApp, RunningWorker, serve_worker, start_workers
 from kvroute.emulator.textgen import OutputTokenGenerator
 from kvroute.emulator.worker import EmulatedWorker, RequestStream
@@ -26,7 +26,6 @@ __all__ = [
     "OutputTokenGenerator",
     "RequestStream",
     "RunningWorker",
-    "parse_memory_bytes",
     "serve_worker",
     "start_workers",
 ]

@@ -9,7 +9,6 @@ explicitly.
 from __future__ import annotations
 
 import dataclasses
-import re
 from dataclasses import dataclass
 
 from kvroute import model as analytic
@@ -43,27 +42,6 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
         _preset("tiny-cpu", "tiny-cpu", "cpu-tiny"),
     )
 }
-
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kmgtKMGT]?)i?[bB]?\s*$")
-
-
-def parse_memory_bytes(text: str | int) -> int:
-    """Parse a size the way vLLM's ``human_readable_int`` does: a plain number of bytes, or a
-    suffix where lowercase is decimal (``1g`` = 10^9) and uppercase is binary (``1G`` = 2^30).
-    So ``--kv-cache-memory-bytes 4M`` is 4,194,304 bytes, as on a real vLLM."""
-    if isinstance(text, int):
-        return text
-    m = _SIZE.match(text)
-    if not m:
-        raise UserError(f"bad memory size {text!r}: use bytes or a suffix such as 64M, 1G, 1g")
-    number, suffix = float(m.group(1)), m.group(2)
-    power = "kmgt".index(suffix.lower()) + 1 if suffix else 0
-    base = 1024 if suffix.isupper() else 1000
-    value = number * base**power
-    if value != int(value):
-        raise UserError(f"bad memory size {text!r}: not a whole number of bytes")
-    return int(value)
-
 
 @dataclass(frozen=True, slots=True)
 class EmulatorConfig:
