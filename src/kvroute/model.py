@@ -323,6 +323,22 @@ def capacity_requests(usable_blocks: int, blocks_per_request: float) -> float:
     return usable_blocks / blocks_per_request
 
 
+def capacity_for_mean_lengths(
+    prefix_tokens: float, suffix_tokens: float, output_tokens: float, num_blocks: int, block_size: int
+) -> float:
+    """C of the formula for a workload described by its mean lengths: a worker's usable blocks
+    (``num_blocks`` includes the null block) over the blocks one such request leaves cached.
+    What ``kvroute sim``, ``bench`` and ``experiment`` print beside the measured hit rate."""
+    shape = WorkloadShape.reference(
+        prefixes=1,
+        prefix_tokens=round(prefix_tokens),
+        suffix_tokens=suffix_tokens,
+        output_tokens=max(output_tokens, 1.0),
+    )
+    footprint = float(block_accounting(shape, block_size).footprint_blocks[0])
+    return capacity_requests(usable_blocks(num_blocks), footprint)
+
+
 def formula_hit(capacity: float, num_prefixes: int) -> float:
     """min(1, C/K): random balancing under LRU.
 

@@ -27,7 +27,7 @@ from kvroute.bench.client import BenchClient, run_closed_loop, run_open_loop, ru
 from kvroute.bench.prompts import BenchRequest, BenchWorkload, poisson_schedule
 from kvroute.bench.scrape import CacheDelta, MetricsScraper, deltas, window_token_hit_rate
 from kvroute.errors import UserError
-from kvroute.model import WorkloadShape, block_accounting, capacity_requests, usable_blocks
+from kvroute.model import capacity_for_mean_lengths
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
 
 logger = logging.getLogger(__name__)
@@ -364,14 +364,9 @@ async def server_cache_config(metrics_urls: Sequence[str]) -> list[tuple[int, in
 def capacity_for(workload: BenchWorkload, num_blocks: int, block_size: int) -> float:
     """C of the formula: requests' worth of KV blocks one worker holds, from the workload's
     mean lengths (as ``kvroute sim`` computes it)."""
-    shape = WorkloadShape.reference(
-        prefixes=1,
-        prefix_tokens=round(workload.prefix_tokens),
-        suffix_tokens=workload.suffix_tokens,
-        output_tokens=max(workload.output_tokens, 1.0),
+    return capacity_for_mean_lengths(
+        workload.prefix_tokens, workload.suffix_tokens, workload.output_tokens, num_blocks, block_size
     )
-    footprint = float(block_accounting(shape, block_size).footprint_blocks[0])
-    return capacity_requests(usable_blocks(num_blocks), footprint)
 
 
 def simulate_points(

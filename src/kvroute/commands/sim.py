@@ -18,7 +18,7 @@ from kvroute.commands._common import (
 )
 from kvroute.engine import PRESETS, get_preset
 from kvroute.errors import UserError
-from kvroute.model import WorkloadShape, block_accounting, capacity_requests, usable_blocks
+from kvroute.model import capacity_for_mean_lengths
 from kvroute.records import Point
 from kvroute.report import print_tables
 from kvroute.routing.policies import POLICIES
@@ -101,15 +101,10 @@ def run(args: argparse.Namespace) -> int:
                 run_point(point, workloads[point.prefixes], config, trials, args.seed, options,
                           on_trial=lambda: progress.advance(task))
             )
-    # C for the formula column: the reference request's footprint (mean lengths).
-    shape = WorkloadShape.reference(
-        prefixes=1,
-        prefix_tokens=round(workloads[prefixes[0]].spec.prefix_tokens.mean),
-        suffix_tokens=workloads[prefixes[0]].spec.suffix_tokens.mean,
-        output_tokens=args.output_tokens,
+    spec = workloads[prefixes[0]].spec
+    capacity = capacity_for_mean_lengths(
+        spec.prefix_tokens.mean, spec.suffix_tokens.mean, spec.output_tokens, num_blocks, block_size
     )
-    footprint = float(block_accounting(shape, block_size).footprint_blocks[0])
-    capacity = capacity_requests(usable_blocks(num_blocks), footprint)
     print_tables(results, capacity, console)
     if args.json:
         write_points_json(args.json, results, {"command": "sim", "capacity_requests": capacity,
