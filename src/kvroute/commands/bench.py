@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import argparse
-import asyncio
 import time
 from argparse import Namespace
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvroute import aio
 from kvroute.bench.files import ResultsWriter, tables_as_html
+from kvroute.bench.progress import ProgressHooks, sweep_progress
 from kvroute.bench.prompts import (
     PROMPT_FORMATS,
     BenchWorkload,
@@ -25,7 +25,6 @@ from kvroute.bench.runner import (
     BenchOptions,
     BenchRunner,
     BenchTarget,
-    SweepHooks,
     capacity_for,
     discover_model,
     server_cache_config,
@@ -35,7 +34,7 @@ from kvroute.commands._common import add_workload_arguments, kv_geometry, worklo
 from kvroute.engine import PRESETS
 from kvroute.errors import UserError
 from kvroute.model import MODEL_PRESETS
-from kvroute.records import Point, RequestRecord
+from kvroute.records import Point
 from kvroute.report import print_tables
 from kvroute.workload import LengthDist, parse_int_list
 
@@ -167,39 +166,6 @@ def _check_workload_flags(args: Namespace) -> None:
         SessionSpec(args.sessions, args.turns, LengthDist.parse(args.turn_tokens))
 
 
-class _ProgressHooks(SweepHooks):
-    """Rich bars: the whole sweep, and the phase (warmup / measure) of the current trial."""
-
-    def __init__(self, progress: Progress, console: Console, total_trials: int) -> None:
-        self.progress = progress
-        self.console = console
-        self.sweep = progress.add_task("sweep", total=total_trials)
-        self.phase_task = progress.add_task("", total=1)
-        self.failed = 0
-        self._trials_started = 0
-
-    def trial_started(self, target, workload, concurrency, trial) -> None:
-        if self._trials_started:
-            self.progress.advance(self.sweep)
-        self._trials_started += 1
-        load = f"c={concurrency}" if concurrency else "open loop"
-        self.progress.update(self.sweep, description=f"{target.label} K={workload.prefixes} {load} trial {trial + 1}")
-
-    def phase(self, description: str, total: int) -> None:
-        self.progress.reset(self.phase_task, total=total, description=description)
-
-    def request_done(self, record: RequestRecord) -> None:
-        if not record.ok:
-            self.failed += 1
-        self.progress.advance(self.phase_task)
-
-    def warning(self, message: str) -> None:
-        self.console.print(f"[yellow]warning:[/yellow] {message}")
-
-    def finish(self) -> None:
-        self.progress.update(self.sweep, completed=self.progress.tasks[self.sweep].total)
-
-
 def _geometry(args: Namespace, configs: list[tuple[int, int]], console: Console) -> tuple[int, int, str]:
     """(num_blocks, block_size, where from): the workers' own cache config when scraped."""
     if configs:
@@ -249,9 +215,8 @@ def run(args: Namespace) -> int:
         setup.update(model=model, blocks=blocks, block_size=block_size, geometry=geometry_source,
                      workloads=workloads, target=target)
         total = len(workloads) * len(options.load_levels) * options.trials
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
-            hooks = _ProgressHooks(progress, console, total)
+        with sweep_progress(console) as progress:
+            hooks = ProgressHooks(progress, console, total)
             runner = BenchRunner(target, options, writer, hooks)
             runner_box.append(runner)
             points = await runner.run(workloads)
@@ -262,7 +227,7 @@ def run(args: Namespace) -> int:
 
     interrupted = False
     try:
-        points = _run_async(main)
+        points = aio.run(main())
     except KeyboardInterrupt:
         interrupted = True
         if not runner_box:
@@ -285,14 +250,6 @@ def _attach_partial(points: list[Point], partial) -> None:
         if (p.prefixes, p.concurrency) == (partial.prefixes, partial.concurrency):
             p.trials.append(partial.stats)
             return
-
-
-def _run_async(main):
-    try:
-        import uvloop
-    except ImportError:  # uvloop is not available on Windows
-        return asyncio.run(main())
-    return uvloop.run(main())
 
 
 def _report(args, options: BenchOptions, setup: dict, points: list[Point], writer: ResultsWriter,

@@ -7,6 +7,7 @@ import asyncio
 import signal
 import sys
 
+from kvroute import aio
 from kvroute.emulator.config import MODEL_PRESETS, EmulatorConfig
 from kvroute.engine.cost import PRESETS
 from kvroute.errors import UserError
@@ -174,12 +175,6 @@ async def _serve(config: EmulatorConfig, workers: int, host: str, port: int) -> 
 
 def run(args: argparse.Namespace) -> int:
     config = config_from_args(args)
-    try:
-        import uvloop
-
-        runner = uvloop.run
-    except ImportError:  # uvloop is optional (not on Windows)
-        runner = asyncio.run
-    runner(_serve(config, args.workers, args.host, args.port))
+    aio.run(_serve(config, args.workers, args.host, args.port))
     print("kvroute emulate: stopped", file=sys.stderr, flush=True)
     return 0

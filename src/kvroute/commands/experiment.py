@@ -7,11 +7,11 @@ import time
 from pathlib import Path
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
+from kvroute import aio
 from kvroute.bench.files import ResultsWriter, tables_as_html
+from kvroute.bench.progress import ProgressHooks, sweep_progress
 from kvroute.commands._common import add_workload_arguments, workload_spec
-from kvroute.commands.bench import _ProgressHooks, _run_async
 from kvroute.engine import PRESETS
 from kvroute.errors import UserError
 from kvroute.experiment import TOPOLOGIES, ExperimentPlan, ExperimentResult, run_experiment
@@ -111,15 +111,14 @@ def run(args: argparse.Namespace) -> int:
         return await launch_emulated(workers, emulate_args)
 
     async def main() -> None:
-        with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                      console=console, transient=True) as progress:
-            hooks = _ProgressHooks(progress, console, plan.total_trials)
+        with sweep_progress(console) as progress:
+            hooks = ProgressHooks(progress, console, plan.total_trials)
             await run_experiment(plan, start_fleet, writer, hooks, result)
             hooks.finish()
 
     interrupted = False
     try:
-        _run_async(main)
+        aio.run(main())
     except KeyboardInterrupt:
         interrupted = True
     except UserError as exc:
@@ -154,6 +153,6 @@ def run(args: argparse.Namespace) -> int:
                                  result.predicted or None)
     console.print(f"wrote {writer.out}/: {', '.join(p.name for p in paths)}, records.jsonl")
     if interrupted:
-        console.print(f"[yellow]stopped early[/yellow]: the tables show what was measured")
+        console.print("[yellow]stopped early[/yellow]: the tables show what was measured")
         return 130
     return 0

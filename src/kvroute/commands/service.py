@@ -6,9 +6,8 @@ import argparse
 import asyncio
 import random
 import signal
-from collections.abc import Coroutine
-from typing import Any
 
+from kvroute import aio
 from kvroute.errors import UserError
 from kvroute.service import TcpBalancer, format_hostport, parse_hostport
 
@@ -71,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         )
     except ValueError as exc:
         raise UserError(str(exc)) from exc
-    _run_event_loop(_serve(balancer))
+    aio.run(_serve(balancer))
     print(balancer.summary(), flush=True)
     return 0
 
@@ -96,13 +95,3 @@ async def _serve(balancer: TcpBalancer) -> None:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
         await balancer.close()
-
-
-def _run_event_loop(main: Coroutine[Any, Any, None]) -> None:
-    """Run ``main`` on uvloop when it is installed (faster relaying), else on asyncio's loop."""
-    try:
-        import uvloop
-    except ImportError:  # uvloop is not available on Windows
-        asyncio.run(main)
-    else:
-        uvloop.run(main)

@@ -1,0 +1,48 @@
+"""Progress display for sweeps (``kvroute bench`` and ``kvroute experiment``)."""
+
+from __future__ import annotations
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from kvroute.bench.runner import SweepHooks
+from kvroute.records import RequestRecord
+
+
+def sweep_progress(console: Console) -> Progress:
+    """The bars' layout: description, bar, done/total, elapsed; cleared when finished."""
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    console=console, transient=True)
+
+
+class ProgressHooks(SweepHooks):
+    """Rich bars: the whole sweep, and the phase (warmup / measure) of the current trial."""
+
+    def __init__(self, progress: Progress, console: Console, total_trials: int) -> None:
+        self.progress = progress
+        self.console = console
+        self.sweep = progress.add_task("sweep", total=total_trials)
+        self.phase_task = progress.add_task("", total=1)
+        self.failed = 0
+        self._trials_started = 0
+
+    def trial_started(self, target, workload, concurrency, trial) -> None:
+        if self._trials_started:
+            self.progress.advance(self.sweep)
+        self._trials_started += 1
+        load = f"c={concurrency}" if concurrency else "open loop"
+        self.progress.update(self.sweep, description=f"{target.label} K={workload.prefixes} {load} trial {trial + 1}")
+
+    def phase(self, description: str, total: int) -> None:
+        self.progress.reset(self.phase_task, total=total, description=description)
+
+    def request_done(self, record: RequestRecord) -> None:
+        if not record.ok:
+            self.failed += 1
+        self.progress.advance(self.phase_task)
+
+    def warning(self, message: str) -> None:
+        self.console.print(f"[yellow]warning:[/yellow] {message}")
+
+    def finish(self) -> None:
+        self.progress.update(self.sweep, completed=self.progress.tasks[self.sweep].total)
