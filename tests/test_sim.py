@@ -165,6 +165,8 @@ def test_sim_cli_writes_json_with_the_point_contract(tmp_path, capsys):
         (["sim", "--policy", "sticky"], "--policy"),
         (["sim", "--kv-cache-memory-bytes", "lots"], "bad size"),
         (["sim", "--prefix-tokens", "9:1"], "bad length"),
+        (["sim", "--model-shape", "28,8,128,int3"], "unknown dtype"),
+        (["sim", "--model-shape", "28,8"], "--model-shape"),
         (["sim", "--kv-cache-memory-bytes", "8M", "--workers", "1", "--prefixes", "1"], "KV blocks"),
     ],
 )

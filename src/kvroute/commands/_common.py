@@ -38,11 +38,17 @@ def workload_spec(args: argparse.Namespace, prefixes: int) -> WorkloadSpec:
     )
 
 
-def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
-    g = parser.add_argument_group("worker KV cache (the reference: Qwen3-0.6B bf16, 1 GiB, block 16)")
+def add_worker_arguments(
+    parser: argparse.ArgumentParser,
+    title: str = "worker KV cache (the reference: Qwen3-0.6B bf16, 1 GiB, block 16)",
+    model_flag: str = "--model",
+) -> None:
+    """KV memory, model geometry and block size of a worker. ``model_flag`` names the preset
+    flag (``kvroute bench`` uses ``--kv-model``: its ``--model`` is the served model name)."""
+    g = parser.add_argument_group(title)
     g.add_argument("--kv-cache-memory-bytes", default="1GiB", metavar="SIZE",
                    help="KV memory per worker, as vLLM's flag (default %(default)s)")
-    g.add_argument("--model", default="qwen3-0.6b", choices=sorted(MODEL_PRESETS),
+    g.add_argument(model_flag, dest="kv_model", default="qwen3-0.6b", choices=sorted(MODEL_PRESETS),
                    help="model preset giving KV bytes per token (default %(default)s)")
     g.add_argument("--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]",
                    help="model KV geometry instead of a preset, e.g. 28,8,128,bfloat16")
@@ -52,20 +58,20 @@ def add_worker_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def model_shape(args: argparse.Namespace) -> ModelShape:
-    if args.model_shape:
-        parts = [p.strip() for p in args.model_shape.split(",")]
-        try:
-            layers, heads, dim = (int(p) for p in parts[:3])
-            dtype = parts[3] if len(parts) > 3 else "bfloat16"
-            dtype_bytes(dtype)
-            if len(parts) not in (3, 4):
-                raise ValueError
-        except ValueError:
-            raise UserError(
-                f"bad --model-shape {args.model_shape!r}: expected LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
-            ) from None
-        return ModelShape(args.model_shape, layers, heads, dim, dtype)
-    return MODEL_PRESETS[args.model]
+    """The model's KV geometry: ``--model-shape`` when given, else the ``--model`` preset."""
+    if not args.model_shape:
+        return MODEL_PRESETS[args.kv_model]
+    text = args.model_shape
+    parts = [p.strip() for p in text.split(",")]
+    if len(parts) not in (3, 4):
+        raise UserError(f"bad --model-shape {text!r}: expected LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]")
+    try:
+        layers, heads, dim = (int(p) for p in parts[:3])
+        shape = ModelShape(text, layers, heads, dim, parts[3] if len(parts) == 4 else "bfloat16")
+        shape.kv_bytes_per_token  # checks sizes and the dtype name
+    except ValueError as exc:
+        raise UserError(f"bad --model-shape {text!r}: {exc}") from None
+    return shape
 
 
 def kv_geometry(args: argparse.Namespace) -> tuple[int, int, int]:

@@ -30,10 +30,9 @@ from kvroute.bench.runner import (
     server_cache_config,
     simulate_points,
 )
-from kvroute.commands._common import add_workload_arguments, kv_geometry, workload_spec
+from kvroute.commands._common import add_worker_arguments, add_workload_arguments, kv_geometry, workload_spec
 from kvroute.engine import PRESETS
 from kvroute.errors import UserError
-from kvroute.model import MODEL_PRESETS
 from kvroute.records import Point
 from kvroute.report import print_tables
 from kvroute.workload import LengthDist, parse_int_list
@@ -100,18 +99,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--trace", type=Path, default=None, metavar="JSONL",
                    help="replay a trace: timestamp, prompt or token ids, output tokens, optional session id")
 
-    kv = parser.add_argument_group(
+    add_worker_arguments(
+        parser,
         "formula's capacity C (only without --metrics-url; with it, the workers' "
-        "vllm:cache_config_info is used)"
+        "vllm:cache_config_info is used)",
+        model_flag="--kv-model",
     )
-    kv.add_argument("--kv-cache-memory-bytes", default="1GiB", metavar="SIZE",
-                    help="KV memory per worker (default %(default)s)")
-    kv.add_argument("--kv-model", default="qwen3-0.6b", choices=sorted(MODEL_PRESETS),
-                    help="model preset giving KV bytes per token (default %(default)s)")
-    kv.add_argument("--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]",
-                    help="model KV geometry instead of a preset")
-    kv.add_argument("--kv-bytes-per-token", type=int, default=None, help="KV bytes per token, overriding the model")
-    kv.add_argument("--block-size", type=int, default=None, help="KV block size (default: the preset's)")
 
     out = parser.add_argument_group("output")
     out.add_argument("--out", type=Path, default=None, help="results folder (default ./kvroute-results/<timestamp>)")
@@ -174,11 +167,7 @@ def _geometry(args: Namespace, configs: list[tuple[int, int]], console: Console)
                           "the formula uses the smallest")
         blocks, block_size = min(configs)
         return blocks, block_size, "vllm:cache_config_info"
-    shaped = Namespace(
-        model=args.kv_model, model_shape=args.model_shape, kv_bytes_per_token=args.kv_bytes_per_token,
-        block_size=args.block_size, kv_cache_memory_bytes=args.kv_cache_memory_bytes,
-    )
-    blocks, block_size, _ = kv_geometry(shaped)
+    blocks, block_size, _ = kv_geometry(args)
     return blocks, block_size, "worker KV flags"
 
 

@@ -17,8 +17,10 @@ from rich.console import Console
 from rich.table import Table
 
 from kvroute import model
+from kvroute.commands._common import model_shape
 from kvroute.errors import UserError
 from kvroute.units import parse_bytes
+from kvroute.workload import parse_int_list
 
 NAME = "predict"
 HELP = "predict prefix-cache hit rates from KV capacity and workload shape (no servers)"
@@ -52,14 +54,6 @@ More:
   kvroute predict --model-shape 32,8,128,bf16 --kv-cache-memory-bytes 20G --json out.json
 """
 
-def _int_list(text: str, what: str) -> list[int]:
-    try:
-        values = [int(x) for x in str(text).split(",")]
-    except ValueError:
-        raise UserError(f"bad {what} {text!r}: expected a number or a comma list like 2,7,12") from None
-    if any(v < 1 for v in values):
-        raise UserError(f"bad {what} {text!r}: values must be >= 1")
-    return values
 
 def _non_negative_float(text: str, what: str) -> float:
     try:
@@ -70,28 +64,19 @@ def _non_negative_float(text: str, what: str) -> float:
         raise UserError(f"bad {what} {text!r}: must be a finite number >= 0")
     return value
 
+
 def _model_shape(args: argparse.Namespace) -> tuple[str, int, int]:
     """(description, KV bytes per token, default block size) from the model flags."""
     if args.kv_bytes_per_token is not None:
         if args.kv_bytes_per_token < 1:
             raise UserError(f"--kv-bytes-per-token must be >= 1, got {args.kv_bytes_per_token}")
         return f"{args.kv_bytes_per_token:,} B/token", args.kv_bytes_per_token, 16
+    shape = model_shape(args)
     if args.model_shape is not None:
-        parts = [p.strip() for p in args.model_shape.split(",")]
-        if len(parts) not in (3, 4):
-            raise UserError(
-                f"bad --model-shape {args.model_shape!r}: expected LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
-            )
-        try:
-            layers, heads, dim = (int(p) for p in parts[:3])
-            shape = model.ModelShape(
-                args.model_shape, layers, heads, dim, parts[3] if len(parts) == 4 else "bfloat16"
-            )
-            return f"{layers} layers x {heads} KV heads x {dim} ({shape.dtype})", shape.kv_bytes_per_token, 16
-        except ValueError as exc:
-            raise UserError(f"bad --model-shape {args.model_shape!r}: {exc}") from None
-    shape = model.MODEL_PRESETS[args.model]
+        described = f"{shape.num_layers} layers x {shape.num_kv_heads} KV heads x {shape.head_dim} ({shape.dtype})"
+        return described, shape.kv_bytes_per_token, shape.block_size
     return shape.name, shape.kv_bytes_per_token, shape.block_size
+
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--workers", default="6,3", help="W, or a comma list (default 6,3)")
@@ -119,6 +104,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape = parser.add_mutually_exclusive_group()
     shape.add_argument(
         "--model",
+        dest="kv_model",
         choices=sorted(model.MODEL_PRESETS),
         default="qwen3-0.6b",
         help="model preset (default qwen3-0.6b; tiny-cpu is vLLM on CPU with block size 128)",
@@ -146,10 +132,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write predictions")
 
+
 def run(args: argparse.Namespace) -> int:
-    workers = _int_list(args.workers, "--workers")
-    prefixes = _int_list(args.prefixes, "--prefixes")
-    prefix_tokens = _int_list(args.prefix_tokens, "--prefix-tokens")
+    workers = parse_int_list(args.workers, "--workers")
+    prefixes = parse_int_list(args.prefixes, "--prefixes")
+    prefix_tokens = parse_int_list(args.prefix_tokens, "--prefix-tokens")
     suffix = _non_negative_float(args.suffix_tokens, "--suffix-tokens")
     output = _non_negative_float(args.output_tokens, "--output-tokens")
     alpha = _non_negative_float(args.zipf, "--zipf")
@@ -244,6 +231,7 @@ def run(args: argparse.Namespace) -> int:
         console.print(f"wrote {args.json}")
     return 0
 
+
 def _table(predictions: list[model.Prediction]) -> Table:
     """One row per point, hit rates as fractions."""
     table = Table(box=box.SIMPLE_HEAD, pad_edge=False, show_edge=False, collapse_padding=True)
@@ -279,6 +267,7 @@ _NOTE_ORDER = (
     model.NOTE_CHE,
     model.NOTE_WINDOW,
 )
+
 
 def _notes(predictions: list[model.Prediction]) -> list[str]:
     """Every distinct note of the points, general ones first in a fixed order."""
