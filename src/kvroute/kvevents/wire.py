@@ -115,36 +115,16 @@ class _MapAllBlocksCleared(_MapEvent, tag="AllBlocksCleared"):
     pass
 
 
-class _ArrayEvent(msgspec.Struct, array_like=True, omit_defaults=True, gc=False, tag_field="type"):
+# The older positional shape: the same fields, written as arrays with the tag first.
+class _ArrayBlockStored(_MapBlockStored, array_like=True, tag="BlockStored"):
     pass
 
 
-class _ArrayBlockStored(_ArrayEvent, tag="BlockStored"):
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[Any] | None = None
-    group_idx: int | None = None
-    kv_cache_spec_kind: str | None = None
-    kv_cache_spec_sliding_window: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-    session_id: str | None = None
+class _ArrayBlockRemoved(_MapBlockRemoved, array_like=True, tag="BlockRemoved"):
+    pass
 
 
-class _ArrayBlockRemoved(_ArrayEvent, tag="BlockRemoved"):
-    block_hashes: list[int]
-    medium: str | None
-    group_idx: int | None = None
-    locality: str | None = None
-    ownership: str | None = None
-
-
-class _ArrayAllBlocksCleared(_ArrayEvent, tag="AllBlocksCleared"):
+class _ArrayAllBlocksCleared(_MapAllBlocksCleared, array_like=True, tag="AllBlocksCleared"):
     pass
 
 
