@@ -226,14 +226,20 @@ def _completion_prompt(prompt: Any, ctx: ServingContext) -> list[int]:
     )
 
 
-def parse_completion(body: dict, ctx: ServingContext) -> GenerationRequest:
-    """Validate a ``/v1/completions`` body and tokenize its prompt."""
-    if "prompt" not in body or body["prompt"] is None:
-        raise validation_error("Field required: prompt", "prompt")
+def _generation_options(body: dict, ctx: ServingContext) -> tuple[str, bool, bool, bool]:
+    """The fields completions and chat share: (model, stream, include_usage, continuous usage)."""
     model = _check_model(body, ctx)
     stream = bool(_field(body, "stream", (bool,), False))
     include_usage, continuous = _stream_options(body, stream)
     _check_n(body)
+    return model, stream, include_usage, continuous
+
+
+def parse_completion(body: dict, ctx: ServingContext) -> GenerationRequest:
+    """Validate a ``/v1/completions`` body and tokenize its prompt."""
+    if "prompt" not in body or body["prompt"] is None:
+        raise validation_error("Field required: prompt", "prompt")
+    model, stream, include_usage, continuous = _generation_options(body, ctx)
     max_tokens = _max_tokens(body, ("max_tokens",), COMPLETION_DEFAULT_MAX_TOKENS)
     prompt = _completion_prompt(body["prompt"], ctx)
     if not prompt:
@@ -291,10 +297,7 @@ def parse_chat(body: dict, ctx: ServingContext) -> GenerationRequest:
     """Validate a ``/v1/chat/completions`` body and tokenize its templated messages."""
     if "messages" not in body or body["messages"] is None:
         raise validation_error("Field required: messages", "messages")
-    model = _check_model(body, ctx)
-    stream = bool(_field(body, "stream", (bool,), False))
-    include_usage, continuous = _stream_options(body, stream)
-    _check_n(body)
+    model, stream, include_usage, continuous = _generation_options(body, ctx)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     add_generation_prompt = _field(body, "add_generation_prompt", (bool,), True)
     prompt = chat_prompt_ids(body["messages"], ctx, add_generation_prompt)
