@@ -258,11 +258,14 @@ class TcpBalancer:
 
     async def _connect(self) -> tuple[asyncio.StreamReader, asyncio.StreamWriter] | None:
         """Open a connection to a random backend; on refusal try one other. None if both fail."""
-        first = self._rng.choice(self.backends)
-        others = [b for b in self.backends if b != first]
-        # With a single backend the retry goes to the same one: it may have just restarted.
-        attempts = (first, self._rng.choice(others) if others else first)
-        for backend in attempts:
+        backend = self._rng.choice(self.backends)
+        for attempt in range(2):
+            if attempt:
+                # Drawn only after a refusal, so a seeded balancer's choices are one draw per
+                # connection. With a single backend the retry goes to the same one: it may have
+                # just restarted.
+                others = [b for b in self.backends if b != backend]
+                backend = self._rng.choice(others) if others else backend
             try:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(*backend, limit=_RELAY_CHUNK), self._connect_timeout
