@@ -245,6 +245,10 @@ class TcpBalancer:
             backend_reader, backend_writer = connected
             _set_nodelay(backend_writer)
             clean = await self._relay(client_reader, client_writer, backend_reader, backend_writer)
+        except asyncio.CancelledError:
+            # close() or loop shutdown cut this connection. Nobody awaits a connection handler,
+            # and asyncio's stream callback logs a cancelled one as an error, so end quietly.
+            return
         finally:
             self._relays.discard(task)
             for writer in (client_writer, backend_writer):

@@ -1,0 +1,142 @@
+"""`kvroute experiment` leaves no process and no listening port behind: after a normal exit,
+after Ctrl-C, and after a worker crashes mid-run.
+
+Every process the experiment starts inherits a unique environment tag, so the test finds them
+(and the TCP ports they listen on) through /proc whatever their names or ports are.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+pytestmark = pytest.mark.skipif(not Path("/proc/self/environ").exists(), reason="needs Linux /proc")
+
+_TAG_VAR = "KVROUTE_CLEANUP_TEST_TAG"
+
+
+def _tagged_pids(tag: str) -> set[int]:
+    """PIDs of live processes whose environment carries ``tag``."""
+    needle = f"{_TAG_VAR}={tag}".encode()
+    pids = set()
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            env = (entry / "environ").read_bytes()
+            state = (entry / "stat").read_text().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            continue
+        if state != "Z" and needle in env.split(b"\0"):
+            pids.add(int(entry.name))
+    return pids
+
+
+def _listening_ports(pids: set[int]) -> set[int]:
+    """TCP ports in LISTEN state owned by any of ``pids``."""
+    inodes = set()
+    for pid in pids:
+        try:
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                target = os.readlink(fd)
+                if target.startswith("socket:["):
+                    inodes.add(target[8:-1])
+        except OSError:
+            continue
+    return {port for port, inode in _listen_table() if inode in inodes}
+
+
+def _listen_table() -> list[tuple[int, str]]:
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        try:
+            lines = Path(table).read_text().splitlines()[1:]
+        except OSError:
+            continue
+        for line in lines:
+            fields = line.split()
+            if fields[3] == "0A":  # LISTEN
+                rows.append((int(fields[1].rsplit(":", 1)[1], 16), fields[9]))
+    return rows
+
+
+def _start(tmp_path: Path, tag: str, *extra: str) -> subprocess.Popen:
+    env = {**os.environ, _TAG_VAR: tag, "COLUMNS": "120"}
+    cmd = [
+        sys.executable, "-m", "kvroute", "experiment", "--workers", "2", "--prefixes", "2",
+        "--concurrency", "2", "--trials", "1", "--timing", "instant",
+        "--out", str(tmp_path / "out"), *extra,
+    ]
+    return subprocess.Popen(
+        cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, start_new_session=True
+    )
+
+
+def _wait_for_children(proc: subprocess.Popen, tag: str, timeout_s: float = 60.0) -> set[int]:
+    """Wait until the experiment's workers listen on ports; return those ports."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
+        children = _tagged_pids(tag) - {proc.pid}
+        ports = _listening_ports(children)
+        if len(ports) >= 2:
+            return ports
+        time.sleep(0.2)
+    raise AssertionError("the experiment's workers never started listening")
+
+
+def _assert_nothing_left(tag: str, ports: set[int]) -> None:
+    deadline = time.monotonic() + 10.0
+    while _tagged_pids(tag) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    left = _tagged_pids(tag)
+    assert not left, f"processes left behind: {left}"
+    still = {port for port, _ in _listen_table()} & ports
+    assert not still, f"ports still listening: {still}"
+
+
+def test_normal_exit_leaves_nothing(tmp_path):
+    tag = uuid.uuid4().hex
+    proc = _start(tmp_path, tag, "--requests", "400", "--time-scale", "1")
+    ports = _wait_for_children(proc, tag)
+    out, _ = proc.communicate(timeout=180)
+    assert proc.returncode == 0, out.decode(errors="replace")
+    _assert_nothing_left(tag, ports)
+    assert (tmp_path / "out").is_dir()
+
+
+def test_ctrl_c_leaves_nothing(tmp_path):
+    tag = uuid.uuid4().hex
+    # Many requests at real-time GPU timing: still running when interrupted.
+    proc = _start(tmp_path, tag, "--requests", "5000", "--timing", "reference-gpu", "--time-scale", "1")
+    ports = _wait_for_children(proc, tag)
+    time.sleep(1.0)
+    # Ctrl-C in a terminal signals the whole foreground process group.
+    os.killpg(proc.pid, signal.SIGINT)
+    out, _ = proc.communicate(timeout=60)
+    text = out.decode(errors="replace")
+    assert proc.returncode != 0
+    assert "Traceback" not in text, text
+    _assert_nothing_left(tag, ports)
+
+
+def test_worker_crash_leaves_nothing(tmp_path):
+    tag = uuid.uuid4().hex
+    proc = _start(tmp_path, tag, "--requests", "5000", "--timing", "reference-gpu", "--time-scale", "1")
+    ports = _wait_for_children(proc, tag)
+    time.sleep(1.0)
+    workers = _tagged_pids(tag) - {proc.pid}
+    for pid in workers:
+        os.kill(pid, signal.SIGKILL)
+    out, _ = proc.communicate(timeout=60)
+    text = out.decode(errors="replace")
+    assert proc.returncode != 0
+    assert "Traceback" not in text, text
+    _assert_nothing_left(tag, ports)
