@@ -174,3 +174,32 @@ def test_sim_cli_bad_input_is_one_line(argv, message, capsys):
     assert main(argv) == 2
     err = capsys.readouterr().err
     assert message in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_kv_aware_simulation_index_tracks_the_engines_and_accounting_returns_to_zero():
+    """The simulator's router index, fed by the engines' events, ends the run agreeing with
+    every engine's real cache; the load accounting drains to zero."""
+    from kvroute.routing.index import KvIndex
+    from kvroute.sim import Simulation
+
+    workload = generate(WorkloadSpec(prefixes=12, requests=120, seed=5))
+    sim = Simulation(3, REFERENCE, make_policy("kv-aware", random.Random(0)))
+    assert isinstance(sim.index, KvIndex)
+    prefix_hashes = PrefixHashCache(sim.hasher)
+    output = workload.vocab[:64]
+    sim.run(workload.warmup, 1, prefix_hashes, output)
+    sim.run(workload.requests, 8, prefix_hashes, output)
+    later = sim.now + 60  # predicted entries have expired: only events speak
+    for prefix in workload.prefixes:
+        hashes = sim.hasher.hash_blocks(prefix)
+        want = [len(e.pool.find_longest_hit(hashes, len(hashes))) for e in sim.engines]
+        assert sim.index.overlaps(hashes, sim.names, later) == want
+    assert sum(sum(sim.index.overlaps(sim.hasher.hash_blocks(p), sim.names, later)) for p in workload.prefixes) > 0
+    assert all(s.in_flight == 0 and s.in_flight_tokens == 0 for s in sim.states)
+
+
+def test_policies_without_the_index_keep_coalesced_runs_and_no_index():
+    from kvroute.sim import Simulation
+
+    sim = Simulation(2, REFERENCE, make_policy("random", random.Random(0)))
+    assert sim.index is None and not any(e.pool.emit_events for e in sim.engines)

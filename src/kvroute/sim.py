@@ -6,6 +6,13 @@ same policy, not measured), then the measured requests in their seeded order fro
 completes. A request reaches its worker's engine ``frontend_s`` after it is sent; TTFT is from
 send to the end of the step that produced the first token.
 
+A policy that ``needs_overlap`` (kv-aware) routes with a router-side ``KvIndex``, fed as the
+live router's is: each engine's KV events (engines then emit them, which turns off coalesced
+decode runs) at the end of the step that produced them, and a predicted entry for every
+prompt when it is routed. The router's load accounting follows the live one's: a request is
+in flight from its send to its completion, and its tokens still to prefill count until its
+first token.
+
 The simulator shares everything that matters with the live system: the ``Engine`` (cache and
 scheduler), the policy objects of ``kvroute.routing.policies``, the workload and the records,
 so its tables line up with a bench run's.
@@ -23,7 +30,8 @@ from kvroute.blocks import BlockHasher, PrefixHashCache
 from kvroute.engine import CostModel, Engine, EngineRequest, PrefixCacheStats
 from kvroute.errors import UserError
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
-from kvroute.routing.policies import Policy, RequestView, WorkerState, make_policy
+from kvroute.routing.index import KvIndex
+from kvroute.routing.policies import POLICIES, Policy, RequestView, WorkerState, make_policy
 from kvroute.workload import RequestSpec, Workload
 
 
@@ -74,20 +82,34 @@ class Simulation:
         workers: number of workers W.
         config: each worker's configuration.
         policy: the balancing policy (fresh per trial: it may hold state).
+        index: the router's index; by default a fresh one when the policy ``needs_overlap``
+            and none otherwise. Pass one to inspect it afterwards or to observe its events.
     """
 
     def __init__(
-        self, workers: int, config: WorkerConfig, policy: Policy, coalesce: bool = True
+        self,
+        workers: int,
+        config: WorkerConfig,
+        policy: Policy,
+        coalesce: bool = True,
+        index: KvIndex | None = None,
     ) -> None:
         self.config = config
         self.coalesce = coalesce
         self.policy = policy
         self.hasher = BlockHasher(config.block_size)
+        if index is None and policy.needs_overlap:
+            index = KvIndex(self.hasher)
+        self.index = index
         self.engines = [
-            Engine(config.num_blocks, config.block_size, config.cost, self.hasher, config.enable_caching)
+            Engine(
+                config.num_blocks, config.block_size, config.cost, self.hasher,
+                config.enable_caching, emit_events=index is not None,
+            )
             for _ in range(workers)
         ]
         self.states = [WorkerState(name=f"worker-{i}") for i in range(workers)]
+        self.names = [s.name for s in self.states]
         self.busy = [False] * workers
         # A worker in a coalesced decode run: (start, step time, steps, run id). Runs are cut
         # short when a request arrives for that worker mid-run (see _interrupt_run).
@@ -136,8 +158,10 @@ class Simulation:
         records: list[RequestRecord | None] = [None] * len(requests)
         start = self.now
         pending = iter(enumerate(requests))
-        sent: dict[str, tuple[int, RequestSpec, float, int]] = {}
+        sent: dict[str, tuple[int, RequestSpec, float, int, int]] = {}
         frontend = self.config.cost.frontend_s
+        index = self.index
+        block_size = self.config.block_size
 
         def send() -> None:
             item = next(pending, None)
@@ -146,9 +170,17 @@ class Simulation:
             pos, spec = item
             prompt = spec.prompt_token_ids
             hashes = prefix_hashes.prompt_hashes(spec.prefix_id, spec.prefix_len, prompt)
-            w = self.policy.choose(RequestView(hashes, len(prompt)), self.states)
+            view = RequestView(hashes, len(prompt))
+            if index is not None:
+                view.overlap_blocks = index.overlaps(hashes, self.names, self.now)
+                for state in self.states:
+                    state.cached_blocks = index.worker_blocks(state.name)
+            w = self.policy.choose(view, self.states)
+            if index is not None:
+                index.record_routed(self.names[w], hashes, self.now)
+            prefill = view.tokens_to_prefill(w, block_size)
             self.states[w].in_flight += 1
-            self.states[w].in_flight_tokens += len(prompt)
+            self.states[w].in_flight_tokens += prefill
             rid = f"{pos}"
             request = EngineRequest(
                 rid,
@@ -157,7 +189,7 @@ class Simulation:
                 self.now + frontend,
                 block_hashes=hashes,
             )
-            sent[rid] = (pos, spec, self.now, w)
+            sent[rid] = (pos, spec, self.now, w, prefill)
             self._push(self.now + frontend, _ARRIVE, (w, request))
 
         for _ in range(concurrency):
@@ -182,13 +214,17 @@ class Simulation:
                 continue
             w, result = data
             self.busy[w] = False
+            if index is not None and result.events is not None:
+                index.apply(self.names[w], result.events.events)
             for out in result.outputs:
+                if out.first_token:
+                    # Prefill done: what the live router learns from the first response byte.
+                    self.states[w].in_flight_tokens -= sent[out.request.request_id][4]
                 if not out.finished:
                     continue
                 req = out.request
-                pos, spec, t_sent, w_sent = sent.pop(req.request_id)
+                pos, spec, t_sent, w_sent, _ = sent.pop(req.request_id)
                 self.states[w_sent].in_flight -= 1
-                self.states[w_sent].in_flight_tokens -= spec.prompt_tokens
                 records[pos] = RequestRecord(
                     index=spec.index,
                     prefix_id=spec.prefix_id,
@@ -216,12 +252,14 @@ def run_trial(
     config: WorkerConfig,
     policy: Policy,
     coalesce: bool = True,
+    index: KvIndex | None = None,
 ) -> TrialResult:
     """One trial: fresh workers, warmup one at a time, then the measured requests.
 
-    ``coalesce`` runs stretches of identical decode steps at once (same results, faster)."""
+    ``coalesce`` runs stretches of identical decode steps at once (same results, faster);
+    ``index`` is the router's index (see ``Simulation``)."""
     config.check_fits(workload)
-    sim = Simulation(workers, config, policy, coalesce)
+    sim = Simulation(workers, config, policy, coalesce, index)
     prefix_hashes = PrefixHashCache(sim.hasher)
     output = workload.vocab[: workload.spec.output_tokens]
     sim.run(workload.warmup, 1, prefix_hashes, output)
@@ -265,11 +303,15 @@ def run_point(
     on_trial: Callable[[], None] | None = None,
 ) -> Point:
     """All trials of one point. The request order is the same in every trial; the policy's
-    random choices are seeded per trial (``seed`` + trial), so trials differ only there."""
+    random choices are seeded per trial (``seed`` + trial), so trials differ only there. A
+    policy that reads the index gets the workers' block size unless ``policy_options`` set it."""
     result = Point(point.workers, point.prefixes, point.concurrency, point.policy, source="sim")
+    options = dict(policy_options or {})
+    if point.policy in POLICIES and POLICIES[point.policy].needs_overlap:
+        options.setdefault("block_size", config.block_size)
     for trial in range(trials):
         rng = random.Random(seed * 1_000_003 + trial)
-        policy = make_policy(point.policy, rng=rng, **(policy_options or {}))
+        policy = make_policy(point.policy, rng=rng, **options)
         result.trials.append(run_trial(workload, point.workers, point.concurrency, config, policy).stats())
         if on_trial:
             on_trial()

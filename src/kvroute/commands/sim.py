@@ -39,9 +39,13 @@ Flags given explicitly override the preset's values.
 examples:
   kvroute sim                                   # the reference sweep, four tables
   kvroute sim --workers 6 --prefixes 24 --concurrency 8 --policy random,prefix-hash
+  kvroute sim -W 6 -K 24 -c 8,16 --policy random,kv-aware   # the KV-aware router vs a Service
   kvroute sim --prefixes 64 --zipf 1.2 --json zipf.json
   kvroute sim --kv-cache-memory-bytes 2GiB --prefix-tokens 1000:4000
 """
+
+#: Policies that take ``--load-factor``.
+LOAD_FACTOR_POLICIES = ("prefix-hash", "kv-aware")
 
 PRESET_VALUES = {
     "reference": {"workers": "6,3", "prefixes": "2,7,12,24", "concurrency": "4,8,16", "trials": 3, "policy": "random"},
@@ -59,7 +63,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--policy", default=None, metavar="P[,P...]",
                         help=f"balancing policies: {', '.join(POLICIES)} (reference: random)")
     parser.add_argument("--load-factor", type=float, default=None, metavar="EPS",
-                        help="prefix-hash only: spill when the owner exceeds (1+EPS)·mean load")
+                        help="prefix-hash and kv-aware: spill when the owner exceeds (1+EPS)·mean "
+                             "in-flight requests (default: prefix-hash never spills, kv-aware 1.5)")
     parser.add_argument("--timing", default="reference-gpu", choices=sorted(PRESETS),
                         help="cost-model preset for step times (default %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
@@ -81,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--load-factor must be >= 0")
     num_blocks, block_size, _ = kv_geometry(args)
     config = WorkerConfig(num_blocks, block_size, get_preset(args.timing))
-    policy_options = {"load_factor": args.load_factor} if args.load_factor is not None else {}
+    load_options = {"load_factor": args.load_factor} if args.load_factor is not None else {}
 
     workloads = {k: generate(workload_spec(args, k)) for k in prefixes}
     for wl in workloads.values():
@@ -96,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
         task = progress.add_task("", total=len(points) * trials)
         for point in points:
             progress.update(task, description=f"W={point.workers} K={point.prefixes} c={point.concurrency} {point.policy}")
-            options = policy_options if point.policy == "prefix-hash" else {}
+            options = load_options if point.policy in LOAD_FACTOR_POLICIES else {}
             results.append(
                 run_point(point, workloads[point.prefixes], config, trials, args.seed, options,
                           on_trial=lambda: progress.advance(task))
