@@ -1,0 +1,271 @@
+"""``kvroute serve``: the KV-aware router in front of vLLM (or emulated) workers."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+import signal
+import sys
+
+from kvroute import aio
+from kvroute.blocks import GPU_BLOCK_SIZE
+from kvroute.errors import UserError
+from kvroute.proxy.app import DEFAULT_PREDICTED_CAPACITY_BLOCKS, EVENTS_PREDICTED_TTL_S, Router, RouterConfig
+from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
+from kvroute.proxy.pool import EventsSettings, EventsSource
+from kvroute.routing.policies import POLICIES
+from kvroute.units import parse_bytes
+
+NAME = "serve"
+HELP = "KV-aware router: an OpenAI-compatible proxy sending each request to the worker caching its prefix"
+DESCRIPTION = """\
+Serve an OpenAI-compatible API (/v1/completions and /v1/chat/completions, streamed or not,
+/v1/models, /health, /metrics) and send every request to one worker, chosen by --policy.
+The response header x-kvroute-worker names the worker.
+
+kv-aware (the default) tokenizes each prompt as the engine does, hashes its KV blocks and
+asks an index which worker already holds how many leading blocks; the choice weighs the
+prefill left after that overlap against each worker's load (requests and prompt tokens in
+flight, counted by the router) and refuses to pile onto an overloaded owner. Other policies:
+random, round-robin, least-loaded, prefix-hash.
+
+The index learns from the workers' KV cache events (vLLM's --kv-events-config, ZeroMQ):
+give --kv-events-port (and --kv-replay-port) when every worker publishes on the same port of
+its own host (Kubernetes pods), or --kv-events per worker. Without events the router predicts
+the caches from its own decisions (set --predicted-capacity-blocks to the workers'
+num_gpu_blocks).
+
+Matching is exact with --tokenizer (the engine's tokenizer directory; the same chat
+template) or with prompts sent as token ids. Without --tokenizer, text is tokenized with
+kvroute's built-in tokenizer: exact for emulated workers started without --tokenizer,
+APPROXIMATE for a real engine (matches then come from the load term only).
+
+Workers: --worker (repeatable), --worker-file (one URL per line, re-read when it changes) or
+--dns NAME:PORT (re-resolved; a Kubernetes headless Service). Unhealthy workers (GET /health)
+are taken out until they recover. On SIGTERM the router drains: /health turns 503, new
+requests get 503, in-flight streams finish (up to --drain-timeout), then it exits.
+
+Failures: a worker that refuses a connection, drops it before answering, or misses
+--first-byte-timeout has the request sent to another worker (never after the first response
+byte). A stream whose worker dies, or is silent longer than --stream-idle-timeout, ends with an
+SSE error event and no [DONE]. --eject-after consecutive timeouts or 5xx answers take a worker out for
+--eject-base seconds (longer each time in a row); it returns when that is over and /health passes.
+
+Security: only the workers given or discovered are ever contacted, at the router's own paths;
+no request field or header can choose an upstream. --api-key KEY (or the KVROUTE_API_KEY
+environment variable, which keeps it out of `ps`) makes every route except /health require
+"Authorization: Bearer KEY" (compared in constant time); /metrics too unless --public-metrics.
+The client's Authorization header is NOT passed to workers unless --forward-authorization;
+--worker-api-key (or KVROUTE_WORKER_API_KEY) sends a key of the router's own instead, for vLLM
+started with --api-key.
+
+Example: six emulated workers (kvroute emulate --workers 6 --port 8001 with
+--kv-events-config endpoint tcp://*:5557) behind the router:
+
+  kvroute serve --port 8000 --policy kv-aware \\
+      --worker http://127.0.0.1:8001 --kv-events http://127.0.0.1:8001=tcp://127.0.0.1:5557 \\
+      --worker http://127.0.0.1:8002 --kv-events http://127.0.0.1:8002=tcp://127.0.0.1:5558 ...
+
+Example: vLLM pods behind a headless Service, events on port 5557, replay on 5558:
+
+  kvroute serve --host 0.0.0.0 --port 8000 --dns vllm-headless:8000 \\
+      --kv-events-port 5557 --kv-replay-port 5558 --tokenizer /models/Qwen3-0.6B
+"""
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    listen = parser.add_argument_group("listening")
+    listen.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    listen.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: %(default)s)")
+
+    workers = parser.add_argument_group("workers (one source)")
+    workers.add_argument("--worker", action="append", default=[], metavar="URL",
+                         help="a worker's http://HOST:PORT; repeat once per worker")
+    workers.add_argument("--worker-file", metavar="PATH",
+                         help="file with one worker URL per line, re-read when it changes")
+    workers.add_argument("--dns", metavar="NAME:PORT",
+                         help="a name resolving to one address per worker (Kubernetes headless Service)")
+    workers.add_argument("--discovery-interval", type=float, default=5.0, metavar="S",
+                         help="seconds between --dns lookups / --worker-file checks (default: %(default)s)")
+    workers.add_argument("--health-interval", type=float, default=2.0, metavar="S",
+                         help="seconds between GET /health checks; 0 disables them (default: %(default)s)")
+
+    routing = parser.add_argument_group("routing")
+    routing.add_argument("--policy", default="kv-aware", choices=sorted(POLICIES),
+                         help="how to choose a worker (default: %(default)s)")
+    routing.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
+                         help="a policy parameter, e.g. load_factor=0.25 or request_weight=64; repeatable")
+    routing.add_argument("--seed", type=int, default=None, help="seed the policy's random choices")
+    routing.add_argument("--tokenizer", metavar="DIR",
+                         help="the engines' Hugging Face tokenizer directory, for exact matching "
+                         "(default: kvroute's built-in tokenizer, approximate for real engines)")
+    routing.add_argument("--block-size", type=int, default=GPU_BLOCK_SIZE,
+                         help="the engines' KV block size (default: %(default)s, vLLM on GPU and the emulator)")
+
+    events = parser.add_argument_group("KV events")
+    events.add_argument("--kv-events-port", type=int, metavar="P",
+                        help="every worker publishes KV events on tcp://<its host>:P")
+    events.add_argument("--kv-replay-port", type=int, metavar="Q",
+                        help="every worker's replay socket is tcp://<its host>:Q")
+    events.add_argument("--kv-events", action="append", default=[], metavar="WORKER=ENDPOINT[,REPLAY]",
+                        help="one worker's event (and replay) sockets, e.g. "
+                        "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558; repeatable")
+    events.add_argument("--kv-events-topic", default="", help="subscription topic prefix (default: all)")
+    events.add_argument("--predicted-ttl", type=float, metavar="S",
+                        help=f"seconds a routing decision counts as cached before events confirm it "
+                        f"(default: {EVENTS_PREDICTED_TTL_S:g} with events, none without)")
+    events.add_argument("--predicted-capacity-blocks", type=int, metavar="N",
+                        help="predicted blocks kept per worker, LRU (default without events: "
+                        f"{DEFAULT_PREDICTED_CAPACITY_BLOCKS}, the reference worker's cache)")
+
+    limits = parser.add_argument_group("limits")
+    limits.add_argument("--max-body-bytes", default="64MiB", metavar="SIZE",
+                        help="larger request bodies get 413 (default: %(default)s)")
+    limits.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                        help="on SIGTERM, wait this long for in-flight requests (default: %(default)s)")
+    limits.add_argument("--max-attempts", type=int, default=3,
+                        help="workers tried per request before a 502, retrying only before the "
+                        "first response byte (default: %(default)s)")
+    limits.add_argument("--first-byte-timeout", type=float, metavar="S",
+                        help="seconds a worker may take to send its response headers before the "
+                        "request goes to another worker; for a non-streamed request that is the "
+                        "whole answer, so set it above your longest one (default: no limit)")
+    limits.add_argument("--stream-idle-timeout", type=float, metavar="S",
+                        help="most seconds between two chunks of an answer before it is ended "
+                        "with an error (default: no limit)")
+    limits.add_argument("--eject-after", type=int, default=3, metavar="N",
+                        help="consecutive failed requests that take a worker out; 0 never "
+                        "(default: %(default)s)")
+    limits.add_argument("--eject-base", type=float, default=5.0, metavar="S",
+                        help="first ejection's length; the n-th in a row lasts n times as long "
+                        "(default: %(default)s)")
+
+    security = parser.add_argument_group("security")
+    security.add_argument("--api-key", default=os.environ.get("KVROUTE_API_KEY"), metavar="KEY",
+                          help="require Authorization: Bearer KEY on every route but /health "
+                          "(default: $KVROUTE_API_KEY, else no auth)")
+    security.add_argument("--public-metrics", action="store_true",
+                          help="with --api-key, leave /metrics open too (for a scraper without the key)")
+    security.add_argument("--forward-authorization", action="store_true",
+                          help="pass the client's Authorization header on to the workers "
+                          "(default: dropped)")
+    security.add_argument("--worker-api-key", default=os.environ.get("KVROUTE_WORKER_API_KEY"),
+                          metavar="KEY", help="send Authorization: Bearer KEY to the workers "
+                          "(default: $KVROUTE_WORKER_API_KEY, else none)")
+
+
+def _option_value(text: str) -> object:
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """The router configuration the flags describe (raises UserError on bad flags)."""
+    sources = [bool(args.worker), bool(args.worker_file), bool(args.dns)]
+    if sum(sources) != 1:
+        raise UserError("give the workers one way: --worker URL (repeated), --worker-file PATH or --dns NAME:PORT")
+    discovery = None
+    if args.worker_file:
+        discovery = FileDiscovery(args.worker_file, args.discovery_interval)
+    elif args.dns:
+        discovery = DnsDiscovery.from_spec(args.dns, args.discovery_interval)
+    for flag, port in (("--kv-events-port", args.kv_events_port), ("--kv-replay-port", args.kv_replay_port)):
+        if port is not None and not 0 < port <= 65535:
+            raise UserError(f"{flag} must be a port 1-65535, got {port}")
+    if args.kv_replay_port is not None and args.kv_events_port is None:
+        raise UserError("--kv-replay-port needs --kv-events-port")
+    per_worker = {}
+    for spec in args.kv_events:
+        worker, sep, sockets = spec.partition("=")
+        endpoint, _, replay = sockets.partition(",")
+        if not sep or not endpoint.startswith("tcp://") or (replay and not replay.startswith("tcp://")):
+            raise UserError(f"bad --kv-events {spec!r}: expected WORKER_URL=tcp://HOST:PORT[,tcp://HOST:PORT]")
+        per_worker[normalize_worker_url(worker)] = EventsSource(endpoint, replay or None)
+    options = {}
+    for spec in args.policy_option:
+        key, sep, value = spec.partition("=")
+        if not sep or not key:
+            raise UserError(f"bad --policy-option {spec!r}: expected KEY=VALUE")
+        options[key.strip().replace("-", "_")] = _option_value(value.strip())
+    if args.block_size < 1:
+        raise UserError(f"--block-size must be >= 1, got {args.block_size}")
+    if args.max_attempts < 1:
+        raise UserError(f"--max-attempts must be >= 1, got {args.max_attempts}")
+    for flag, value in (("--first-byte-timeout", args.first_byte_timeout),
+                        ("--stream-idle-timeout", args.stream_idle_timeout)):
+        if value is not None and value <= 0:
+            raise UserError(f"{flag} must be positive, got {value:g}")
+    if args.eject_after < 0 or args.eject_base < 0:
+        raise UserError("--eject-after and --eject-base must be >= 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise UserError("--api-key must not be empty")
+    return RouterConfig(
+        workers=args.worker,
+        discovery=discovery,
+        policy=args.policy,
+        policy_options=options,
+        seed=args.seed,
+        host=args.host,
+        port=args.port,
+        tokenizer=args.tokenizer,
+        block_size=args.block_size,
+        events=EventsSettings(args.kv_events_port, args.kv_replay_port, per_worker, args.kv_events_topic),
+        predicted_ttl_s=args.predicted_ttl,
+        predicted_capacity_blocks=args.predicted_capacity_blocks,
+        health_interval_s=args.health_interval,
+        max_attempts=args.max_attempts,
+        max_body_bytes=parse_bytes(args.max_body_bytes),
+        drain_timeout_s=args.drain_timeout,
+        first_byte_timeout_s=args.first_byte_timeout,
+        stream_idle_timeout_s=args.stream_idle_timeout,
+        eject_after_failures=args.eject_after,
+        eject_base_s=args.eject_base,
+        api_key=args.api_key,
+        metrics_public=args.public_metrics,
+        forward_authorization=args.forward_authorization,
+        worker_api_key=args.worker_api_key,
+    )
+
+
+async def _serve(config: RouterConfig) -> None:
+    """Serve until SIGINT/SIGTERM; then drain (new requests 503, in-flight ones finish)."""
+    try:
+        router = Router(config)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    await router.start()
+    try:
+        workers = ", ".join(router.pool.workers) or "none yet"
+        # The first line names the bound port, so a script that asked for port 0 can read it.
+        print(f"kvroute serve: listening on {router.url}, policy {router.policy.name}, "
+              f"workers: {workers}", flush=True)
+        await stop.wait()
+        print(f"kvroute serve: draining {router.in_flight} in-flight requests", file=sys.stderr, flush=True)
+        await router.drain()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await router.close()
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(level=logging.WARNING, format="kvroute serve: %(levelname)s %(message)s")
+    config = config_from_args(args)
+    aio.run(_serve(config))
+    print("kvroute serve: stopped", file=sys.stderr, flush=True)
+    return 0

@@ -1,0 +1,686 @@
+"""The live router: an OpenAI-compatible HTTP proxy that picks a worker per request.
+
+Per generation request (``/v1/completions``, ``/v1/chat/completions``):
+
+1. read the body (413 beyond ``max_body_bytes``), parse it (400 when it is not a JSON object or
+   has no usable prompt), tokenize and hash the prompt (:mod:`kvroute.proxy.prompts`);
+2. ask the policy, with the index's per-worker overlap when the policy wants it, and record the
+   choice in the index (predicted entries bridge until the worker's KV events arrive);
+3. forward the client's bytes unchanged and relay the answer chunk by chunk, adding the
+   ``x-kvroute-worker`` header.
+
+Failure rules: a worker that refuses the connection (or drops it before answering) is taken
+out and the request goes to another worker — only before the first response byte, so nothing
+is ever sent twice to the client. So does a worker that misses ``first_byte_timeout_s`` (its
+connection is closed, which makes vLLM abort the request). A worker that dies after that, or
+stays silent longer than ``stream_idle_timeout_s`` mid-stream, ends the client's stream with an
+SSE error event (no ``[DONE]``), or a 502 JSON error for a non-streamed request: never a
+silently truncated answer. No available worker is a 503. While draining (SIGTERM) new requests
+get 503 and ``/health`` fails, in-flight ones finish.
+
+Outlier ejection: ``eject_after_failures`` consecutive failures of one worker (timeouts, dropped
+connections, deaths mid-answer) take it out for ``eject_base_s`` times the number of times it
+was ejected in a row (capped, see :mod:`kvroute.proxy.pool`); it returns once that time is
+over AND a health check passes, so a worker whose ``/health`` answers while its generations
+hang does not flap back at every check.
+
+Security: the upstream URL is always a discovered worker's URL plus the matched route's own
+path (never the client's path, a header or a body field), redirects are not followed, and only
+a fixed list of request headers is forwarded, values with CR, LF or NUL dropped. With
+``api_key`` every route but ``/health`` (and ``/metrics`` when ``metrics_public``) needs
+``Authorization: Bearer <key>``, compared in constant time. The client's ``Authorization`` goes
+to the workers only with ``forward_authorization``; ``worker_api_key`` sends a key of the
+router's own instead (vLLM started with ``--api-key``).
+
+Load accounting for the policies: ``in_flight`` counts requests from routing until their
+response ends; ``in_flight_tokens`` counts their prompt tokens until the first response byte
+(the prefill is then done).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import inspect
+import logging
+import random
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import msgspec
+from aiohttp import web
+
+from kvroute.blocks import DEFAULT_HASH_SEED, GPU_BLOCK_SIZE, BlockHasher
+from kvroute.errors import UserError
+from kvroute.proxy.discovery import Discovery, StaticDiscovery
+from kvroute.proxy.metrics import RouterMetrics
+from kvroute.proxy.pool import EventsSettings, Worker, WorkerPool
+from kvroute.proxy.prompts import BadRequest, PromptHasher, PromptInfo
+from kvroute.routing.index import KvIndex
+from kvroute.routing.policies import POLICIES, RequestView, make_policy
+from kvroute.tokens import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: Response header naming the worker that served the request.
+WORKER_HEADER = "x-kvroute-worker"
+
+_JSON = "application/json"
+#: Request headers passed on to workers (everything else is hop-by-hop or the router's own);
+#: ``Authorization`` only with ``RouterConfig.forward_authorization``.
+_FORWARDED_HEADERS = ("Content-Type", "X-Request-Id", "traceparent", "tracestate")
+#: Routes open without the API key: load balancers and kubelets probe /health unauthenticated.
+_OPEN_ROUTES = frozenset({"/health"})
+#: Before the first response byte these mean "the worker never took the request": retry.
+_NOT_ANSWERED = (
+    aiohttp.ClientConnectorError,
+    aiohttp.ServerDisconnectedError,
+    aiohttp.ClientOSError,
+    asyncio.TimeoutError,
+)
+#: After the first byte these mean the worker (or its connection) died mid-answer.
+_DIED = (aiohttp.ClientPayloadError, aiohttp.ClientConnectionError, asyncio.TimeoutError)
+#: Predicted entries' lifetime when KV events confirm (or not) what was routed: long enough to
+#: cover the first events of a burst, short enough that a wrong guess is soon forgotten.
+EVENTS_PREDICTED_TTL_S = 2.0
+#: Predicted entries per worker without events: the reference worker's cache (Qwen3-0.6B bf16,
+#: 1 GiB, block 16: 585 blocks). Set ``predicted_capacity_blocks`` to your workers'
+#: ``num_gpu_blocks``.
+DEFAULT_PREDICTED_CAPACITY_BLOCKS = 585
+_decode_json = msgspec.json.Decoder().decode
+_encode_json = msgspec.json.Encoder().encode
+
+
+@dataclass
+class RouterConfig:
+    """Everything ``kvroute serve`` can be told; the same object drives ``start_router``.
+
+    Attributes:
+        workers: worker URLs (``http://host:port``, optionally ending in ``/v1``); used when
+            ``discovery`` is None.
+        discovery: a discovery source (file, DNS, Kubernetes) instead of ``workers``.
+        policy: ``random``, ``round-robin``, ``least-loaded``, ``prefix-hash`` or ``kv-aware``.
+        policy_options: keyword options for ``make_policy`` (e.g. ``load_factor``).
+        seed: seeds the policy's random choices (None: unseeded).
+        host, port: where to listen (port 0: an ephemeral port, see ``Router.url``).
+        tokenizer: the engines' tokenizer directory (exact matching); None uses the built-in
+            synthetic tokenizer (exact only against emulated workers without a tokenizer).
+        block_size: the engines' KV block size (vLLM: 16 on GPU, 128 on CPU).
+        hash_seed: root of the router's own block hash chain.
+        events: where workers publish KV events (None / empty: predicted mode only).
+        predicted_ttl_s: how long a routing decision counts as cached without events to
+            confirm it; default :data:`EVENTS_PREDICTED_TTL_S` with events, none without.
+        predicted_capacity_blocks: per-worker bound of predicted entries (LRU); without
+            events it models the worker's cache, so set it to the workers' ``num_gpu_blocks``
+            (default :data:`DEFAULT_PREDICTED_CAPACITY_BLOCKS`); with events default unbounded
+            (the TTL bounds them).
+        health_interval_s / health_timeout_s: ``GET /health`` period and limit (0: no checks).
+        connect_timeout_s: a worker that does not accept a connection this fast is skipped.
+        max_attempts: workers tried per request before giving up (retries before first byte).
+        max_body_bytes: larger request bodies get 413.
+        drain_timeout_s: how long a drain waits for in-flight requests.
+        first_byte_timeout_s: how long a worker may take to send its response headers (a
+            stream's start; a non-streamed request's whole answer, so set it above the longest
+            non-streamed generation); a worker that misses it has the request taken back and
+            sent to another one. None: no limit.
+        stream_idle_timeout_s: most seconds between two chunks of a streamed answer before the
+            stream is ended with an error event. None: no limit.
+        eject_after_failures: consecutive failures that eject a worker (0: never by count).
+        eject_base_s: first ejection's length; each further one in a row adds as much.
+        api_key: if set, clients must send ``Authorization: Bearer <api_key>``.
+        metrics_public: with ``api_key``, leave ``/metrics`` open too (for a scraper
+            without the key); ``/health`` is always open.
+        forward_authorization: pass the client's ``Authorization`` header to the workers.
+        worker_api_key: send ``Authorization: Bearer <worker_api_key>`` to the workers
+            (overrides a forwarded one).
+        segment_cache_entries / prefix_cache_entries: tokenization caches (LRU entries).
+    """
+
+    workers: Sequence[str] = ()
+    discovery: Discovery | None = None
+    policy: str = "kv-aware"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    tokenizer: str | None = None
+    block_size: int = GPU_BLOCK_SIZE
+    hash_seed: int = DEFAULT_HASH_SEED
+    events: EventsSettings | None = None
+    predicted_ttl_s: float | None = None
+    predicted_capacity_blocks: int | None = None
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    connect_timeout_s: float = 2.0
+    max_attempts: int = 3
+    max_body_bytes: int = 64 * 1024 * 1024
+    drain_timeout_s: float = 30.0
+    first_byte_timeout_s: float | None = None
+    stream_idle_timeout_s: float | None = None
+    eject_after_failures: int = 3
+    eject_base_s: float = 5.0
+    api_key: str | None = None
+    metrics_public: bool = False
+    forward_authorization: bool = False
+    worker_api_key: str | None = None
+    segment_cache_entries: int = 4096
+    prefix_cache_entries: int = 4096
+
+
+def _policy_parameters(name: str) -> set[str]:
+    cls = POLICIES.get(name)
+    return set(inspect.signature(cls).parameters) if cls is not None else set()
+
+
+def _error(status: int, message: str, err_type: str, param: str | None = None, **headers: str) -> web.Response:
+    body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
+    return web.Response(status=status, body=_encode_json(body), content_type=_JSON, headers=headers)
+
+
+def _sse_error(message: str) -> bytes:
+    body = {"error": {"message": message, "type": "UpstreamError", "param": None, "code": 502}}
+    return b"data: " + _encode_json(body) + b"\n\n"
+
+
+class Router:
+    """The proxy: HTTP routes, the worker pool, the index and the policy.
+
+    Build it with :func:`start_router`; attributes worth reading:
+
+    Attributes:
+        url: ``http://host:port`` once started.
+        index: the ``KvIndex``.
+        pool: the ``WorkerPool`` (``pool.workers`` by name, each with its ``state``).
+        metrics: the ``RouterMetrics``.
+        policy: the policy object.
+        hasher: the ``PromptHasher``.
+    """
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        if config.max_attempts < 1:
+            raise ValueError("max_attempts must be at least 1")
+        for name in ("first_byte_timeout_s", "stream_idle_timeout_s"):
+            value = getattr(config, name)
+            if value is not None and value <= 0:
+                raise ValueError(f"{name} must be positive (or None for no limit), got {value}")
+        if config.eject_after_failures < 0 or config.eject_base_s < 0:
+            raise ValueError("eject_after_failures and eject_base_s must be >= 0")
+        if config.api_key is not None and not config.api_key:
+            raise ValueError("api_key must not be empty")
+        # Bytes, so compare_digest accepts any client string (a str needs ASCII on both sides).
+        self._api_key = config.api_key.encode() if config.api_key else None
+        self._upstream_headers: dict[str, str] = {}
+        if config.worker_api_key:
+            self._upstream_headers["Authorization"] = f"Bearer {config.worker_api_key}"
+        forwarded = _FORWARDED_HEADERS
+        if config.forward_authorization and not config.worker_api_key:
+            forwarded = ("Authorization", *forwarded)
+        self._forwarded = forwarded
+        events = config.events or EventsSettings()
+        block_hasher = BlockHasher(config.block_size, config.hash_seed)
+        if events.enabled:
+            ttl = EVENTS_PREDICTED_TTL_S if config.predicted_ttl_s is None else config.predicted_ttl_s
+            capacity = config.predicted_capacity_blocks
+        else:
+            ttl = config.predicted_ttl_s
+            capacity = config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
+        self.index = KvIndex(block_hasher, predicted_ttl=ttl, predicted_capacity_blocks=capacity)
+        options = dict(config.policy_options)
+        if "block_size" in _policy_parameters(config.policy):
+            options.setdefault("block_size", config.block_size)
+        self.policy = make_policy(config.policy, rng=random.Random(config.seed), **options)
+        self._needs_overlap = bool(self.policy.needs_overlap)
+        self.hasher = PromptHasher(
+            load_tokenizer(config.tokenizer),
+            block_hasher,
+            config.segment_cache_entries,
+            config.prefix_cache_entries,
+        )
+        self.metrics = RouterMetrics()
+        self._events = events
+        self._rng = random.Random(config.seed)
+        self.url = ""
+        self.draining = False
+        self._in_flight = 0
+        self._idle = asyncio.Event()
+        self._idle.set()
+        self._session: aiohttp.ClientSession | None = None
+        self._runner: web.AppRunner | None = None
+        self.pool: WorkerPool | None = None
+        self.app = web.Application(
+            client_max_size=config.max_body_bytes, middlewares=[self._errors, self._auth]
+        )
+        self.app.add_routes(
+            [
+                web.post("/v1/completions", self.completions),
+                web.post("/v1/chat/completions", self.chat_completions),
+                web.get("/v1/models", self.models),
+                web.get("/health", self.health),
+                web.get("/metrics", self.metrics_route),
+            ]
+        )
+
+    # --- lifecycle ----------------------------------------------------------------------------
+
+    async def start(self) -> None:
+        """Connect to the workers' discovery, then listen.
+
+        Raises:
+            UserError: bad worker URLs, or the address cannot be bound.
+        """
+        config = self.config
+        discovery = config.discovery or StaticDiscovery(config.workers)
+        connector = aiohttp.TCPConnector(limit=0, force_close=False, enable_cleanup_closed=True)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s),
+        )
+        self.pool = WorkerPool(
+            self.index,
+            self.metrics,
+            self._session,
+            self._events,
+            self.policy.name,
+            config.health_interval_s,
+            config.health_timeout_s,
+            eject_after_failures=config.eject_after_failures,
+            eject_base_s=config.eject_base_s,
+        )
+        self.pool.start(discovery)
+        # Serve only once the first worker list is in: a request before it would get a 503
+        # although workers exist.
+        await self.pool.first_update.wait()
+        self._runner = web.AppRunner(
+            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        )
+        await self._runner.setup()
+        try:
+            site = web.TCPSite(self._runner, config.host, config.port)
+            await site.start()
+        except OSError as exc:
+            await self.close()
+            raise UserError(f"cannot listen on {config.host}:{config.port}: {exc.strerror or exc}") from None
+        host, port = self._runner.addresses[0][:2]
+        host = f"[{host}]" if ":" in host else host
+        self.url = f"http://{host}:{port}"
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """Stop taking new requests (503, and ``/health`` fails so balancers stop sending),
+        then wait for in-flight ones to finish. True if they all finished in time."""
+        self.draining = True
+        timeout = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        try:
+            await asyncio.wait_for(self._idle.wait(), timeout)
+        except asyncio.TimeoutError:
+            logger.warning("drain: %d requests still in flight after %gs", self._in_flight, timeout)
+            return False
+        return True
+
+    async def close(self) -> None:
+        """Stop listening (aborting in-flight requests), stop the pool and its subscribers."""
+        if self._runner is not None:
+            await self._runner.cleanup()
+            self._runner = None
+        if self.pool is not None:
+            await self.pool.close()
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    @property
+    def in_flight(self) -> int:
+        """Requests being served now."""
+        return self._in_flight
+
+    # --- routes -------------------------------------------------------------------------------
+
+    @web.middleware
+    async def _errors(self, request: web.Request, handler: Callable[[web.Request], Awaitable]) -> web.StreamResponse:
+        """Client mistakes the framework detects, answered as OpenAI error objects."""
+        try:
+            response = await handler(request)
+        except web.HTTPRequestEntityTooLarge:
+            response = _error(
+                413, f"request body larger than {self.config.max_body_bytes} bytes", "BadRequestError"
+            )
+        except web.HTTPException as exc:
+            if exc.status >= 500:
+                raise
+            response = _error(exc.status, exc.reason, "NotFoundError" if exc.status == 404 else "BadRequestError")
+        # Label by route, never by the raw path: clients must not be able to mint label values.
+        resource = request.match_info.route.resource
+        if resource is not None and resource.canonical.startswith("/v1/"):
+            self.metrics.requests.labels(resource.canonical, str(response.status)).inc()
+        return response
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable]) -> web.StreamResponse:
+        """With ``api_key``: 401 unless ``Authorization: Bearer <key>`` (constant-time compare,
+        so response times reveal nothing about the key)."""
+        key = self._api_key
+        if key is None:
+            return await handler(request)
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else ""
+        if route in _OPEN_ROUTES or (route == "/metrics" and self.config.metrics_public):
+            return await handler(request)
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        # compare_digest runs in time independent of where the values differ; the scheme
+        # check leaks only whether "Bearer" was sent.
+        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key):
+            return await handler(request)
+        return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "AuthenticationError",
+                      **{"WWW-Authenticate": "Bearer"})
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, self.hasher.completion)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, self.hasher.chat)
+
+    async def health(self, request: web.Request) -> web.Response:
+        if self.draining:
+            return _error(503, "draining", "ServiceUnavailable")
+        if not self.pool.available():
+            return _error(503, "no worker available", "ServiceUnavailable")
+        return web.Response(status=200)
+
+    async def metrics_route(self, request: web.Request) -> web.Response:
+        stats = self.index.stats()
+        self.metrics.index_blocks.set(stats.blocks)
+        self.metrics.index_predicted.set(stats.predicted)
+        self.metrics.index_workers.set(stats.workers)
+        return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
+
+    async def models(self, request: web.Request) -> web.StreamResponse:
+        """``/v1/models`` of any available worker (they serve the same model)."""
+        candidates = self.pool.available()
+        if not candidates:
+            return _error(503, "no worker available", "ServiceUnavailable")
+        order = self._rng.sample(candidates, len(candidates))[: self.config.max_attempts]
+        problem = ""
+        for worker in order:
+            try:
+                async with self._session.get(
+                    worker.url + "/v1/models", headers=self._headers(request), allow_redirects=False
+                ) as upstream:
+                    body = await upstream.read()
+                    return web.Response(
+                        status=upstream.status,
+                        body=body,
+                        headers={"Content-Type": upstream.headers.get("Content-Type", _JSON), WORKER_HEADER: worker.name},
+                    )
+            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+                problem = str(exc) or type(exc).__name__
+                self.metrics.upstream_errors.labels(worker.name, "connect").inc()
+                self.pool.mark_failed(worker, problem)
+        return _error(502, f"no worker answered: {problem}", "UpstreamError")
+
+    # --- generation ---------------------------------------------------------------------------
+
+    def _headers(self, request: web.Request) -> dict[str, str]:
+        """The request headers a worker gets: the forwarded ones the client sent, minus any
+        value that could split a header line (aiohttp's parser already refuses bare CR/LF,
+        but an obs-fold or NUL must not reach the client session, which raises on them)."""
+        headers = request.headers
+        out = {
+            h: v for h in self._forwarded
+            if (v := headers.get(h)) is not None and "\r" not in v and "\n" not in v and "\x00" not in v
+        }
+        out.update(self._upstream_headers)
+        return out
+
+    def _choose(self, prompt: PromptInfo, candidates: Sequence[Worker]) -> tuple[Worker, int]:
+        """Ask the policy; record the choice in the index and the metrics.
+
+        Returns the worker and the prompt tokens it still has to prefill (after the overlap
+        the index credits it with), which its load accounting carries until the first byte.
+        """
+        now = time.monotonic()
+        hashes = prompt.block_hashes
+        states = [w.state for w in candidates]
+        if self._needs_overlap:
+            index = self.index
+            for w in candidates:
+                w.state.cached_blocks = index.worker_blocks(w.name)
+            overlaps = index.overlaps(hashes, [w.name for w in candidates], now)
+            i = self.policy.choose(RequestView(hashes, prompt.num_tokens, overlaps), states)
+            chosen, overlap = candidates[i], overlaps[i]
+        else:
+            chosen = candidates[self.policy.choose(RequestView(hashes, prompt.num_tokens), states)]
+            overlap = self.index.overlaps(hashes, [chosen.name], now)[0] if hashes else 0
+        self.index.record_routed(chosen.name, hashes, now)
+        chosen.decisions.inc()
+        self.metrics.overlap_blocks.observe(overlap)
+        self.metrics.prompt_blocks.observe(len(hashes))
+        return chosen, max(prompt.num_tokens - overlap * self.config.block_size, 1)
+
+    async def _generate(self, request: web.Request, parse: Callable[[dict], PromptInfo]) -> web.StreamResponse:
+        started = time.perf_counter()
+        if self.draining:
+            return _error(503, "the router is shutting down", "ServiceUnavailable")
+        if request.content_type != _JSON:
+            return _error(400, "Content-Type must be application/json", "BadRequestError")
+        raw = await request.read()
+        try:
+            body = _decode_json(raw)
+        except msgspec.DecodeError as exc:
+            return _error(400, f"JSON decode error: {exc}", "BadRequestError")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "BadRequestError")
+        try:
+            prompt = parse(body)
+        except BadRequest as exc:
+            return _error(400, str(exc), "BadRequestError", exc.param)
+        candidates = self.pool.available()
+        if not candidates:
+            return _error(503, "no worker available", "ServiceUnavailable")
+        worker, prefill = self._choose(prompt, candidates)
+        self.metrics.routing_seconds.observe(time.perf_counter() - started)
+
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._forward(request, raw, prompt, worker, prefill)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def _forward(
+        self, request: web.Request, raw: bytes, prompt: PromptInfo, worker: Worker, prefill: int
+    ) -> web.StreamResponse:
+        """Send to ``worker`` (``prefill``: its prompt tokens to compute), moving to another one while none has answered yet."""
+        tried: set[str] = set()
+        headers = self._headers(request)
+        # The matched route's own path, never the client's spelling of it: what reaches a
+        # worker is fixed by the router (a worker URL from discovery plus one of its routes).
+        path = request.match_info.route.resource.canonical
+        first_byte = self.config.first_byte_timeout_s
+        pool = self.pool
+        while True:
+            load = _Load(worker, prefill)
+            try:
+                try:
+                    async with asyncio.timeout(first_byte):
+                        upstream = await self._session.post(
+                            worker.url + path, data=raw, headers=headers, allow_redirects=False
+                        )
+                except _NOT_ANSWERED as exc:
+                    if isinstance(exc, asyncio.TimeoutError) and not isinstance(exc, aiohttp.ClientError):
+                        # Ours, not a connect timeout: the worker took the request and sat on it.
+                        problem = f"no response within {first_byte:g}s"
+                        self.metrics.upstream_errors.labels(worker.name, "first_byte_timeout").inc()
+                        pool.record_failure(worker, problem)
+                    else:
+                        problem = str(exc) or type(exc).__name__
+                        self.metrics.upstream_errors.labels(worker.name, "connect").inc()
+                        # Refused, or no connection in time: the worker is gone. A dropped
+                        # connection may be a benign keep-alive race (or a worker that just
+                        # died: its next connection is refused): only a retry.
+                        if isinstance(exc, (aiohttp.ClientConnectorError, asyncio.TimeoutError)):
+                            pool.mark_failed(worker, problem)
+                    tried.add(worker.name)
+                    remaining = [w for w in pool.available() if w.name not in tried]
+                    if not remaining or len(tried) >= self.config.max_attempts:
+                        return _error(
+                            502, f"no worker accepted the request (last: {worker.name}: {problem})",
+                            "UpstreamError",
+                        )
+                    self.metrics.retries.inc()
+                    worker, prefill = self._choose(prompt, remaining)
+                    continue
+                try:
+                    # Headers are in: from here on nothing is retried.
+                    if upstream.status >= 500:
+                        pool.record_failure(worker, f"status {upstream.status}")
+                    if upstream.content_type == "text/event-stream":
+                        return await self._relay_stream(request, upstream, load)
+                    load.prefill_done()
+                    return await self._relay_whole(upstream, worker)
+                finally:
+                    # Closing (not releasing) an unfinished response drops its connection,
+                    # which tells the worker to abort the request.
+                    upstream.close()
+            finally:
+                load.finish()
+
+    def _died(self, worker: Worker, exc: BaseException) -> str:
+        """What went wrong after the first byte. Silence past ``stream_idle_timeout_s`` is a
+        strike towards ejection; a dropped connection is not (a dead worker's next connection
+        is refused, which takes it out at once; a live one is not punished for a network blip)."""
+        if isinstance(exc, asyncio.TimeoutError) and not isinstance(exc, aiohttp.ClientError):
+            problem = f"silent for {self.config.stream_idle_timeout_s:g}s"
+            self.pool.record_failure(worker, problem)
+            return problem
+        return str(exc) or type(exc).__name__
+
+    async def _relay_whole(self, upstream: aiohttp.ClientResponse, worker: Worker) -> web.Response:
+        try:
+            async with asyncio.timeout(self.config.stream_idle_timeout_s):
+                body = await upstream.read()
+        except _DIED as exc:
+            self.metrics.upstream_errors.labels(worker.name, "body").inc()
+            problem = self._died(worker, exc)
+            return _error(
+                502, f"worker {worker.name} failed while answering: {problem}",
+                "UpstreamError", **{WORKER_HEADER: worker.name},
+            )
+        if upstream.status < 500:
+            self.pool.record_success(worker)
+        return web.Response(
+            status=upstream.status,
+            body=body,
+            headers={"Content-Type": upstream.headers.get("Content-Type", _JSON), WORKER_HEADER: worker.name},
+        )
+
+    async def _relay_stream(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, load: _Load
+    ) -> web.StreamResponse:
+        """Pass an SSE stream through as it arrives; end it with an error event if the
+        worker dies (or stays silent beyond ``stream_idle_timeout_s``) before finishing it."""
+        worker = load.worker
+        response = web.StreamResponse(
+            status=upstream.status,
+            headers={
+                "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
+                "Cache-Control": "no-cache",
+                WORKER_HEADER: worker.name,
+            },
+        )
+        await response.prepare(request)
+        content = upstream.content
+        idle = self.config.stream_idle_timeout_s
+        # Events are passed on whole (each chunk up to its last event boundary), so a worker
+        # dying mid-event never leaves the client a half event to choke on.
+        pending = b""
+        while True:
+            try:
+                if idle is None:
+                    chunk = await content.readany()
+                else:
+                    async with asyncio.timeout(idle):
+                        chunk = await content.readany()
+            except _DIED as exc:
+                self.metrics.upstream_errors.labels(worker.name, "stream").inc()
+                problem = self._died(worker, exc)
+                logger.warning("worker %s failed mid-stream: %s", worker.name, problem)
+                await response.write(_sse_error(f"worker {worker.name} failed mid-stream: {problem}"))
+                break
+            if not chunk:
+                if pending:  # a worker that ended without a final blank line
+                    await response.write(pending)
+                if upstream.status < 500:
+                    self.pool.record_success(worker)
+                break
+            load.prefill_done()
+            data = pending + chunk if pending else chunk
+            cut = max(data.rfind(b"\n\n") + 2, data.rfind(b"\r\n\r\n") + 4, 0)
+            pending = data[cut:]
+            if cut:
+                # A client that left makes this raise; the handler ends and the worker's
+                # connection is dropped (the worker aborts the request).
+                await response.write(data[:cut] if pending else data)
+        await response.write_eof()
+        return response
+
+
+class _Load:
+    """One attempt's share of a worker's load accounting: counted in at creation, the prompt
+    tokens counted out when the prefill is done (first response byte), the request counted
+    out at the end. Both are idempotent."""
+
+    __slots__ = ("worker", "_tokens", "_done")
+
+    def __init__(self, worker: Worker, tokens: int) -> None:
+        self.worker = worker
+        self._tokens = tokens
+        self._done = False
+        state = worker.state
+        state.in_flight += 1
+        state.in_flight_tokens += tokens
+
+    def prefill_done(self) -> None:
+        if self._tokens:
+            self.worker.state.in_flight_tokens -= self._tokens
+            self._tokens = 0
+
+    def finish(self) -> None:
+        if not self._done:
+            self.prefill_done()
+            self.worker.state.in_flight -= 1
+            self._done = True
+
+
+class _StartedRouter:
+    """``start_router``'s result: ``async with`` it, or ``await`` it and ``close()`` later."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self._router = Router(config)
+
+    def __await__(self):
+        return self._start().__await__()
+
+    async def _start(self) -> Router:
+        await self._router.start()
+        return self._router
+
+    async def __aenter__(self) -> Router:
+        return await self._start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._router.close()
+
+
+def start_router(config: RouterConfig) -> _StartedRouter:
+    """Start a router in the running event loop.
+
+    ``async with start_router(RouterConfig(workers=[...])) as router:`` serves on
+    ``router.url`` until the block ends; ``router = await start_router(config)`` serves until
+    ``await router.close()``.
+    """
+    return _StartedRouter(config)

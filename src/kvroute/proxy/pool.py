@@ -1,0 +1,366 @@
+"""The router's workers: membership from discovery, health, load accounting and KV events.
+
+:class:`WorkerPool` keeps one :class:`Worker` per discovered endpoint. It
+
+* applies each complete endpoint list a discovery source yields (added workers join, removed
+  ones are forgotten by the index, ``ready=False`` ones get no new requests);
+* checks ``GET /health`` periodically; a worker that fails a check, or refuses a connection,
+  leaves the available set and its index entries are dropped (the router would otherwise keep
+  steering prefixes to a dead worker); a later passing check brings it back;
+* ejects outliers: ``eject_after_failures`` consecutive failed requests (first-byte or idle
+  timeouts, 5xx answers: a worker alive but not serving) take a worker out for ``eject_base_s`` times its number of ejections in a
+  row (at most :data:`MAX_EJECTION_S`); it returns at the first passing health check after
+  that (Envoy's outlier detection, simplified). A success resets both counts;
+* runs one :class:`~kvroute.kvevents.KVEventSubscriber` per worker with an events endpoint and
+  feeds the index: batches are applied; a gap that replay could not fill, a malformed batch or
+  an engine restart resets that worker's entries (the predicted entries of new routing
+  decisions bridge until its events have rebuilt them).
+
+Load is the router's own accounting (``WorkerState.in_flight`` / ``in_flight_tokens``),
+updated by the request handlers: it is exact for this router and never reads zero while work
+is in flight, unlike a scraped signal.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import aiohttp
+
+from kvroute.kvevents import (
+    EngineRestarted,
+    EventsReceived,
+    GapDetected,
+    KVEventSubscriber,
+    MalformedPayload,
+    ReplayFailed,
+)
+from kvroute.proxy.discovery import Discovery, Endpoint, url_host
+from kvroute.proxy.metrics import RouterMetrics
+from kvroute.routing.policies import WorkerState
+
+logger = logging.getLogger(__name__)
+
+#: Seconds before a subscriber that crashed is started again.
+_SUBSCRIBER_RESTART_S = 1.0
+#: Longest ejection, whatever the number of ejections in a row.
+MAX_EJECTION_S = 300.0
+
+
+@dataclass(frozen=True)
+class EventsSource:
+    """A worker's KV event sockets (ZeroMQ addresses)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+@dataclass
+class EventsSettings:
+    """Where each worker publishes its KV events.
+
+    Attributes:
+        port: events port on every worker's host (``tcp://<worker host>:<port>``), for
+            discovered workers that all publish on the same port (one pod, one IP each).
+        replay_port: replay port on every worker's host, or None (gaps then reset the worker).
+        per_worker: explicit sockets by worker URL or name; they override ``port``.
+        topic: subscription prefix (vLLM's ``topic``).
+    """
+
+    port: int | None = None
+    replay_port: int | None = None
+    per_worker: dict[str, EventsSource] = field(default_factory=dict)
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.port is not None or bool(self.per_worker)
+
+    def source_for(self, endpoint: Endpoint) -> EventsSource | None:
+        explicit = self.per_worker.get(endpoint.url) or self.per_worker.get(endpoint.name)
+        if explicit is not None:
+            return explicit
+        if self.port is None:
+            return None
+        host = url_host(endpoint.url)
+        host = f"[{host}]" if ":" in host else host
+        replay = f"tcp://{host}:{self.replay_port}" if self.replay_port is not None else None
+        return EventsSource(f"tcp://{host}:{self.port}", replay)
+
+
+class Worker:
+    """One worker as the router tracks it.
+
+    Attributes:
+        endpoint: as discovery last reported it.
+        state: the load accounting policies read (mutated by the request handlers).
+        healthy: passed its last health check and accepted its last connection.
+        events: its KV event sockets, or None (predicted mode only).
+    """
+
+    def __init__(
+        self, endpoint: Endpoint, events: EventsSource | None, metrics: RouterMetrics, policy: str
+    ) -> None:
+        self.endpoint = endpoint
+        self.state = WorkerState(endpoint.name)
+        self.healthy = True
+        #: Failed requests since the last success (outlier ejection).
+        self.consecutive_failures = 0
+        #: Ejections since the last success; each lengthens the next.
+        self.ejections = 0
+        #: Monotonic time before which health checks may not bring it back.
+        self.ejected_until = 0.0
+        self.events = events
+        self.subscriber_task: asyncio.Task | None = None
+        # Children of labelled metrics, looked up once: labels() costs a dict lookup and a
+        # lock on every request otherwise.
+        self.events_applied = metrics.events.labels(endpoint.name)
+        self.decisions = metrics.decisions.labels(policy, endpoint.name)
+
+    @property
+    def name(self) -> str:
+        return self.endpoint.name
+
+    @property
+    def url(self) -> str:
+        return self.endpoint.url
+
+    @property
+    def available(self) -> bool:
+        return self.healthy and self.endpoint.ready
+
+
+class WorkerPool:
+    """Membership, health and KV events of the router's workers.
+
+    Args:
+        index: the router's ``KvIndex`` (``apply`` / ``reset_worker`` / ``remove_worker``).
+        metrics: where to count events, gaps and health failures.
+        session: HTTP session for health checks.
+        events: where workers publish KV events.
+        policy_name: the policy's name (a label of the decisions metric).
+        health_interval_s: seconds between health checks (0 disables them).
+        health_timeout_s: a check slower than this fails.
+        eject_after_failures: consecutive failed requests that eject a worker (0: never).
+        eject_base_s: length of a first ejection; the n-th in a row lasts n times as long.
+        on_change: called after the available set changed (the router recomputes its view).
+    """
+
+    def __init__(
+        self,
+        index,
+        metrics: RouterMetrics,
+        session: aiohttp.ClientSession,
+        events: EventsSettings,
+        policy_name: str,
+        health_interval_s: float = 2.0,
+        health_timeout_s: float = 1.0,
+        on_change: Callable[[], None] | None = None,
+        *,
+        eject_after_failures: int = 3,
+        eject_base_s: float = 5.0,
+    ) -> None:
+        self.index = index
+        self.metrics = metrics
+        self.session = session
+        self.events = events
+        self.policy_name = policy_name
+        self.health_interval_s = health_interval_s
+        self.health_timeout_s = health_timeout_s
+        self.on_change = on_change
+        self.eject_after_failures = eject_after_failures
+        self.eject_base_s = eject_base_s
+        self.workers: dict[str, Worker] = {}
+        self._available: list[Worker] = []
+        self._tasks: list[asyncio.Task] = []
+        self.first_update = asyncio.Event()
+
+    # --- membership ---------------------------------------------------------------------------
+
+    def available(self) -> list[Worker]:
+        """Workers that may take a new request, in a stable order (do not mutate)."""
+        return self._available
+
+    def _recompute(self) -> None:
+        self._available = [w for w in self.workers.values() if w.available]
+        self.metrics.workers_available.set(len(self._available))
+        if self.on_change is not None:
+            self.on_change()
+
+    def update(self, endpoints: list[Endpoint]) -> None:
+        """Make the pool match ``endpoints`` (a discovery source's complete list)."""
+        wanted = {e.name: e for e in endpoints}
+        for name in [n for n in self.workers if n not in wanted]:
+            worker = self.workers.pop(name)
+            self._stop_events(worker)
+            self.index.remove_worker(name)
+            logger.info("worker %s left the pool", name)
+        for name, endpoint in wanted.items():
+            worker = self.workers.get(name)
+            if worker is None:
+                worker = Worker(endpoint, self.events.source_for(endpoint), self.metrics, self.policy_name)
+                self.workers[name] = worker
+                self._start_events(worker)
+                logger.info("worker %s joined the pool (%s)", name, endpoint.url)
+            elif worker.endpoint != endpoint:
+                worker.endpoint = endpoint
+        self._recompute()
+        self.first_update.set()
+
+    def mark_failed(self, worker: Worker, reason: str) -> None:
+        """Take ``worker`` out until a health check passes; forget what it cached."""
+        if not worker.healthy:
+            return
+        logger.warning("worker %s taken out: %s", worker.name, reason)
+        worker.healthy = False
+        self.index.remove_worker(worker.name)
+        self._recompute()
+
+    def record_failure(self, worker: Worker, reason: str) -> None:
+        """A request to ``worker`` failed (a timeout or a 5xx); enough of them in a row eject it."""
+        worker.consecutive_failures += 1
+        limit = self.eject_after_failures
+        if limit and worker.consecutive_failures >= limit and worker.healthy:
+            worker.ejections += 1
+            period = min(self.eject_base_s * worker.ejections, MAX_EJECTION_S)
+            worker.ejected_until = time.monotonic() + period
+            self.metrics.ejections.labels(worker.name).inc()
+            self.mark_failed(
+                worker, f"ejected for {period:g}s after {worker.consecutive_failures} failures in a row ({reason})"
+            )
+
+    def record_success(self, worker: Worker) -> None:
+        """A request to ``worker`` was answered in full."""
+        if worker.consecutive_failures:
+            worker.consecutive_failures = 0
+            worker.ejections = 0
+
+    def _mark_healthy(self, worker: Worker) -> None:
+        if worker.healthy or time.monotonic() < worker.ejected_until:
+            return
+        worker.consecutive_failures = 0
+        logger.info("worker %s is healthy again", worker.name)
+        worker.healthy = True
+        self._recompute()
+
+    # --- background tasks ---------------------------------------------------------------------
+
+    def start(self, discovery: Discovery) -> None:
+        """Follow ``discovery`` and, if enabled, check health, until :meth:`close`."""
+        self._tasks.append(asyncio.ensure_future(self._follow(discovery)))
+        if self.health_interval_s > 0:
+            self._tasks.append(asyncio.ensure_future(self._health_loop()))
+
+    async def _follow(self, discovery: Discovery) -> None:
+        try:
+            async for endpoints in discovery.watch():
+                self.update(endpoints)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("worker discovery stopped; keeping the last worker list")
+            self.first_update.set()
+
+    async def _health_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.health_interval_s)
+            workers = list(self.workers.values())
+            results = await asyncio.gather(*(self._check(w) for w in workers))
+            for worker, problem in zip(workers, results, strict=True):
+                if self.workers.get(worker.name) is not worker:
+                    continue  # left the pool meanwhile
+                if problem is None:
+                    self._mark_healthy(worker)
+                else:
+                    self.metrics.health_failures.labels(worker.name).inc()
+                    self.mark_failed(worker, f"health check: {problem}")
+
+    async def _check(self, worker: Worker) -> str | None:
+        """None when ``GET /health`` answers 200 in time, else what went wrong."""
+        try:
+            async with self.session.get(
+                worker.url + "/health", timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)
+            ) as response:
+                await response.read()
+                return None if response.status == 200 else f"status {response.status}"
+        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            return str(exc) or type(exc).__name__
+
+    # --- KV events ----------------------------------------------------------------------------
+
+    def _start_events(self, worker: Worker) -> None:
+        if worker.events is not None:
+            worker.subscriber_task = asyncio.ensure_future(self._consume_events(worker))
+
+    def _stop_events(self, worker: Worker) -> None:
+        if worker.subscriber_task is not None:
+            worker.subscriber_task.cancel()
+            worker.subscriber_task = None
+
+    async def _consume_events(self, worker: Worker) -> None:
+        """Feed ``worker``'s event stream into the index, restarting the subscriber if it
+        fails (the engine's sockets come and go with the engine; ZeroMQ reconnects itself)."""
+        source = worker.events
+        assert source is not None
+        name = worker.name
+        while True:
+            try:
+                subscriber = KVEventSubscriber(
+                    source.endpoint, source.replay_endpoint, topic=self.events.topic
+                )
+            except Exception as exc:  # zmq.ZMQError: a malformed address
+                logger.error("worker %s: cannot subscribe to %s: %s", name, source.endpoint, exc)
+                return
+            try:
+                async with subscriber:
+                    async for item in subscriber:
+                        self._on_event_item(worker, item)
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                logger.exception("worker %s: KV event subscriber failed; restarting", name)
+            await asyncio.sleep(_SUBSCRIBER_RESTART_S)
+
+    def _on_event_item(self, worker: Worker, item) -> None:
+        name = worker.name
+        if isinstance(item, EventsReceived):
+            events = item.batch.events
+            self.index.apply(name, events)
+            worker.events_applied.inc(len(events))
+            if item.batch.unknown_events:
+                # A newer engine's event types: skipped, the batch's known events kept.
+                self.metrics.events_unknown.labels(name).inc(item.batch.unknown_events)
+        elif isinstance(item, GapDetected):
+            # A replay attempt follows; only its failure costs the worker its entries.
+            self.metrics.event_gaps.labels(name).inc()
+        elif isinstance(item, ReplayFailed):
+            logger.warning("worker %s: KV events %d..%d lost (%s); its index entries are reset",
+                           name, item.expected, item.got - 1, item.reason)
+            self.metrics.replay_failures.labels(name).inc()
+            self.index.reset_worker(name)
+        elif isinstance(item, EngineRestarted):
+            logger.info("worker %s: engine restarted; its index entries are reset", name)
+            self.metrics.engine_restarts.labels(name).inc()
+            self.index.reset_worker(name)
+        elif isinstance(item, MalformedPayload):
+            # The batch is lost like a failed replay: what it stored or removed is unknown.
+            logger.warning("worker %s: malformed KV event batch %s: %s", name, item.seq, item.error)
+            self.metrics.events_malformed.labels(name).inc()
+            self.index.reset_worker(name)
+
+    async def close(self) -> None:
+        """Stop discovery, health checks and every subscriber."""
+        tasks = self._tasks + [w.subscriber_task for w in self.workers.values() if w.subscriber_task]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await task
+        self._tasks.clear()
+        for worker in self.workers.values():
+            worker.subscriber_task = None
