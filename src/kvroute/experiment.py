@@ -10,6 +10,11 @@ by side.
 
 Emulated workers run faster than real time by ``time_scale``; every measured time is scaled
 back (multiplied by ``time_scale``) so the tables read in the reference GPUs' milliseconds.
+
+Real vLLM on CPU (``--engine vllm``) serves the tiny model with 128-token blocks and 512 bytes of
+KV per token, so the reference's 1 GiB would hold far more requests than on the reference GPUs.
+:func:`cpu_kv_cache_bytes` sizes the KV memory instead so that a worker holds as many of the
+workload's requests (the formula's C) as the reference worker does: the same pressure.
 """
 
 from __future__ import annotations
@@ -17,6 +22,8 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass, field
+
+import numpy as np
 
 from kvroute.bench.files import ResultsWriter
 from kvroute.bench.prompts import BenchWorkload, PromptEncoder, reference_workload
@@ -32,11 +39,43 @@ from kvroute.bench.runner import (
 )
 from kvroute.errors import UserError
 from kvroute.fleet import Fleet
+from kvroute.model import (
+    MODEL_PRESETS,
+    ModelShape,
+    capacity_for_mean_lengths,
+    num_kv_blocks,
+)
 from kvroute.records import Point
 from kvroute.service import TcpBalancer
 from kvroute.workload import WorkloadSpec
 
 TOPOLOGIES = ("service",)
+
+#: The reference worker's ``--kv-cache-memory-bytes`` (with Qwen3-0.6B, GPU blocks of 16).
+REFERENCE_KV_CACHE_BYTES = 2**30
+#: Smallest token id drawn for prompts; tokenizers reserve the low ids for special tokens.
+FIRST_PROMPT_TOKEN_ID = 1000
+
+
+def cpu_kv_cache_bytes(
+    spec: WorkloadSpec,
+    reference: ModelShape = MODEL_PRESETS["qwen3-0.6b"],
+    reference_bytes: int = REFERENCE_KV_CACHE_BYTES,
+    cpu: ModelShape = MODEL_PRESETS["tiny-cpu"],
+) -> int:
+    """KV memory for a CPU vLLM worker that puts ``spec`` under the reference's pressure.
+
+    The formula's C (requests' worth of KV blocks per worker) is computed for the reference
+    worker and the workload's mean lengths; the CPU worker gets the whole number of its blocks
+    whose C is closest (ties: the larger).
+    """
+    lengths = (spec.prefix_tokens.mean, spec.suffix_tokens.mean, spec.output_tokens)
+    ref_blocks = num_kv_blocks(reference_bytes, reference.kv_bytes_per_token, reference.block_size)
+    target = capacity_for_mean_lengths(*lengths, ref_blocks, reference.block_size)
+    per_request = capacity_for_mean_lengths(*lengths, 2, cpu.block_size)  # C of 1 usable block
+    # C grows linearly in usable blocks (num_blocks - 1, the null block excluded).
+    blocks = 1 + max(1, round(target / per_request))
+    return blocks * cpu.block_size * cpu.kv_bytes_per_token
 
 
 @dataclass(frozen=True)
@@ -51,6 +90,8 @@ class ExperimentPlan:
         topologies: balancers to measure (``service``).
         timing: the workers' cost-model preset (for the simulator's prediction).
         time_scale: how much faster than real time emulated workers run.
+        vocab_size: the served model's vocabulary; prompts then draw token ids below it
+            (the default range reaches 30,000, past the tiny CPU model's 8,192).
     """
 
     workers: tuple[int, ...]
@@ -61,6 +102,7 @@ class ExperimentPlan:
     timing: str = "reference-gpu"
     time_scale: float = 1.0
     seed: int = 0
+    vocab_size: int | None = None
 
     @property
     def total_trials(self) -> int:
@@ -102,7 +144,10 @@ async def run_experiment(
             if workloads is None:
                 model = await discover_model(fleet.urls[0])
                 encoder = PromptEncoder("ids", model)
-                workloads = [reference_workload(spec, encoder) for spec in plan.specs]
+                vocab = None
+                if plan.vocab_size is not None:
+                    vocab = np.arange(FIRST_PROMPT_TOKEN_ID, plan.vocab_size, dtype=np.uint32)
+                workloads = [reference_workload(spec, encoder, vocab) for spec in plan.specs]
                 result.capacity = capacity_for(workloads[0], *result.geometry)
             for topology in plan.topologies:
                 await _measure(topology, fleet, w, workloads, options, writer, hooks, result)

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 
 from rich.console import Console
+from rich.progress import Progress
 
 from kvroute import aio
 from kvroute.bench.files import ResultsWriter, tables_as_html
@@ -14,10 +15,24 @@ from kvroute.bench.progress import ProgressHooks, sweep_progress
 from kvroute.commands._common import add_workload_arguments, workload_spec
 from kvroute.engine import PRESETS
 from kvroute.errors import UserError
-from kvroute.experiment import TOPOLOGIES, ExperimentPlan, ExperimentResult, run_experiment
-from kvroute.fleet import external, launch_emulated
+from kvroute.experiment import (
+    TOPOLOGIES,
+    ExperimentPlan,
+    ExperimentResult,
+    cpu_kv_cache_bytes,
+    run_experiment,
+)
+from kvroute.fleet import VllmServeOptions, external, launch_emulated, launch_vllm
 from kvroute.report import print_tables
+from kvroute.tinymodel import TinyModelConfig
+from kvroute.units import parse_bytes
+from kvroute.vllm_setup import VllmInstall
 from kvroute.workload import parse_int_list
+
+ENGINES = ("emulator", "vllm", "urls")
+#: ``vllm serve --max-model-len``: room for the reference's 2,435-token requests and more.
+VLLM_MAX_MODEL_LEN = 4096
+VLLM_MODEL_NAME = "tiny"
 
 NAME = "experiment"
 HELP = "run the reference experiment end to end: workers, Service baseline, bench, tables"
@@ -30,12 +45,22 @@ service` (a random backend per TCP connection, like a Kubernetes Service). The b
 new connection per request, sends the same seeded requests in the same order to every
 topology, excludes the warmup, resets caches between trials and checks the hits two ways.
 
+With --engine vllm the workers are real `vllm serve` processes on this machine's CPU (run
+`kvroute setup-vllm` once first), serving the tiny random-weight model with prefix caching,
+prompt token details, KV events (with replay) and metrics. On CPU a KV block is 128 tokens of
+512 bytes each, so the KV memory per worker is sized to hold as many of the workload's
+requests as the reference GPU worker does (the formula's C: the same cache pressure), unless
+--kv-cache-memory-bytes says otherwise. Times are real CPU milliseconds and the prediction
+uses the cpu-tiny timing. Each server needs ~1.6 GiB of memory and 1–2 minutes to start
+(they start together); their logs go to --out/vllm/W<N>/worker-<i>/vllm.log.
+
 Results (JSON, CSV, plots, an HTML report, every request as JSONL) go to --out.
 Everything started is stopped on exit, on Ctrl-C and when a worker crashes.
 
 examples:
   kvroute experiment --quick            # reduced sweep: W 6,3; K 2,12,24; c 4,8; 1 trial
   kvroute experiment                    # the full reference sweep (72 trials)
+  kvroute experiment --engine vllm --workers 2 --quick --requests 60
   kvroute experiment --engine urls --worker http://10.0.0.5:8000 --worker http://10.0.0.6:8000
 """
 
@@ -44,8 +69,9 @@ FULL = {"workers": "6,3", "prefixes": "2,7,12,24", "concurrency": "4,8,16", "tri
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--engine", choices=("emulator", "urls"), default="emulator",
-                        help="emulator: start emulated workers (default); urls: use running servers (--worker)")
+    parser.add_argument("--engine", choices=ENGINES, default="emulator",
+                        help="emulator: start emulated workers (default); vllm: start real vLLM on "
+                        "this CPU (after `kvroute setup-vllm`); urls: use running servers (--worker)")
     parser.add_argument("--worker", action="append", default=[], metavar="URL",
                         help="a running worker's base URL, repeatable (with --engine urls)")
     parser.add_argument("--workers", "-W", default=None, metavar="W[,W...]",
@@ -56,11 +82,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a reduced sweep (W 6,3; K 2,12,24; c 4,8; 1 trial) that takes a few minutes")
     parser.add_argument("--concurrency", "-c", default=None, metavar="C[,C...]", help="closed-loop levels (reference 4,8,16)")
     parser.add_argument("--trials", type=int, default=None, help="trials per point (reference 3)")
-    parser.add_argument("--timing", default="reference-gpu", choices=sorted(PRESETS),
-                        help="emulated workers' timing preset, also used for the prediction (default %(default)s)")
+    parser.add_argument("--timing", default=None, choices=sorted(PRESETS),
+                        help="emulated workers' timing preset, also used for the prediction "
+                        "(default reference-gpu; cpu-tiny with --engine vllm)")
     parser.add_argument("--time-scale", type=float, default=4.0,
                         help="emulated workers run this many times faster than real time (default %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default kvroute-results/experiment-<time>)")
+    g = parser.add_argument_group("real vLLM workers (--engine vllm)")
+    g.add_argument("--kv-cache-memory-bytes", default=None, metavar="SIZE",
+                   help="KV memory per vLLM worker (default: the reference's pressure, see above)")
+    g.add_argument("--enforce-eager", action="store_true",
+                   help="start vLLM without torch.compile: ~30%% sooner, 30–45%% slower decoding")
     add_workload_arguments(parser, prefixes_default=None)
 
 
@@ -74,6 +106,8 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         if args.worker:
             raise UserError("--worker URLs are for --engine urls")
         workers = parse_int_list(args.workers or base["workers"], "--workers")
+    if args.engine != "vllm" and (args.kv_cache_memory_bytes or args.enforce_eager):
+        raise UserError("--kv-cache-memory-bytes and --enforce-eager are for --engine vllm")
     if args.time_scale <= 0:
         raise UserError("--time-scale must be > 0")
     topologies = tuple(t.strip() for t in args.topology.split(",") if t.strip())
@@ -90,10 +124,30 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         concurrency=tuple(parse_int_list(args.concurrency or base["concurrency"], "--concurrency")),
         trials=trials,
         topologies=topologies,
-        timing=args.timing,
+        timing=args.timing or ("cpu-tiny" if args.engine == "vllm" else "reference-gpu"),
         time_scale=args.time_scale if args.engine == "emulator" else 1.0,
         seed=args.seed,
+        vocab_size=TinyModelConfig().vocab_size if args.engine == "vllm" else None,
     )
+
+
+def _vllm_options(args: argparse.Namespace, plan: ExperimentPlan) -> tuple[VllmInstall, VllmServeOptions]:
+    install = VllmInstall.at()
+    if (why := install.missing()) is not None:
+        raise UserError(why)
+    if args.kv_cache_memory_bytes:
+        kv_bytes = parse_bytes(args.kv_cache_memory_bytes)
+    else:
+        # One budget for every K: the pressure of the workload's lengths (equal across K).
+        kv_bytes = cpu_kv_cache_bytes(plan.specs[0])
+    options = VllmServeOptions(
+        model_dir=install.model_dir,
+        served_model_names=(VLLM_MODEL_NAME,),
+        max_model_len=VLLM_MAX_MODEL_LEN,
+        kv_cache_memory_bytes=kv_bytes,
+        enforce_eager=args.enforce_eager,
+    )
+    return install, options
 
 
 def run(args: argparse.Namespace) -> int:
@@ -103,16 +157,21 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     result = ExperimentResult()
     emulate_args = ["--timing", plan.timing, "--time-scale", f"{plan.time_scale:g}"]
-
-    async def start_fleet(workers: int):
-        if args.engine == "urls":
-            return external(args.worker)
-        console.print(f"starting {workers} emulated workers (timing {plan.timing}, ×{plan.time_scale:g})")
-        return await launch_emulated(workers, emulate_args)
+    if args.engine == "vllm":
+        install, vllm_options = _vllm_options(args, plan)
 
     async def main() -> None:
         with sweep_progress(console) as progress:
             hooks = ProgressHooks(progress, console, plan.total_trials)
+
+            async def start_fleet(workers: int):
+                if args.engine == "urls":
+                    return external(args.worker)
+                if args.engine == "vllm":
+                    return await _start_vllm(workers, install, vllm_options, writer.out / "vllm", progress, console)
+                console.print(f"starting {workers} emulated workers (timing {plan.timing}, ×{plan.time_scale:g})")
+                return await launch_emulated(workers, emulate_args)
+
             await run_experiment(plan, start_fleet, writer, hooks, result)
             hooks.finish()
 
@@ -137,6 +196,7 @@ def run(args: argparse.Namespace) -> int:
     meta = {
         "command": "experiment",
         "engine": args.engine,
+        "vllm_kv_cache_memory_bytes": vllm_options.kv_cache_memory_bytes if args.engine == "vllm" else None,
         "workers": list(plan.workers),
         "topologies": list(plan.topologies),
         "timing": plan.timing,
@@ -156,3 +216,23 @@ def run(args: argparse.Namespace) -> int:
         console.print("[yellow]stopped early[/yellow]: the tables show what was measured")
         return 130
     return 0
+
+
+async def _start_vllm(workers: int, install: VllmInstall, options: VllmServeOptions, work_dir: Path,
+                      progress: Progress, console: Console):
+    work_dir = work_dir / f"W{workers}"
+    console.print(
+        f"starting {workers} vLLM workers ({options.kv_cache_memory_bytes / 2**20:.2f} MiB of KV each; "
+        f"logs in {work_dir}/worker-<i>/vllm.log)"
+    )
+    task = progress.add_task(f"vLLM workers healthy (W={workers})", total=workers)
+
+    def on_progress(healthy: int, total: int, waited: float) -> None:
+        progress.update(task, completed=healthy)
+
+    try:
+        fleet = await launch_vllm(workers, install.vllm, options, work_dir, on_progress=on_progress)
+    finally:
+        progress.remove_task(task)
+    console.print(f"{workers} vLLM workers healthy: {', '.join(fleet.urls)}")
+    return fleet

@@ -15,6 +15,7 @@ api_server). The facts that matter to clients and to kvroute:
   null fields; the stream ends with ``data: [DONE]``.
 * Completions default to 16 output tokens; chat defaults to the rest of the context window
   (``max_model_len`` minus the prompt).
+* Every served name is accepted as ``model``; responses always name the first one.
 
 The emulator always generates exactly ``max_tokens`` tokens, so ``finish_reason`` is
 ``"length"``. Sampling fields (temperature, top_p, seed, stop, ignore_eos, ...) are accepted
@@ -130,17 +131,17 @@ def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) 
 
 
 def _check_model(body: dict, ctx: ServingContext) -> str:
+    """The ``model`` a response names: any served name is accepted, but vLLM answers with the
+    first one (``OpenAIServingModels.model_name``), whichever alias the request used."""
     model = _field(body, "model", (str,))
-    if model is None:
-        return ctx.model_name
-    if model not in ctx.served_model_names:
+    if model is not None and model not in ctx.served_model_names:
         raise ApiError(
             f"The model `{model}` does not exist.",
             HTTPStatus.NOT_FOUND,
             "NotFoundError",
             "model",
         )
-    return model
+    return ctx.model_name
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
@@ -167,8 +168,9 @@ def _max_tokens(body: dict, names: tuple[str, ...], default: int | None) -> int 
 
 
 def _check_length(prompt_len: int, max_tokens: int | None, ctx: ServingContext) -> int:
-    """vLLM's input validation: the prompt must leave room for at least one output token,
-    and prompt plus ``max_tokens`` must fit the context window."""
+    """vLLM's length rules (``get_max_tokens``): the prompt must leave room for at least one
+    output token; ``max_tokens`` past the context window is not an error but is cut to what
+    the window leaves (vLLM 0.32; older versions refused it with a 400)."""
     n = ctx.max_model_len
     if prompt_len >= n:
         raise ApiError(
@@ -177,14 +179,7 @@ def _check_length(prompt_len: int, max_tokens: int | None, ctx: ServingContext) 
         )
     if max_tokens is None:
         return n - prompt_len
-    if prompt_len + max_tokens > n:
-        raise ApiError(
-            f"'max_tokens' or 'max_completion_tokens' is too large: {max_tokens}. This model's "
-            f"maximum context length is {n} tokens and your request has {prompt_len} input "
-            f"tokens ({max_tokens} > {n} - {prompt_len}).",
-            param="max_tokens",
-        )
-    return max_tokens
+    return min(max_tokens, n - prompt_len)
 
 
 def _check_n(body: dict) -> None:
@@ -195,12 +190,12 @@ def _check_n(body: dict) -> None:
 
 def _token_ids(values: list, ctx: ServingContext) -> list[int]:
     # One vectorized check instead of a Python loop: prompts are thousands of ids long.
-    # (The caller has made sure every item is an int and not a bool.)
+    # (The caller has made sure every item is an int; JSON true/false become 1/0 here.)
     ids = np.asarray(values, dtype=np.int64)
     bad = (ids < 0) | (ids >= ctx.tokenizer.vocab_size)
     if bad.any():
         raise ApiError(f"Token id {int(ids[bad.argmax()])} is out of vocabulary", param="prompt")
-    return values
+    return ids.tolist()
 
 
 def _completion_prompt(prompt: Any, ctx: ServingContext) -> list[int]:
@@ -211,7 +206,8 @@ def _completion_prompt(prompt: Any, ctx: ServingContext) -> list[int]:
     if isinstance(prompt, list):
         if not prompt:
             raise ApiError("Prompt cannot be empty.", param="prompt")
-        if all(type(t) is int for t in prompt):  # noqa: E721 (bool is not a token id)
+        # vLLM validates with pydantic's lax mode, which takes JSON true/false as the ints 1/0.
+        if all(isinstance(t, int) for t in prompt):
             return _token_ids(prompt, ctx)
         if all(isinstance(p, (str, list)) for p in prompt):
             if len(prompt) > 1:
