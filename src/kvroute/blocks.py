@@ -70,15 +70,21 @@ class BlockHasher:
             One hash per full block in ``[start_block, stop_block)``.
         """
         tokens = as_token_array(token_ids)
-        full = len(tokens) // self.block_size
+        bs = self.block_size
+        full = len(tokens) // bs
         stop = full if stop_block is None else min(stop_block, full)
-        buf = memoryview(tokens).cast("B")
-        step = self.block_size * 4
+        if stop <= start_block:
+            return []
+        # Only the bytes of the blocks asked for (a caller extending a long chain by one
+        # block should not pay for viewing the whole sequence).
+        buf = memoryview(tokens[start_block * bs : stop * bs]).cast("B")
+        step = bs * 4
         h = self.seed if parent_hash is None else parent_hash
         out = []
-        for i in range(start_block, stop):
-            h = _xxh3(buf[i * step : (i + 1) * step], h)
-            out.append(h)
+        append = out.append
+        for offset in range(0, len(buf), step):
+            h = _xxh3(buf[offset : offset + step], h)
+            append(h)
         return out
 
     def extend(self, hashes: list[int], token_ids: Sequence[int] | np.ndarray) -> list[int]:

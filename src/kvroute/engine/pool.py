@@ -14,13 +14,20 @@ Follows ``vllm/v1/core/block_pool.py`` and ``FreeKVCacheBlockQueue``:
 * Identical content is not deduplicated: two blocks can carry the same hash (one per request
   that computed it), and each is stored and later removed with its own event.
 
-Blocks are plain integers with parallel arrays for ref counts and hashes; the free queue is an
-``OrderedDict`` so a touch can remove a block from the middle in O(1).
+Blocks are plain integers. A simulation moves whole requests' worth of blocks at a time (a
+miss takes ~150 blocks at once, evicting as many hashes, and frees them together when it
+finishes), so the state is kept in plain dicts that C-level bulk operations (``update``,
+``map``, ``islice``) can change a run of blocks at once: ref counts, each cached block's hash,
+the cached hash's first holder, and the free queue itself (a dict keeps insertion order, so its
+keys are the LRU queue, and deleting a touched block from the middle is O(1)). Per-block Python
+loops remain only for the rare cases: identical blocks cached twice, and frees or touches of
+shared blocks.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import deque
+from itertools import islice, repeat
 
 from kvroute.engine.events import (
     AllBlocksCleared,
@@ -30,6 +37,11 @@ from kvroute.engine.events import (
 )
 
 NULL_BLOCK = 0
+
+
+def _consume(iterator) -> None:
+    """Run an iterator of side effects (``map(d.pop, keys)``) to its end at C speed."""
+    deque(iterator, maxlen=0)
 
 
 class BlockPool:
@@ -53,11 +65,20 @@ class BlockPool:
         self.block_size = block_size
         self.enable_caching = enable_caching
         self.emit_events = emit_events
-        self.ref_cnt = [0] * num_blocks
-        self.block_hash: list[int | None] = [None] * num_blocks
-        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
-        # hash -> blocks holding it, oldest first; a lookup returns the first.
-        self.cached: dict[int, list[int]] = {}
+        #: Ref counts, kept implicitly: a block in the free queue (or the null block) has 0,
+        #: any other 1 plus its entry here. Only shared blocks (prefix hits) get an entry, so
+        #: taking and freeing a request's own blocks never touches a count.
+        self._extra_refs: dict[int, int] = {}
+        #: block -> the hash it holds, for cached blocks only.
+        self.block_hash: dict[int, int] = {}
+        #: The LRU free queue: keys in eviction order (values unused).
+        self.free_queue: dict[int, None] = dict.fromkeys(range(1, num_blocks))
+        #: hash -> the oldest block holding it (what a lookup returns).
+        self.cached: dict[int, int] = {}
+        #: hash -> younger blocks holding the same hash, oldest first. vLLM does not
+        #: deduplicate, so a hash can be held twice (e.g. by two requests that computed it in
+        #: the same step); rare, so kept apart from the hot path.
+        self._more_holders: dict[int, list[int]] = {}
         self.pending_events: list[KVCacheEvent] = []
         #: Bumped whenever a change could let a waiting request in: a block returns to the
         #: free queue, blocks become cached, or the cache is reset. (Taking blocks or
@@ -71,68 +92,96 @@ class BlockPool:
         return len(self.free_queue)
 
     @property
+    def ref_cnt(self) -> _RefCounts:
+        """Ref count by block (``pool.ref_cnt[b]``), as vLLM's ``KVCacheBlock.ref_cnt``."""
+        return _RefCounts(self)
+
+    @property
     def usage(self) -> float:
         """Fraction of usable blocks held by requests (vLLM's ``kv_cache_usage_perc``): cached
         but free blocks do not count, so an idle worker reads 0 even with a full cache."""
         return 1.0 - self.num_free_blocks / (self.num_blocks - 1)
 
     def get_cached_block(self, block_hash: int) -> int | None:
-        blocks = self.cached.get(block_hash)
-        return blocks[0] if blocks else None
+        return self.cached.get(block_hash)
 
     def find_longest_hit(self, block_hashes: list[int], max_blocks: int) -> list[int]:
         """Blocks of the longest cached prefix of ``block_hashes`` (at most ``max_blocks``)."""
-        hit: list[int] = []
-        if not self.enable_caching:
+        if not self.enable_caching or max_blocks <= 0 or not block_hashes:
+            return []
+        get = self.cached.get
+        if get(block_hashes[0]) is None:
+            return []  # the common miss: no need to look further
+        hit = list(map(get, block_hashes[:max_blocks]))
+        try:
+            return hit[: hit.index(None)]
+        except ValueError:
             return hit
-        cached = self.cached
-        for h in block_hashes[:max_blocks]:
-            blocks = cached.get(h)
-            if not blocks:
-                break
-            hit.append(blocks[0])
-        return hit
 
     def num_evictable(self, blocks: list[int]) -> int:
         """How many of ``blocks`` sit in the free queue (a touch would take them out of it)."""
-        ref = self.ref_cnt
-        return sum(1 for b in blocks if ref[b] == 0)
+        return sum(map(self.free_queue.__contains__, blocks))
 
     # -- mutations -------------------------------------------------------------------------
 
     def touch(self, blocks: list[int]) -> None:
         """Take hit blocks into use: ref count +1, out of the free queue if they were free."""
-        ref = self.ref_cnt
         free = self.free_queue
+        extra = self._extra_refs
         for b in blocks:
-            if ref[b] == 0:
+            if b in free:
                 del free[b]
-            ref[b] += 1
+            else:
+                extra[b] = extra.get(b, 0) + 1
 
     def get_new_blocks(self, n: int) -> list[int]:
         """Take ``n`` blocks from the head of the free queue, evicting their cached hashes."""
-        if n > len(self.free_queue):
-            raise ValueError(f"cannot get {n} free blocks, only {len(self.free_queue)} free")
-        out = []
-        popitem = self.free_queue.popitem
-        ref = self.ref_cnt
+        free = self.free_queue
+        if n > len(free):
+            raise ValueError(f"cannot get {n} free blocks, only {len(free)} free")
+        if n <= 0:
+            return []
+        out = list(islice(free, n))
+        if n == 1:  # a decode step's new block: skip the bulk machinery
+            del free[out[0]]
+        elif 2 * n >= len(free):
+            # Most of the queue goes: rebuilding it from the blocks that stay is cheaper
+            # than deleting the taken ones (a miss on a full cache takes nearly all of it).
+            free = self.free_queue = dict.fromkeys(islice(free, n, None))
+        else:
+            _consume(map(free.pop, out))
         block_hash = self.block_hash
-        cached = self.cached
-        for _ in range(n):
-            b = popitem(last=False)[0]
-            h = block_hash[b]
-            if h is not None:  # evict: the block's memory is reused now
-                block_hash[b] = None
-                holders = cached[h]
-                if len(holders) == 1:
-                    del cached[h]
-                else:
-                    holders.remove(b)
-                if self.emit_events:
-                    self.pending_events.append(BlockRemoved(block_hashes=[h]))
-            ref[b] = 1
-            out.append(b)
+        if not block_hash:
+            return out
+        # Evict: the blocks' memory is reused now.
+        if n == 1:
+            held = [block_hash.pop(out[0], None)]
+        else:
+            held = list(map(block_hash.pop, out, repeat(None)))
+        if held.count(None) == n:
+            return out
+        if self._more_holders:
+            for b, h in zip(out, held):
+                if h is not None:
+                    self._forget_holder(b, h)
+        else:
+            # Uncached blocks hold None, which is never a key: popping it is a no-op.
+            _consume(map(self.cached.pop, held, repeat(None)))
+        if self.emit_events:
+            self.pending_events.extend(BlockRemoved(block_hashes=[h]) for h in held if h is not None)
         return out
+
+    def _forget_holder(self, block: int, block_hash: int) -> None:
+        more = self._more_holders.get(block_hash)
+        if more is None:
+            del self.cached[block_hash]
+            return
+        if self.cached[block_hash] == block:
+            self.cached[block_hash] = more.pop(0)
+        else:
+            more.remove(block)
+        if not more:
+            del self._more_holders[block_hash]
 
     def cache_full_blocks(
         self,
@@ -154,36 +203,66 @@ class BlockPool:
         if not self.enable_caching or num_cached >= num_full:
             return
         self.version += 1
-        for i in range(num_cached, num_full):
-            b = blocks[i]
-            h = block_hashes[i]
+        if num_full - num_cached == 1 and not self.emit_events:
+            # A decode step filled one block: the common case, without the bulk machinery.
+            b = blocks[num_cached]
+            h = block_hashes[num_cached]
             self.block_hash[b] = h
-            lst = self.cached.get(h)
-            if lst is None:
-                self.cached[h] = [b]
+            if h in self.cached:
+                self._more_holders.setdefault(h, []).append(b)
             else:
-                lst.append(b)
+                self.cached[h] = b
+            return
+        new_blocks = blocks[num_cached:num_full]
+        new_hashes = block_hashes[num_cached:num_full]
+        self.block_hash.update(zip(new_blocks, new_hashes))
+        cached = self.cached
+        before = len(cached)
+        if cached.keys().isdisjoint(new_hashes):
+            cached.update(zip(new_hashes, new_blocks))
+            if len(cached) - before != len(new_hashes):
+                # A hash repeated within the run: undo, and take the exact path below.
+                _consume(map(cached.pop, new_hashes, repeat(None)))
+                self._add_holders(new_blocks, new_hashes)
+        else:
+            self._add_holders(new_blocks, new_hashes)
         if self.emit_events:
             bs = self.block_size
             self.pending_events.append(
                 BlockStored(
-                    block_hashes=list(block_hashes[num_cached:num_full]),
+                    block_hashes=list(new_hashes),
                     parent_block_hash=block_hashes[num_cached - 1] if num_cached else None,
                     token_ids=[int(t) for t in token_ids[num_cached * bs : num_full * bs]],
                     block_size=bs,
                 )
             )
 
+    def _add_holders(self, blocks: list[int], block_hashes: list[int]) -> None:
+        cached = self.cached
+        for b, h in zip(blocks, block_hashes):
+            if h in cached:
+                self._more_holders.setdefault(h, []).append(b)
+            else:
+                cached[h] = b
+
     def free_blocks(self, ordered_blocks: list[int]) -> None:
         """Drop one reference from each block; those reaching 0 join the free queue's tail in
         the given order (callers pass a request's blocks reversed: tail evicted first)."""
-        ref = self.ref_cnt
-        free = self.free_queue
         self.version += 1
+        extra = self._extra_refs
+        if not extra or extra.keys().isdisjoint(ordered_blocks):
+            # The usual case: nobody else holds them, so all of them are free now.
+            self.free_queue.update(zip(ordered_blocks, repeat(None)))
+            return
+        free = self.free_queue
         for b in ordered_blocks:
-            ref[b] -= 1
-            if ref[b] == 0:
+            n = extra.get(b)
+            if n is None:
                 free[b] = None
+            elif n == 1:
+                del extra[b]
+            else:
+                extra[b] = n - 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, as ``/reset_prefix_cache`` does.
@@ -193,7 +272,8 @@ class BlockPool:
         if len(self.free_queue) != self.num_blocks - 1:
             return False
         self.cached.clear()
-        self.block_hash = [None] * self.num_blocks
+        self._more_holders.clear()
+        self.block_hash.clear()
         self.version += 1
         if self.emit_events:
             self.pending_events.append(AllBlocksCleared())
@@ -202,3 +282,18 @@ class BlockPool:
     def take_events(self) -> list[KVCacheEvent]:
         events, self.pending_events = self.pending_events, []
         return events
+
+
+class _RefCounts:
+    """Read-only ``block -> ref count`` view of a BlockPool's implicit counts."""
+
+    __slots__ = ("_pool",)
+
+    def __init__(self, pool: BlockPool) -> None:
+        self._pool = pool
+
+    def __getitem__(self, block: int) -> int:
+        pool = self._pool
+        if block == NULL_BLOCK or block in pool.free_queue:
+            return 0
+        return 1 + pool._extra_refs.get(block, 0)

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass, field
+from itertools import accumulate, repeat
 
 import numpy as np
 
@@ -178,7 +179,7 @@ class Engine:
     def add_request(self, request: EngineRequest) -> None:
         if request.request_id in self.requests:
             raise ValueError(f"duplicate request id {request.request_id!r}")
-        self.hasher.extend(request.block_hashes, request.prompt_token_ids)
+        self._extend_hashes(request, request.num_prompt_tokens // self.block_size)
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
@@ -219,15 +220,19 @@ class Engine:
     def decode_run_length(self) -> int:
         """How many identical decode-only steps could run back to back from here, or 0.
 
-        Eligible when every running request is decoding, nothing is waiting, and the blocks
-        all of them need for the run are free (so no step would preempt); the run stops at the
-        step in which the first request finishes. Running those steps at once with
+        Eligible when every running request is decoding, the blocks all of them need for the
+        run are free (so no step would preempt), and the waiting queue's head, if any, provably
+        stays unadmitted in every step of the run (``_head_stays_blocked``); the run stops at
+        the step in which the first request finishes. Running those steps at once with
         ``run_decode_steps`` leaves the cache exactly as stepping one at a time would (a
         request's new blocks are taken together rather than interleaved with other requests',
         which changes only which block ids they get and the order of events; so runs are not
         offered while events are being collected).
+
+        Runs with a blocked waiting head matter for speed: a worker whose cache is full keeps
+        decoding with a queue in front of it, and those steps were most of a large simulation.
         """
-        if self.waiting or not self.running or self.pool.emit_events:
+        if not self.running or self.pool.emit_events:
             return 0
         if len(self.running) > self.cost.max_num_batched_tokens:
             return 0
@@ -237,13 +242,80 @@ class Engine:
         bs = self.block_size
         need = 0
         for r in self.running:
-            if r.num_computed_tokens != r.num_tokens - 1:
+            # Decoding: one token to compute, and not the last token of a chunked prefill
+            # (that step is a prefill, costed as one, and produces the first token).
+            if r.num_computed_tokens != r.num_tokens - 1 or not r.num_output:
                 return 0
             need += -(-(r.num_computed_tokens + steps) // bs) - len(r.blocks)
-        return steps if need <= self.pool.num_free_blocks else 0
+        if need > self.pool.num_free_blocks:
+            return 0
+        if self.waiting and not self._head_stays_blocked(steps):
+            return 0
+        return steps
+
+    def _waiting_budget(self, num_running: int) -> int:
+        """Token budget left for the waiting queue after ``num_running`` decodes, or 0 when
+        ``_schedule`` would not look at the waiting queue at all."""
+        if num_running >= self.cost.max_num_seqs:
+            return 0
+        return max(0, self.cost.max_num_batched_tokens - num_running)
+
+    def _head_stays_blocked(self, steps: int) -> bool:
+        """True if the waiting head fails admission in each of the next ``steps`` decode steps.
+
+        During such a run nothing is freed or touched; the running requests only take blocks
+        from the free queue (possibly evicting the head's hit blocks) and cache the blocks
+        their generated tokens fill. With ``T`` the head's tokens, ``h`` its hit blocks, ``E``
+        how many of them are free and ``B`` the token budget left, ``_allocate`` refuses it
+        when ``min(ceil(T/bs) - h, ceil(B/bs)) + E > free``. Taking a block never lowers
+        ``ceil(T/bs) - h + E - free`` (an evicted hit block shortens the hit by at least as
+        many blocks as it removes from ``E``), and ``ceil(B/bs) + E - free`` is at least
+        ``ceil(B/bs) - free_now``; so if both bounds exceed the free blocks now, and no block
+        cached during the run carries one of the head's hashes (which could lengthen its hit),
+        every step refuses it. A cheap sufficient test, not an exact one: when it fails the
+        caller just steps one at a time.
+        """
+        budget = self._waiting_budget(len(self.running))
+        if budget == 0:
+            return True  # the waiting queue is not even looked at
+        head = self.waiting[0]
+        if head.num_computed_tokens or head.blocks:
+            return False  # not a fresh admission (never the case in a waiting queue today)
+        bs = self.block_size
+        pool = self.pool
+        hit: list[int] = []
+        max_blocks = (head.num_tokens - 1) // bs
+        if pool.enable_caching:
+            self._extend_hashes(head, head.num_tokens // bs)
+            hit = pool.find_longest_hit(head.block_hashes, max_blocks)
+        lower_bound = min(
+            -(-head.num_tokens // bs) - len(hit) + pool.num_evictable(hit), -(-budget // bs)
+        )
+        if lower_bound <= pool.num_free_blocks:
+            return False
+        if pool.enable_caching:
+            # The hashes are needed by the run anyway; computing them now costs nothing extra.
+            new_hashes: set[int] = set()
+            for r in self.running:
+                num_full = (r.num_computed_tokens + steps) // bs
+                if num_full > r.num_cached_blocks:
+                    self._extend_hashes(r, num_full)
+                    new_hashes.update(r.block_hashes[r.num_cached_blocks : num_full])
+            if new_hashes and not new_hashes.isdisjoint(head.block_hashes[:max_blocks]):
+                return False
+        return True
 
     def decode_step_time(self) -> float:
         return self.cost.step_time(0, len(self.running))
+
+    def decode_step_ends(self, start: float, steps: int) -> list[float]:
+        """End times of the next ``steps`` decode steps from ``start``, summed one step at a
+        time as a driver of single steps does (``end = now + step time``), so that a run and
+        single steps agree to the last bit and a driver can tell exactly which step an
+        arrival falls in."""
+        ends = list(accumulate(repeat(self.decode_step_time(), steps), initial=start))
+        del ends[0]
+        return ends
 
     def run_decode_steps(self, now: float, steps: int) -> StepResult:
         """Run ``steps`` decode steps at once (at most ``decode_run_length()``); only requests
@@ -251,29 +323,42 @@ class Engine:
         bs = self.block_size
         pool = self.pool
         batch = len(self.running)
-        end = now + steps * self.decode_step_time()
-        outputs = []
-        for r in list(self.running):
+        end = self.decode_step_ends(now, steps)[-1]
+        for r in self.running:
             computed = r.num_computed_tokens + steps
             need = -(-computed // bs) - len(r.blocks)
             if need > 0:
                 r.blocks.extend(pool.get_new_blocks(need))
             num_full = computed // bs
             if num_full > r.num_cached_blocks:
-                if len(r.block_hashes) < num_full:
-                    self.hasher.extend(r.block_hashes, r.token_ids(num_full * bs))
+                self._extend_hashes(r, num_full)
                 pool.cache_full_blocks(r.blocks, r.block_hashes, r.num_cached_blocks, num_full, None)
                 r.num_cached_blocks = num_full
             r.num_computed_tokens = computed
             r.num_output += steps
             self.generation_tokens_total += steps
-            if r.num_output >= r.max_tokens:
-                r.finish_time = end
-                self.running.remove(r)
-                self._free(r)
-                del self.requests[r.request_id]
-                outputs.append(RequestOutput(r, int(r.output_token_ids[r.num_output - 1]), False, True))
+        self._note_head_blocked(batch)
+        outputs = []
+        for r in [r for r in self.running if r.num_output >= r.max_tokens]:
+            r.finish_time = end
+            self.running.remove(r)
+            self._free(r)
+            del self.requests[r.request_id]
+            outputs.append(RequestOutput(r, int(r.output_token_ids[r.num_output - 1]), False, True))
         return StepResult(now, end, 0, batch, outputs)
+
+    def _note_head_blocked(self, num_running: int) -> None:
+        """Leave ``_blocked`` as the skipped admission checks of a decode run would have: the
+        last step that tried the waiting head (after the run's last cache change, before any
+        request finished) recorded it as blocked at the current pool version."""
+        budget = self._waiting_budget(num_running)
+        if not self.waiting or budget == 0:
+            return
+        head = self.waiting[0]
+        blocked = self._blocked
+        version = self.pool.version
+        if not (blocked and blocked[0] is head and blocked[1] == version and budget >= blocked[2]):
+            self._blocked = (head, version, budget)
 
     # -- scheduling --------------------------------------------------------------------------
 
@@ -329,8 +414,7 @@ class Engine:
             hit_blocks: list[int] = []
             if request.num_computed_tokens == 0:
                 max_blocks = (request.num_tokens - 1) // self.block_size
-                if len(request.block_hashes) < request.num_tokens // self.block_size:
-                    self.hasher.extend(request.block_hashes, request.token_ids())
+                self._extend_hashes(request, request.num_tokens // self.block_size)
                 hit_blocks = self.pool.find_longest_hit(request.block_hashes, max_blocks)
             num_hit = len(hit_blocks) * self.block_size
             n = min(request.num_tokens - num_hit, budget)
@@ -372,8 +456,7 @@ class Engine:
             request.blocks.extend(pool.get_new_blocks(need))
         num_full = min(num_computed + num_new, request.num_tokens) // self.block_size
         if num_full > request.num_cached_blocks:
-            if len(request.block_hashes) < num_full:
-                self.hasher.extend(request.block_hashes, request.token_ids())
+            self._extend_hashes(request, num_full)
             pool.cache_full_blocks(
                 request.blocks,
                 request.block_hashes,
@@ -383,6 +466,27 @@ class Engine:
             )
             request.num_cached_blocks = num_full
         return True
+
+    def _extend_hashes(self, request: EngineRequest, num_full: int) -> None:
+        """Make sure ``request.block_hashes`` covers its first ``num_full`` blocks, hashing
+        only the tokens of the blocks it lacks (a decode step completes one block of a
+        long sequence; rebuilding the whole token array for it was most of its cost)."""
+        have = len(request.block_hashes)
+        if have >= num_full:
+            return
+        bs = self.block_size
+        lo, hi = have * bs, num_full * bs
+        prompt = request.prompt_token_ids
+        p = len(prompt)
+        if hi <= p:
+            window = prompt[lo:hi]
+        elif lo >= p:
+            window = request.output_token_ids[lo - p : hi - p]
+        else:
+            window = np.concatenate((prompt[lo:], request.output_token_ids[: hi - p]))
+        request.block_hashes.extend(
+            self.hasher.hash_blocks(window, parent_hash=request.block_hashes[-1] if have else None)
+        )
 
     def _free(self, request: EngineRequest) -> None:
         self.pool.free_blocks(request.blocks[::-1])

@@ -1,0 +1,243 @@
+"""The engine's fast paths equal the straightforward ones (property tests).
+
+Two fast paths exist for speed, and each is checked against the plain version it replaces:
+
+* ``BlockPool`` moves runs of blocks with bulk dict operations and keeps ref counts implicitly;
+  ``ReferencePool`` below is the plain per-block version (an ``OrderedDict`` free queue and
+  explicit counts, as vLLM's ``block_pool.py`` reads). Random operation sequences must give the
+  same blocks, lookups, counts and events.
+* ``Engine.decode_run_length`` / ``run_decode_steps`` run stretches of decode steps at once,
+  also while a waiting request provably stays blocked. Driving an engine by runs must give every
+  request the same cached tokens, first-token and finish step, and leave the same cache, as
+  stepping one step at a time.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import numpy as np
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from kvroute.blocks import BlockHasher
+from kvroute.engine import BlockPool, BlockRemoved, BlockStored, CostModel, Engine, EngineRequest
+
+
+class ReferencePool:
+    """The straightforward BlockPool: one Python step per block."""
+
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.ref_cnt = [0] * num_blocks
+        self.block_hash: list[int | None] = [None] * num_blocks
+        self.free_queue: OrderedDict[int, None] = OrderedDict.fromkeys(range(1, num_blocks))
+        self.cached: dict[int, list[int]] = {}
+        self.events: list = []
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self.free_queue)
+
+    def find_longest_hit(self, block_hashes: list[int], max_blocks: int) -> list[int]:
+        hit = []
+        for h in block_hashes[:max_blocks]:
+            if not self.cached.get(h):
+                break
+            hit.append(self.cached[h][0])
+        return hit
+
+    def num_evictable(self, blocks: list[int]) -> int:
+        return sum(1 for b in blocks if self.ref_cnt[b] == 0)
+
+    def touch(self, blocks: list[int]) -> None:
+        for b in blocks:
+            if self.ref_cnt[b] == 0:
+                del self.free_queue[b]
+            self.ref_cnt[b] += 1
+
+    def get_new_blocks(self, n: int) -> list[int]:
+        out = []
+        for _ in range(n):
+            b = self.free_queue.popitem(last=False)[0]
+            h = self.block_hash[b]
+            if h is not None:
+                self.block_hash[b] = None
+                self.cached[h].remove(b)
+                if not self.cached[h]:
+                    del self.cached[h]
+                self.events.append(("removed", h))
+            self.ref_cnt[b] = 1
+            out.append(b)
+        return out
+
+    def cache_full_blocks(self, blocks, block_hashes, num_cached, num_full) -> None:
+        for i in range(num_cached, num_full):
+            self.block_hash[blocks[i]] = block_hashes[i]
+            self.cached.setdefault(block_hashes[i], []).append(blocks[i])
+        if num_full > num_cached:
+            self.events.append(("stored", tuple(block_hashes[num_cached:num_full])))
+
+    def free_blocks(self, ordered_blocks: list[int]) -> None:
+        for b in ordered_blocks:
+            self.ref_cnt[b] -= 1
+            if self.ref_cnt[b] == 0:
+                self.free_queue[b] = None
+
+
+def _events(pool: BlockPool) -> list:
+    out = []
+    for e in pool.take_events():
+        if isinstance(e, BlockRemoved):
+            out += [("removed", h) for h in e.block_hashes]
+        elif isinstance(e, BlockStored):
+            out.append(("stored", tuple(e.block_hashes)))
+    return out
+
+
+# A request's hash chain: drawn from a few shared chains so that hits, shared blocks, and
+# identical blocks cached twice all happen; a small hash alphabet adds repeats within a chain.
+_CHAINS = [[1000 * c + i for i in range(12)] for c in range(3)]
+_TOKENS = list(range(12 * 4))  # BlockStored needs tokens; their values do not matter here
+
+pool_ops = st.lists(
+    st.tuples(
+        st.sampled_from(["admit", "admit", "extend", "finish"]),
+        st.integers(0, 2),  # chain
+        st.integers(1, 12),  # prompt blocks
+        st.integers(0, 1000),  # which request / a free choice
+    ),
+    max_size=60,
+)
+
+
+@settings(max_examples=150, deadline=None)
+@given(num_blocks=st.integers(2, 40), ops=pool_ops, repeat_hash=st.booleans())
+def test_block_pool_matches_the_straightforward_pool(num_blocks, ops, repeat_hash):
+    fast = BlockPool(num_blocks, 4, emit_events=True)
+    ref = ReferencePool(num_blocks, 4)
+    running: list[tuple[list[int], list[int], int]] = []  # blocks, hashes, cached blocks
+    for op, chain, length, pick in ops:
+        if op == "admit":
+            hashes = list(_CHAINS[chain][:length])
+            if repeat_hash and length > 2:
+                hashes[-1] = hashes[0]  # a hash repeated within one chain
+            hit = fast.find_longest_hit(hashes, length - 1)
+            assert hit == ref.find_longest_hit(hashes, length - 1)
+            assert fast.num_evictable(hit) == ref.num_evictable(hit)
+            need = length - len(hit)
+            if need > fast.num_free_blocks - fast.num_evictable(hit):
+                continue
+            fast.touch(hit)
+            ref.touch(hit)
+            new = fast.get_new_blocks(need)
+            assert new == ref.get_new_blocks(need)
+            blocks = hit + new
+            cached = len(hit) + (pick % (need + 1))  # cache some or all of the new blocks
+            fast.cache_full_blocks(blocks, hashes, len(hit), cached, _TOKENS)
+            ref.cache_full_blocks(blocks, hashes, len(hit), cached)
+            running.append((blocks, hashes, cached))
+        elif op == "extend" and running:
+            blocks, hashes, cached = running[pick % len(running)]
+            if cached < len(blocks):
+                fast.cache_full_blocks(blocks, hashes, cached, cached + 1, _TOKENS)
+                ref.cache_full_blocks(blocks, hashes, cached, cached + 1)
+                running[pick % len(running)] = (blocks, hashes, cached + 1)
+        elif op == "finish" and running:
+            blocks, _, _ = running.pop(pick % len(running))
+            fast.free_blocks(blocks[::-1])
+            ref.free_blocks(blocks[::-1])
+        assert fast.num_free_blocks == ref.num_free_blocks
+        assert list(fast.free_queue) == list(ref.free_queue)
+        assert [fast.ref_cnt[b] for b in range(num_blocks)] == ref.ref_cnt
+        assert {h: fast.get_cached_block(h) for h in ref.cached} == {
+            h: bs[0] for h, bs in ref.cached.items()
+        }
+        assert len(fast.cached) == len(ref.cached)
+        assert _events(fast) == ref.events
+        ref.events.clear()
+
+
+# -- the engine's decode runs --------------------------------------------------------------
+
+BS = 4
+_rng = np.random.default_rng(7)
+_PREFIXES = [_rng.integers(1, 500, 40) for _ in range(3)]
+
+engine_requests = st.lists(
+    st.tuples(
+        st.integers(0, 30),  # arrival step
+        st.integers(0, 2),  # prefix
+        st.integers(0, 40),  # prefix tokens used
+        st.integers(0, 14),  # own tokens
+        st.integers(1, 40),  # output tokens
+    ),
+    min_size=1,
+    max_size=12,
+)
+
+
+def _drive(config, requests, coalesce: bool):
+    """Run ``requests`` (arriving at given step numbers) to completion; return what each saw."""
+    num_blocks, budget, max_seqs = config
+    cost = CostModel("t", 1.0, 0.0, 0.0, 0.0, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    engine = Engine(num_blocks, BS, cost, BlockHasher(BS))
+    made = []
+    for i, (arrive, prefix, used, own, out) in enumerate(requests):
+        prompt = np.concatenate([_PREFIXES[prefix][:used], np.arange(600 + 20 * i, 600 + 20 * i + own)])
+        if len(prompt) == 0:
+            prompt = np.array([1])
+        made.append((arrive, EngineRequest(str(i), prompt, np.arange(900, 900 + out), 0.0)))
+    pending = sorted(made, key=lambda x: x[0])
+    step = 0
+    seen: dict[str, tuple] = {}
+    first: dict[str, int] = {}
+    while pending or engine.has_work:
+        while pending and pending[0][0] <= step:
+            engine.add_request(pending.pop(0)[1])
+        if not engine.has_work:
+            step = pending[0][0]
+            continue
+        run = engine.decode_run_length() if coalesce else 0
+        if run:
+            # A run stops before the next arrival, as the simulator cuts it there.
+            run = min(run, pending[0][0] - step) if pending else run
+            result = engine.run_decode_steps(float(step), run)
+            step += run
+        else:
+            result = engine.step(float(step))
+            step += 1
+        for o in result.outputs:
+            if o.first_token:
+                first[o.request.request_id] = step
+            if o.finished:
+                r = o.request
+                seen[r.request_id] = (r.num_cached_tokens, first.get(r.request_id), step, r.num_preemptions)
+        assert step < 100_000, "engine stalled"
+    cache = sorted((h, len(engine.pool._more_holders.get(h, ())) + 1) for h in engine.pool.cached)
+    stats = engine.stats
+    return seen, cache, (stats.requests, stats.queries, stats.hits, stats.preempted_requests, stats.preempted_hits)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    config=st.tuples(st.integers(12, 40), st.sampled_from([8, 16, 64, 8192]), st.sampled_from([2, 3, 256])),
+    requests=engine_requests,
+)
+def test_decode_runs_equal_single_steps(config, requests):
+    num_blocks = config[0]
+    longest = max(used + own + out for _, _, used, own, out in requests)
+    if -(-(longest + 1) // BS) > num_blocks - 1:
+        return  # cannot fit an empty worker (the simulator rejects such workloads)
+    assert _drive(config, requests, coalesce=True) == _drive(config, requests, coalesce=False)
+
+
+def test_decode_runs_continue_while_the_waiting_head_is_blocked():
+    """The case runs were extended for: a full cache with a queue in front of it."""
+    cost = CostModel("t", 1.0, 0.0, 0.0, 0.0)
+    engine = Engine(12, BS, cost, BlockHasher(BS))  # 11 usable blocks
+    engine.add_request(EngineRequest("a", np.arange(1, 25), np.arange(100, 120), 0.0))  # 6+ blocks
+    engine.add_request(EngineRequest("b", np.arange(50, 74), np.arange(100, 120), 0.0))
+    engine.step(0.0)  # a is admitted, b does not fit
+    assert engine.num_running == 1 and engine.num_waiting == 1
+    assert engine.decode_run_length() == 19  # a decodes until it finishes, b stays blocked
