@@ -803,8 +803,11 @@ def test_with_port_offset_moves_both_ports():
     assert KVEventsConfig().with_port_offset(2).replay_endpoint is None
     assert KVEventsConfig(endpoint="ipc:///tmp/kv").with_port_offset(1).endpoint == "ipc:///tmp/kv_dp1"
     assert config.with_port_offset(0) == config
+    # Ephemeral ports stay ephemeral: each worker binds its own free port.
+    assert KVEventsConfig(endpoint="tcp://127.0.0.1:*").with_port_offset(1).endpoint == "tcp://127.0.0.1:*"
+    assert KVEventsConfig(endpoint="tcp://*:0").with_port_offset(4).endpoint == "tcp://*:0"
     with pytest.raises(UserError):
-        KVEventsConfig(endpoint="tcp://127.0.0.1:*").with_port_offset(1)
+        KVEventsConfig(endpoint="tcp://127.0.0.1").with_port_offset(1)
     with pytest.raises(UserError):
         config.with_port_offset(-1)
     with pytest.raises(UserError):

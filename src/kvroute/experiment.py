@@ -1,12 +1,19 @@
 """The reference experiment end to end: workers, the Service baseline, the bench, the tables.
 
-For each fleet size W the experiment starts (or takes) W workers, puts ``TcpBalancer`` in front
-of them (random backend per connection, like kube-proxy), and runs the bench's sweep with the
-fair-measurement rules through it: a new connection per request, the same seeded requests in
+For each fleet size W the experiment starts (or takes) W workers and, for each topology, puts a
+balancer in front of them — ``service``: ``TcpBalancer`` (random backend per connection, like
+kube-proxy); ``router``: kvroute's KV-aware router (``kvroute serve``) fed by the workers' KV
+events — and runs the bench's sweep with the fair-measurement rules through it: a new connection per request, the same seeded requests in
 the same order for every topology, warmup excluded, caches reset between trials, hits counted
 from ``cached_tokens`` and from the workers' counters. The simulator predicts every measured
-point for the same configuration, and the report shows measured, predicted and the formula side
-by side.
+point for the same configuration (random balancing for the service, the router's policy for the
+router), and the report shows measured, predicted and the formula side by side.
+
+Common random numbers: the Service balancer is reseeded at the start of every trial with the
+seed the simulator's random policy uses for that trial (``seed * 1_000_003 + trial``) and draws
+once per connection, as the simulator draws once per request, so prediction and measurement see
+the same random choices wherever connections arrive in the order the client sends them. The
+comparison then tests the engine model, not the luck of one draw.
 
 Emulated workers run faster than real time by ``time_scale``; every measured time is scaled
 back (multiplied by ``time_scale``) so the tables read in the reference GPUs' milliseconds.
@@ -20,7 +27,8 @@ workload's requests (the formula's C) as the reference worker does: the same pre
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+import contextlib
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -45,11 +53,15 @@ from kvroute.model import (
     capacity_for_mean_lengths,
     num_kv_blocks,
 )
-from kvroute.records import Point
+from kvroute.records import Point, RequestRecord
+from kvroute.proxy import EventsSettings, EventsSource, RouterConfig, start_router
 from kvroute.service import TcpBalancer
+from kvroute.sim import trial_seed
 from kvroute.workload import WorkloadSpec
 
-TOPOLOGIES = ("service",)
+TOPOLOGIES = ("service", "router")
+#: The router topology's policy (``kvroute serve --policy``), also simulated for its prediction.
+ROUTER_POLICY = "kv-aware"
 
 #: The reference worker's ``--kv-cache-memory-bytes`` (with Qwen3-0.6B, GPU blocks of 16).
 REFERENCE_KV_CACHE_BYTES = 2**30
@@ -87,7 +99,8 @@ class ExperimentPlan:
         specs: one workload per K.
         concurrency: closed-loop levels.
         trials: per point (medians reported).
-        topologies: balancers to measure (``service``).
+        topologies: balancers to measure (``service``, ``router``).
+        router_policy: the router topology's policy.
         timing: the workers' cost-model preset (for the simulator's prediction).
         time_scale: how much faster than real time emulated workers run.
         vocab_size: the served model's vocabulary; prompts then draw token ids below it
@@ -98,7 +111,8 @@ class ExperimentPlan:
     specs: tuple[WorkloadSpec, ...]
     concurrency: tuple[int, ...]
     trials: int
-    topologies: tuple[str, ...] = TOPOLOGIES
+    topologies: tuple[str, ...] = ("service",)
+    router_policy: str = ROUTER_POLICY
     timing: str = "reference-gpu"
     time_scale: float = 1.0
     seed: int = 0
@@ -150,18 +164,20 @@ async def run_experiment(
                 workloads = [reference_workload(spec, encoder, vocab) for spec in plan.specs]
                 result.capacity = capacity_for(workloads[0], *result.geometry)
             for topology in plan.topologies:
-                await _measure(topology, fleet, w, workloads, options, writer, hooks, result)
+                await _measure(topology, plan, fleet, w, workloads, options, writer, hooks, result)
         finally:
             await fleet.close()
     if workloads and result.geometry:
         result.predicted = simulate_points(
-            result.measured, workloads, *result.geometry, plan.timing, plan.trials, plan.seed
+            result.measured, workloads, *result.geometry, plan.timing, plan.trials, plan.seed,
+            policies={"service": "random", "router": plan.router_policy},
         )
     return result
 
 
 async def _measure(
     topology: str,
+    plan: ExperimentPlan,
     fleet: Fleet,
     workers: int,
     workloads: list[BenchWorkload],
@@ -170,18 +186,14 @@ async def _measure(
     hooks: SweepHooks,
     result: ExperimentResult,
 ) -> None:
-    if topology != "service":
-        raise UserError(f"unknown topology {topology!r}; available: {', '.join(TOPOLOGIES)}")
-    balancer = TcpBalancer(fleet.addresses)
-    await balancer.start()
-    try:
+    async with _balancer(topology, plan, fleet, result.geometry) as (url, trial_hooks):
         target = BenchTarget(
-            url=f"http://127.0.0.1:{balancer.port}",
+            url=url,
             metrics_urls=tuple(f"{u}/metrics" for u in fleet.urls),
             label=topology,
             workers=workers,
         )
-        runner = BenchRunner(target, options, writer, hooks)
+        runner = BenchRunner(target, options, writer, trial_hooks(hooks))
         sweep = asyncio.ensure_future(runner.run(workloads))
         crash = asyncio.ensure_future(fleet.wait_crash())
         try:
@@ -197,5 +209,62 @@ async def _measure(
                 "what was measured before is saved"
             )
         sweep.result()
-    finally:
-        await balancer.close()
+
+
+@contextlib.asynccontextmanager
+async def _balancer(
+    topology: str, plan: ExperimentPlan, fleet: Fleet, geometry: tuple[int, int] | None
+) -> AsyncIterator[tuple[str, Callable[[SweepHooks], SweepHooks]]]:
+    """Start ``topology`` in front of ``fleet``; yield its URL and how to wrap the bench's
+    hooks for it (the Service's per-trial reseeding)."""
+    if topology == "service":
+        balancer = TcpBalancer(fleet.addresses)
+        await balancer.start()
+        try:
+            yield (
+                f"http://127.0.0.1:{balancer.port}",
+                lambda hooks: _ReseedPerTrial(hooks, balancer, plan.seed),
+            )
+        finally:
+            await balancer.close()
+    elif topology == "router":
+        num_blocks, block_size = geometry if geometry else (None, None)
+        per_worker = {
+            url: EventsSource(*events) for url, events in zip(fleet.urls, fleet.kv_events) if events
+        }
+        config = RouterConfig(
+            workers=fleet.urls,
+            policy=plan.router_policy,
+            seed=plan.seed,
+            block_size=block_size or RouterConfig.block_size,
+            events=EventsSettings(per_worker=per_worker) if per_worker else None,
+            # Without events the router models each worker's LRU cache with its real size.
+            predicted_capacity_blocks=None if per_worker else num_blocks,
+        )
+        async with start_router(config) as router:
+            yield router.url, lambda hooks: hooks
+    else:
+        raise UserError(f"unknown topology {topology!r}; available: {', '.join(TOPOLOGIES)}")
+
+
+class _ReseedPerTrial(SweepHooks):
+    """Passes every hook on, and reseeds the Service balancer as each trial starts (before its
+    cache reset and warmup) with the simulator's seed for that trial."""
+
+    def __init__(self, inner: SweepHooks, balancer: TcpBalancer, seed: int) -> None:
+        self._inner = inner
+        self._balancer = balancer
+        self._seed = seed
+
+    def trial_started(self, target: BenchTarget, workload: BenchWorkload, concurrency: int, trial: int) -> None:
+        self._balancer.reseed(trial_seed(self._seed, trial))
+        self._inner.trial_started(target, workload, concurrency, trial)
+
+    def phase(self, description: str, total: int) -> None:
+        self._inner.phase(description, total)
+
+    def request_done(self, record: RequestRecord) -> None:
+        self._inner.request_done(record)
+
+    def warning(self, message: str) -> None:
+        self._inner.warning(message)

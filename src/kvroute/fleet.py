@@ -35,7 +35,10 @@ import aiohttp
 
 from kvroute.errors import UserError
 
-_WORKER_LINE = re.compile(r"^\s*worker (\d+): (http://\S+?)/v1\b")
+_WORKER_LINE = re.compile(
+    r"^\s*worker (\d+): (http://\S+?)/v1\b"
+    r"(?:\s+kv-events (\S+)(?: \(replay (\S+)\))?)?"
+)
 
 
 @dataclass
@@ -47,6 +50,8 @@ class Fleet:
     process: asyncio.subprocess.Process | None = None
     log: list[str] = field(default_factory=list)
     servers: list[VllmServer] = field(default_factory=list)
+    #: Per URL, the worker's KV events endpoint and replay endpoint (None: no events).
+    kv_events: list[tuple[str, str | None] | None] = field(default_factory=list)
 
     @property
     def addresses(self) -> list[tuple[str, int]]:
@@ -112,14 +117,18 @@ async def launch_emulated(workers: int, emulate_args: list[str], startup_timeout
     except BaseException:
         await fleet.close()
         raise
-    fleet.urls = urls
+    fleet.urls = [url for url, _ in urls]
+    fleet.kv_events = [events for _, events in urls]
     # Keep draining the child's output so it never blocks on a full pipe.
     asyncio.get_running_loop().create_task(_drain(proc, fleet.log))
     return fleet
 
 
-async def _read_urls(proc: asyncio.subprocess.Process, workers: int, log: list[str]) -> list[str]:
-    urls: dict[int, str] = {}
+async def _read_urls(
+    proc: asyncio.subprocess.Process, workers: int, log: list[str]
+) -> list[tuple[str, tuple[str, str | None] | None]]:
+    """Each worker's URL and KV events endpoints, from the lines ``kvroute emulate`` prints."""
+    urls: dict[int, tuple[str, tuple[str, str | None] | None]] = {}
     while len(urls) < workers:
         line = await proc.stdout.readline()
         if not line:
@@ -131,7 +140,8 @@ async def _read_urls(proc: asyncio.subprocess.Process, workers: int, log: list[s
         log.append(text)
         m = _WORKER_LINE.match(text)
         if m:
-            urls[int(m.group(1))] = m.group(2)
+            events = (m.group(3), m.group(4)) if m.group(3) else None
+            urls[int(m.group(1))] = (m.group(2), events)
     return [urls[i] for i in sorted(urls)]
 
 
@@ -470,4 +480,10 @@ async def launch_vllm(
     except BaseException:
         terminate_servers(servers)
         raise
-    return Fleet(urls=[s.url for s in servers], servers=servers)
+    return Fleet(
+        urls=[s.url for s in servers],
+        servers=servers,
+        kv_events=[
+            (s.events_endpoint, s.replay_endpoint) if s.events_endpoint else None for s in servers
+        ],
+    )

@@ -222,6 +222,10 @@ class TcpBalancer:
             lines.append(line)
         return "\n".join(lines)
 
+    def reseed(self, seed: int) -> None:
+        """Restart the backend choices from ``seed`` (one draw per connection from here on)."""
+        self._rng.seed(seed)
+
     async def _handle(
         self, client_reader: asyncio.StreamReader, client_writer: asyncio.StreamWriter
     ) -> None:

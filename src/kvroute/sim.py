@@ -20,8 +20,8 @@ so its tables line up with a bench run's.
 
 from __future__ import annotations
 
+import bisect
 import heapq
-import math
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -111,9 +111,9 @@ class Simulation:
         self.states = [WorkerState(name=f"worker-{i}") for i in range(workers)]
         self.names = [s.name for s in self.states]
         self.busy = [False] * workers
-        # A worker in a coalesced decode run: (start, step time, steps, run id). Runs are cut
+        # A worker in a coalesced decode run: (start, its steps' end times, run id). Runs are cut
         # short when a request arrives for that worker mid-run (see _interrupt_run).
-        self.runs: list[tuple[float, float, int, int] | None] = [None] * workers
+        self.runs: list[tuple[float, list[float], int] | None] = [None] * workers
         self.now = 0.0
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
@@ -127,19 +127,29 @@ class Simulation:
         self.busy[w] = True
         steps = engine.decode_run_length() if self.coalesce else 0
         if steps:
-            d = engine.decode_step_time()
+            ends = engine.decode_step_ends(self.now, steps)
             self._seq += 1
-            self.runs[w] = (self.now, d, steps, self._seq)
-            heapq.heappush(self._heap, (self.now + steps * d, self._seq, _RUN_END, (w, self._seq)))
+            self.runs[w] = (self.now, ends, self._seq)
+            heapq.heappush(self._heap, (ends[-1], self._seq, _RUN_END, (w, self._seq)))
             return
         result = engine.step(self.now)
         self._push(result.end, _STEP_END, (w, result))
 
-    def _interrupt_run(self, w: int) -> None:
-        """A request arrives at worker ``w`` during a coalesced run: the steps that started
-        before now run without it; the run ends after them so the next step can admit it."""
-        start, d, steps, run_id = self.runs[w]
-        done = max(1, math.ceil((self.now - start) / d - 1e-12)) if d > 0 else steps
+    def _interrupt_run(self, w: int, sent_at: float) -> None:
+        """A request (sent at ``sent_at``) arrives at worker ``w`` during a coalesced run: the
+        steps that started before now run without it; the run ends after them so the next
+        step can admit it. Decided as single steps would be: the step in flight is the first
+        whose end is after now; at an exact tie with a step's end, the arrival goes first
+        (joins the next step) only if it was sent before that step began (its event is the
+        older one in the heap)."""
+        start, ends, run_id = self.runs[w]
+        steps = len(ends)
+        if ends[-1] == start:
+            return  # zero-time steps (the instant preset): the whole run is one instant
+        done = bisect.bisect_left(ends, self.now) + 1
+        if done <= steps and ends[done - 1] == self.now:
+            if sent_at > (ends[done - 2] if done >= 2 else start):
+                done += 1
         if done >= steps:
             return  # the last step of the run had started already
         self.runs[w] = None
@@ -200,14 +210,16 @@ class Simulation:
             if kind == _RUN_END:
                 w, run_id = data
                 run = self.runs[w]
-                if run is None or run[3] != run_id:
+                if run is None or run[2] != run_id:
                     continue  # cut short by an arrival
                 self.runs[w] = None
-                kind, data = _STEP_END, (w, self.engines[w].run_decode_steps(run[0], run[2]))
+                kind, data = _STEP_END, (w, self.engines[w].run_decode_steps(run[0], len(run[1])))
             if kind == _ARRIVE:
                 w, request = data
-                if self.runs[w] is not None:
-                    self._interrupt_run(w)
+                if self.runs[w] is not None and not self.engines[w].waiting:
+                    # (With a queue, the run was offered only because its head stays
+                    # blocked in every step, and a newcomer waits behind the head.)
+                    self._interrupt_run(w, sent[request.request_id][2])
                 self.engines[w].add_request(request)
                 if not self.busy[w]:
                     self._start_step(w)
@@ -293,6 +305,13 @@ class SweepPoint:
     policy: str
 
 
+def trial_seed(seed: int, trial: int) -> int:
+    """The seed of a policy's random choices in trial ``trial`` of a point. ``kvroute
+    experiment`` reseeds its Service balancer with it, so the measured and the simulated random
+    baseline draw the same choices."""
+    return seed * 1_000_003 + trial
+
+
 def run_point(
     point: SweepPoint,
     workload: Workload,
@@ -310,7 +329,7 @@ def run_point(
     if point.policy in POLICIES and POLICIES[point.policy].needs_overlap:
         options.setdefault("block_size", config.block_size)
     for trial in range(trials):
-        rng = random.Random(seed * 1_000_003 + trial)
+        rng = random.Random(trial_seed(seed, trial))
         policy = make_policy(point.policy, rng=rng, **options)
         result.trials.append(run_trial(workload, point.workers, point.concurrency, config, policy).stats())
         if on_trial:

@@ -377,10 +377,12 @@ def simulate_points(
     timing: str,
     trials: int,
     seed: int,
+    policies: dict[str, str] | None = None,
 ) -> list[Point]:
-    """The simulator's prediction for each measured closed-loop point: random balancing over
-    the same W workers, the same seeded requests and concurrency. Labelled with the measured
-    topology's name so the report shows them side by side."""
+    """The simulator's prediction for each measured closed-loop point: the same W workers, the
+    same seeded requests and concurrency, balanced by ``policies[label]`` (the sim policy
+    standing for the measured topology; random when the label is not there). Labelled with the
+    measured topology's name so the report shows them side by side."""
     from kvroute.engine import get_preset
     from kvroute.sim import SweepPoint, WorkerConfig, run_point
 
@@ -392,7 +394,8 @@ def simulate_points(
         if wl is None or wl.source is None or wl.spec is None or p.concurrency < 1:
             continue
         config.check_fits(wl.source)
-        point = run_point(SweepPoint(p.workers, p.prefixes, p.concurrency, "random"), wl.source, config, trials, seed)
+        policy = (policies or {}).get(p.policy, "random")
+        point = run_point(SweepPoint(p.workers, p.prefixes, p.concurrency, policy), wl.source, config, trials, seed)
         point.policy = p.policy
         out.append(point)
     return out

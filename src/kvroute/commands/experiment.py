@@ -16,6 +16,7 @@ from kvroute.commands._common import add_workload_arguments, workload_spec
 from kvroute.engine import PRESETS
 from kvroute.errors import UserError
 from kvroute.experiment import (
+    ROUTER_POLICY,
     TOPOLOGIES,
     ExperimentPlan,
     ExperimentResult,
@@ -24,6 +25,7 @@ from kvroute.experiment import (
 )
 from kvroute.fleet import VllmServeOptions, external, launch_emulated, launch_vllm
 from kvroute.report import print_tables
+from kvroute.routing.policies import POLICIES
 from kvroute.tinymodel import TinyModelConfig
 from kvroute.units import parse_bytes
 from kvroute.vllm_setup import VllmInstall
@@ -38,12 +40,16 @@ NAME = "experiment"
 HELP = "run the reference experiment end to end: workers, Service baseline, bench, tables"
 DESCRIPTION = """\
 Run EXPERIMENT.md end to end and print its four tables, with the simulator's prediction and
-the formula min(1, C/K) beside the measured values. By default the workers are emulated vLLM
-workers (`kvroute emulate`, the reference GPU timing, run --time-scale times faster than real
-time; every time shown is scaled back to the reference GPUs' milliseconds) behind `kvroute
-service` (a random backend per TCP connection, like a Kubernetes Service). The bench opens a
-new connection per request, sends the same seeded requests in the same order to every
-topology, excludes the warmup, resets caches between trials and checks the hits two ways.
+the formulas min(1, C/K) and min(1, W·C/K) beside the measured values. By default the workers
+are emulated vLLM workers (`kvroute emulate`, the reference GPU timing, run --time-scale times
+faster than real time; every time shown is scaled back to the reference GPUs' milliseconds),
+measured behind two topologies in turn: `service` (`kvroute service`, a random backend per TCP
+connection, like a Kubernetes Service) and `router` (`kvroute serve --policy kv-aware`, fed by
+the workers' KV events). The bench opens a new connection per request, sends the same seeded
+requests in the same order to every topology, excludes the warmup, resets caches between trials
+and checks the hits two ways. The simulator predicts each topology with the same requests
+(random balancing for the service, with the same random draws; the router's policy for the
+router).
 
 With --engine vllm the workers are real `vllm serve` processes on this machine's CPU (run
 `kvroute setup-vllm` once first), serving the tiny random-weight model with prefix caching,
@@ -64,6 +70,12 @@ examples:
   kvroute experiment --engine urls --worker http://10.0.0.5:8000 --worker http://10.0.0.6:8000
 """
 
+#: Emulated workers publish KV events (with replay) on ephemeral loopback ports for the router.
+EMULATED_KV_EVENTS = (
+    '{"enable_kv_cache_events":true,"publisher":"zmq","topic":"kv-events",'
+    '"endpoint":"tcp://127.0.0.1:*","replay_endpoint":"tcp://127.0.0.1:*"}'
+)
+
 QUICK = {"workers": "6,3", "prefixes": "2,12,24", "concurrency": "4,8", "trials": 1}
 FULL = {"workers": "6,3", "prefixes": "2,7,12,24", "concurrency": "4,8,16", "trials": 3}
 
@@ -76,8 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="a running worker's base URL, repeatable (with --engine urls)")
     parser.add_argument("--workers", "-W", default=None, metavar="W[,W...]",
                         help="fleet sizes to run (reference 6,3; with --engine urls: the number of --worker)")
-    parser.add_argument("--topology", default="service", metavar="T[,T...]",
-                        help=f"balancers to measure: {', '.join(TOPOLOGIES)} (default %(default)s)")
+    parser.add_argument("--topology", default="service,router", metavar="T[,T...]",
+                        help="balancers to measure: service (random backend per connection, like a "
+                        "Kubernetes Service), router (kvroute serve, fed by the workers' KV events) "
+                        "(default %(default)s)")
+    parser.add_argument("--router-policy", default=ROUTER_POLICY, choices=sorted(POLICIES),
+                        help="the router topology's policy, also simulated for its prediction "
+                        "(default %(default)s)")
     parser.add_argument("--quick", action="store_true",
                         help="a reduced sweep (W 6,3; K 2,12,24; c 4,8; 1 trial) that takes a few minutes")
     parser.add_argument("--concurrency", "-c", default=None, metavar="C[,C...]", help="closed-loop levels (reference 4,8,16)")
@@ -124,6 +141,7 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         concurrency=tuple(parse_int_list(args.concurrency or base["concurrency"], "--concurrency")),
         trials=trials,
         topologies=topologies,
+        router_policy=args.router_policy,
         timing=args.timing or ("cpu-tiny" if args.engine == "vllm" else "reference-gpu"),
         time_scale=args.time_scale if args.engine == "emulator" else 1.0,
         seed=args.seed,
@@ -157,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
     console = Console()
     result = ExperimentResult()
     emulate_args = ["--timing", plan.timing, "--time-scale", f"{plan.time_scale:g}"]
+    if "router" in plan.topologies:
+        emulate_args += ["--kv-events-config", EMULATED_KV_EVENTS]
     if args.engine == "vllm":
         install, vllm_options = _vllm_options(args, plan)
 

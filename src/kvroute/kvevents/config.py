@@ -135,7 +135,7 @@ def publisher_binds(endpoint: str) -> bool:
 
 def offset_endpoint(endpoint: str, offset: int) -> str:
     """``endpoint`` with its port increased by ``offset`` (tcp) or ``_dp<offset>`` appended
-    (ipc/inproc); unchanged for offset 0.
+    (ipc/inproc); unchanged for offset 0 and for an ephemeral tcp port (``*`` or ``0``).
 
     vLLM's ``ZmqEventPublisher.offset_endpoint_port`` applies the same rule with the data-parallel
     rank as offset, so rank r of a DP engine started with ``tcp://*:5557`` publishes on 5557 + r.
@@ -144,6 +144,10 @@ def offset_endpoint(endpoint: str, offset: int) -> str:
         return endpoint
     if endpoint.startswith("tcp://"):
         base, sep, port = endpoint.rpartition(":")
+        if sep and port in ("*", "0") and base != "tcp":
+            # An ephemeral port: every worker binds its own free port (read back from the
+            # publisher), so there is nothing to offset.
+            return endpoint
         if not sep or not port.isdigit() or base == "tcp":
             raise UserError(
                 f"cannot offset the port of {endpoint!r}: it has no numeric port "
