@@ -1,0 +1,1042 @@
+"""kvroute's router side by side with the peers: sglang-router, vllm-router and Dynamo.
+
+Two measurements, each over the same seeded requests (the reference workload: K prefixes of
+2,032 tokens + 339-token unique suffixes = 2,371-token prompts, 64 output tokens), with a fresh
+set of workers for every router so each starts with cold caches:
+
+``compare`` (default K = 24, W = 6, concurrency 8 and 16)
+    Every router in front of the same kind of emulated workers (``kvroute emulate``, real-time
+    ``reference-gpu`` timing, 1 GiB of KV cache each, a local tokenizer written by
+    ``kvroute make-tiny-model`` so peers can tokenize). Reports the request hit rate (responses'
+    ``usage.prompt_tokens_details.cached_tokens`` > 0), TTFT p50/p99, requests/s and the
+    per-worker load (max/mean requests served in the measured window, from each worker's
+    ``vllm:request_success_total`` counter, so routers need not name the worker).
+
+``overhead``
+    Workers with the ``instant`` cost preset (the model takes no time). For each router: the
+    same requests one at a time straight to a worker and through the router; the added
+    latency is router minus direct (TTFT and end-to-end, p50 and p99; direct and routed calls
+    alternate, so both see the same machine state). Then a closed loop at
+    concurrency 16 through the router measures its CPU time per request: user + system time of
+    the router's process tree (``/proc/<pid>/stat``) over the window ÷ requests.
+
+Routers (``--routers``):
+
+* ``service``      ``kvroute service``: random per TCP connection, the Kubernetes baseline;
+* ``kvroute``      ``kvroute serve --policy kv-aware`` with the workers' KV events and the
+                   tokenizer (exact token matching);
+* ``sglang``       sglang-router, ``--policy cache_aware`` (prefix tree of routed text);
+* ``vllm-router``  vllm-router, ``--policy cache_aware`` (it calls a worker's
+                   ``/v1/completions/render`` or ``/tokenize`` for every request);
+* ``dynamo``       Dynamo 1.6.1 frontend, ``--router-mode kv``. It cannot front HTTP workers:
+                   it runs its own ``dynamo.mocker`` workers (same block size, block count and
+                   W, but Dynamo's own timing model), so its row is compared as-is.
+
+Peers are installed from PyPI, each into its own virtual environment under
+``${KVROUTE_CACHE:-~/.cache/kvroute}/peers/<name>`` (reused when present; ``--reinstall``
+forces a fresh one). Installs start first and run in parallel; measuring waits until they are
+done so the shared CPUs are quiet. Dynamo's ``ai-dynamo`` cannot be installed with its
+dependencies (``aisimulate`` fetches from an unreachable index), so it is installed as
+``ai-dynamo-runtime==1.6.1`` + the other requirements + ``--no-deps ai-dynamo==1.6.1``. A peer
+that fails to install or start is reported with the reason and skipped.
+
+HTTP listens on 127.0.0.1 only; the emulated workers' KV event sockets bind ``tcp://*:P`` (vLLM
+binds only a wildcard endpoint, and ``kvroute serve`` takes tcp:// endpoints only), and only
+the router on 127.0.0.1 connects to them. Every process the script starts is stopped at the
+end, on errors and on Ctrl-C / SIGTERM.
+
+Results: a table on stdout, and ``results.json`` plus one log per process under ``--out``.
+
+Examples:
+
+    python benchmarks/peers.py --out /tmp/peers                  # compare, every router
+    python benchmarks/peers.py --quick --out /tmp/peers-smoke    # short smoke run of both modes
+    python benchmarks/peers.py --mode overhead --routers kvroute,sglang,vllm-router,dynamo
+    python benchmarks/peers.py --install-only                    # just prepare the venvs
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import json
+import os
+import random
+import re
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+import numpy as np
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvroute import aio
+from kvroute.bench.client import BenchClient, run_closed_loop, run_sequential
+from kvroute.bench.prompts import BenchWorkload, PromptEncoder, reference_workload
+from kvroute.bench.runner import (
+    BenchOptions,
+    BenchRunner,
+    BenchTarget,
+    SweepHooks,
+    TrialResult,
+    TrialSink,
+)
+from kvroute.errors import UserError
+from kvroute.fleet import Fleet, launch_emulated
+from kvroute.records import RequestRecord, TrialStats
+from kvroute.tokens import load_tokenizer, safe_vocabulary
+from kvroute.workload import LengthDist, WorkloadSpec
+
+ROUTERS = ("service", "kvroute", "sglang", "vllm-router", "dynamo")
+MODES = ("compare", "overhead", "both")
+#: Served model name of every worker (emulated or Dynamo's mocker).
+MODEL = "kvroute-tiny"
+#: The reference worker: Qwen3-0.6B bf16 KV (114,688 B/token), block 16, 1 GiB -> 585 blocks.
+BLOCK_SIZE = 16
+NUM_BLOCKS = 585
+#: Dynamo's ai-dynamo 1.6.1 requirements minus aisimulate (not installable from PyPI here).
+DYNAMO_REQUIREMENTS = (
+    "ai-dynamo-runtime==1.6.1", "aiohttp>=3.14.3,<4.0", "certifi>=2026.10.19",
+    "kubernetes>=32.0.1,<33.0.0", "msgspec>=0.19.0", "prometheus-client>=0.23.1,<1.0",
+    "pyzmq>=26.0.0", "redis>=6.2.0,<9.0.0", "tqdm>=4.0.0", "transformers>=4.56.0",
+    "typing-extensions>=4.10.0", "zstandard>=0.23.0,<1.0",
+)
+STARTUP_TIMEOUT_S = 120.0
+
+
+# -- installing the peers ------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PeerPackage:
+    """How to install one peer into its own venv.
+
+    Args:
+        name: the venv's folder name under ``<cache>/peers``.
+        steps: ``pip install`` argument lists, run in order.
+        check: a Python snippet that must run in the venv once installed.
+    """
+
+    name: str
+    steps: tuple[tuple[str, ...], ...]
+    check: str
+
+
+PEER_PACKAGES = {
+    "sglang": PeerPackage("sglang-router", (("sglang-router",),), "import sglang_router"),
+    "vllm-router": PeerPackage("vllm-router", (("vllm-router",),), "import vllm_router"),
+    "dynamo": PeerPackage(
+        "dynamo", (DYNAMO_REQUIREMENTS, ("--no-deps", "ai-dynamo==1.6.1")),
+        "import dynamo.frontend, dynamo.mocker",
+    ),
+}
+
+
+@dataclass
+class Install:
+    """The outcome of preparing one peer's venv."""
+
+    peer: str
+    venv: str
+    ok: bool = False
+    reused: bool = False
+    install_s: float | None = None
+    size_mb: float | None = None
+    versions: dict[str, str] = field(default_factory=dict)
+    error: str | None = None
+
+    @property
+    def python(self) -> str:
+        return str(Path(self.venv) / "bin" / "python")
+
+    def bin(self, name: str) -> str:
+        return str(Path(self.venv) / "bin" / name)
+
+
+def cache_dir() -> Path:
+    return Path(os.environ.get("KVROUTE_CACHE") or Path.home() / ".cache" / "kvroute")
+
+
+def dir_size_mb(path: Path) -> float:
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            with contextlib.suppress(OSError):
+                total += os.lstat(os.path.join(root, name)).st_size
+    return total / 2**20
+
+
+async def _run_logged(cmd: Sequence[str], log: Path, env: dict | None = None) -> int:
+    with log.open("ab") as out:
+        out.write(("$ " + " ".join(cmd) + "\n").encode())
+        out.flush()
+        proc = await asyncio.create_subprocess_exec(*cmd, stdout=out, stderr=subprocess.STDOUT, env=env)
+        try:
+            return await proc.wait()
+        except BaseException:  # cancelled (Ctrl-C): do not leave pip running
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill()
+            await proc.wait()
+            raise
+
+
+#: Terminal colour codes, which Rust loggers write even to files.
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _tail(path: Path, lines: int = 4) -> str:
+    try:
+        text = _ANSI.sub("", path.read_text(errors="replace")).splitlines()
+    except OSError:
+        return ""
+    useful = [line for line in text if line.strip() and "is ignored: it is neither" not in line]
+    return " | ".join(useful[-lines:])
+
+
+async def ensure_peer(peer: str, root: Path, reinstall: bool = False) -> Install:
+    """Create (or reuse) the venv of ``peer`` under ``root`` and install it.
+
+    A venv counts as installed when it holds ``kvroute-peer.json``, written only after every
+    step and the import check succeeded; otherwise it is rebuilt from scratch.
+    """
+    package = PEER_PACKAGES[peer]
+    venv = root / package.name
+    marker = venv / "kvroute-peer.json"
+    log = root / f"{package.name}.log"
+    result = Install(peer, str(venv))
+    if marker.exists() and not reinstall:
+        saved = json.loads(marker.read_text())
+        result.ok, result.reused = True, True
+        result.install_s = saved.get("install_s")
+        result.versions = saved.get("versions", {})
+        result.size_mb = dir_size_mb(venv)
+        return result
+    if venv.exists():
+        shutil.rmtree(venv)
+    root.mkdir(parents=True, exist_ok=True)
+    log.write_text("")
+    start = time.monotonic()
+    if await _run_logged([sys.executable, "-m", "venv", str(venv)], log) != 0:
+        result.error = "python -m venv failed: " + _tail(log)
+        return result
+    pip = [result.python, "-m", "pip", "install", "--disable-pip-version-check", "-q"]
+    for step in package.steps:
+        if await _run_logged([*pip, *step], log) != 0:
+            result.error = f"pip install {' '.join(step)[:80]} failed: " + _tail(log)
+            return result
+    if await _run_logged([result.python, "-c", package.check], log) != 0:
+        result.error = f"installed but `{package.check}` fails: " + _tail(log)
+        return result
+    result.install_s = time.monotonic() - start
+    result.versions = _versions(result.python)
+    result.size_mb = dir_size_mb(venv)
+    result.ok = True
+    marker.write_text(json.dumps({"install_s": result.install_s, "versions": result.versions}))
+    return result
+
+
+def _versions(python: str) -> dict[str, str]:
+    wanted = {"sglang-router", "vllm-router", "ai-dynamo", "ai-dynamo-runtime"}
+    out = subprocess.run([python, "-m", "pip", "list", "--format=json", "--disable-pip-version-check"],
+                         capture_output=True, text=True, check=False)
+    try:
+        return {p["name"]: p["version"] for p in json.loads(out.stdout) if p["name"] in wanted}
+    except ValueError:
+        return {}
+
+
+# -- processes -----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    """A currently free loopback port (the router binds it right after; a tiny race)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def free_port_block(n: int, rng: random.Random | None = None) -> int:
+    """The first of ``n`` consecutive ports that are free on every interface (the emulator
+    moves its KV event endpoints by one port per worker, so it needs a block)."""
+    rng = rng or random.Random()
+    for _ in range(100):
+        base = rng.randrange(20000, 60000 - n)
+        socks = []
+        try:
+            for port in range(base, base + n):
+                s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+                socks.append(s)
+                s.bind(("", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for s in socks:
+                s.close()
+    raise UserError(f"found no {n} consecutive free ports")
+
+
+class Process:
+    """A child process in its own process group, logging to a file.
+
+    Its own group keeps the terminal's Ctrl-C away from it (the script stops it in order) and
+    lets ``stop`` end any helpers it spawned.
+    """
+
+    def __init__(self, name: str, proc: asyncio.subprocess.Process, log: Path) -> None:
+        self.name = name
+        self.proc = proc
+        self.log = log
+
+    @classmethod
+    async def start(cls, name: str, cmd: Sequence[str], log: Path, env: dict | None = None) -> Process:
+        log.parent.mkdir(parents=True, exist_ok=True)
+        with log.open("wb") as out:
+            out.write(("$ " + " ".join(cmd) + "\n").encode())
+            out.flush()
+            proc = await asyncio.create_subprocess_exec(
+                *cmd, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                env=env, start_new_session=True,
+            )
+        return cls(name, proc, log)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def tail(self, lines: int = 3) -> str:
+        return _tail(self.log, lines)
+
+    async def stop(self, timeout_s: float = 8.0) -> None:
+        """SIGTERM the group, SIGKILL it after ``timeout_s``; idempotent."""
+        if self.proc.returncode is not None:
+            return
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), timeout_s)
+        except asyncio.TimeoutError:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+            await self.proc.wait()
+        # Helpers that left the group are not ours to chase; ones still in it are killed.
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of ``pid`` and its live descendants (all threads), from /proc."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(b")") + 2:].split()
+        # fields[0] is state (stat field 3): ppid is field 4, utime 14, stime 15.
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _) in stats.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(stats[p][1] for p in tree if p in stats)
+
+
+async def wait_ready(url: str, proc: Process, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+    """Wait until ``GET url/v1/models`` lists a model (a router with workers behind it)."""
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=3)) as session:
+        while time.monotonic() < deadline:
+            if proc.proc.returncode is not None:
+                raise UserError(f"{proc.name} exited with status {proc.proc.returncode}: {proc.tail()}")
+            try:
+                async with session.get(url + "/v1/models") as resp:
+                    body = await resp.json(content_type=None)
+                    if resp.status == 200 and body.get("data"):
+                        return
+                    last = f"HTTP {resp.status}"
+            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, AttributeError) as exc:
+                last = type(exc).__name__
+            await asyncio.sleep(0.25)
+    raise UserError(f"{proc.name} not ready within {timeout_s:.0f} s ({last}): {proc.tail()}")
+
+
+# -- workers and per-worker load ------------------------------------------------------------------
+
+
+@dataclass
+class Backends:
+    """What one router runs in front of, and how to count each worker's requests."""
+
+    urls: list[str]                      # worker base URLs (empty for Dynamo: no HTTP workers)
+    kv_events: list[str]                 # each worker's "EVENTS,REPLAY" endpoints (emulated)
+    count: Callable[[], dict[str, int]]  # cumulative finished requests per worker (blocking)
+    close: Callable[[], Awaitable[None]]  # stops the workers
+    fleet: Fleet | None = None
+
+
+def _request_success(url: str) -> int:
+    with urllib.request.urlopen(url + "/metrics", timeout=5) as resp:
+        text = resp.read().decode()
+    return int(sum(
+        s.value for fam in text_string_to_metric_families(text) for s in fam.samples
+        if s.name == "vllm:request_success_total"
+    ))
+
+
+async def start_emulated(workers: int, tokenizer: Path, timing: str, run_dir: Path) -> Backends:
+    """``workers`` fresh emulated workers publishing KV events.
+
+    The sockets must bind (``kvroute serve`` connects, and takes tcp:// only), and vLLM's rule
+    binds only a wildcard host: ``tcp://*:P``. They listen on every interface, but only the
+    router on 127.0.0.1 connects to them.
+    """
+    base = free_port_block(2 * workers)
+    config = {
+        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
+        "endpoint": f"tcp://*:{base}", "replay_endpoint": f"tcp://*:{base + workers}",
+    }
+    fleet = await launch_emulated(workers, [
+        "--tokenizer", str(tokenizer), "--served-model-name", MODEL, "--timing", timing,
+        "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", "1GiB",
+        "--kv-events-config", json.dumps(config),
+    ], startup_timeout_s=STARTUP_TIMEOUT_S)
+    # "  worker i: URL/v1  kv-events ENDPOINT (replay REPLAY)" -> "ENDPOINT,REPLAY"
+    endpoints = []
+    for line in fleet.log:
+        if "kv-events " in line:
+            words = line.split("kv-events ", 1)[1].replace("(replay ", "").rstrip(")").split()
+            endpoints.append(",".join(w.replace("0.0.0.0", "127.0.0.1") for w in words))
+
+    def count() -> dict[str, int]:
+        return {url: _request_success(url) for url in fleet.urls}
+
+    return Backends(list(fleet.urls), endpoints, count, fleet.close, fleet)
+
+
+class WindowLoad(SweepHooks, TrialSink):
+    """Each worker's requests during a trial's measured window.
+
+    ``phase("measure")`` runs after the warmup and before the first measured request;
+    ``trial_done`` after the last one. Both read the counters synchronously, so nothing is in
+    flight while they do (a few milliseconds on loopback).
+    """
+
+    def __init__(self, backends: Backends) -> None:
+        self.backends = backends
+        self.before: dict[str, int] = {}
+        self.loads: dict[int, dict[str, int]] = {}
+
+    def phase(self, description: str, total: int) -> None:
+        if description == "measure":
+            self.before = self.backends.count()
+
+    def trial_done(self, result: TrialResult) -> None:
+        expected = sum(1 for r in result.records if r.ok)
+        deadline = time.monotonic() + 2.0
+        while True:  # a worker may count its request a moment after the client saw [DONE]
+            after = self.backends.count()
+            load = {w: after.get(w, 0) - self.before.get(w, 0) for w in after}
+            if sum(load.values()) >= expected or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        self.loads[result.concurrency] = load
+
+
+# -- routers --------------------------------------------------------------------------------------
+
+
+@dataclass
+class RouterRun:
+    """A started router: its URL and process(es) whose CPU time is the router's."""
+
+    url: str
+    processes: list[Process]
+    backends: Backends
+    note: str = ""
+    metrics_url: str | None = None  # the router's own Prometheus metrics, if it has any
+
+    async def save_metrics(self, path: Path) -> None:
+        """Keep the router's metrics (decisions, index size, events...) beside its log."""
+        if self.metrics_url is None:
+            return
+        with contextlib.suppress(aiohttp.ClientError, asyncio.TimeoutError, OSError):
+            async with (aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session,
+                        session.get(self.metrics_url) as resp):
+                path.write_text(await resp.text())
+
+    def cpu_seconds(self) -> float:
+        return sum(cpu_seconds(p.pid) for p in self.processes if p.proc.returncode is None)
+
+    async def close(self) -> None:
+        await asyncio.gather(*(p.stop() for p in self.processes), return_exceptions=True)
+        await self.backends.close()
+
+
+@dataclass
+class Env:
+    """Settings shared by every router launch."""
+
+    workers: int
+    tokenizer: Path
+    installs: dict[str, Install]
+    logs: Path
+    run_dir: Path
+    extra_args: dict[str, list[str]] = field(default_factory=dict)  # appended per router
+
+
+def _peer(env: Env, router: str) -> Install:
+    install = env.installs.get(router)
+    if install is None or not install.ok:
+        raise UserError(f"not installed: {install.error if install else 'install skipped'}")
+    return install
+
+
+async def launch(router: str, env: Env, timing: str, tag: str) -> RouterRun:
+    """Fresh workers and a fresh ``router`` in front of them (Dynamo: its own mocker workers).
+
+    ``timing`` is the emulator's cost preset: ``reference-gpu`` (compare) or ``instant``.
+    """
+    if router == "dynamo":
+        return await _launch_dynamo(env, timing, tag)
+    backends = await start_emulated(env.workers, env.tokenizer, timing, env.run_dir)
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = env.logs / f"{router}-{tag}.log"
+    proc: Process | None = None
+    metrics_url = None if router == "service" else url + "/metrics"
+    try:
+        if router == "service":
+            cmd = [sys.executable, "-m", "kvroute", "service", "--listen", f"127.0.0.1:{port}", "--seed", "0"]
+            for u in backends.urls:
+                cmd += ["--backend", u.removeprefix("http://")]
+        elif router == "kvroute":
+            cmd = [sys.executable, "-m", "kvroute", "serve", "--host", "127.0.0.1", "--port", str(port),
+                   "--policy", "kv-aware", "--tokenizer", str(env.tokenizer),
+                   "--block-size", str(BLOCK_SIZE), "--seed", "0"]
+            for u, events in zip(backends.urls, backends.kv_events, strict=True):
+                cmd += ["--worker", u, "--kv-events", f"{u}={events}"]
+        elif router == "sglang":
+            peer = _peer(env, router)
+            # Both hosts and a local tokenizer, or it resolves one from a model hub (ROUTERS.md).
+            prometheus = free_port()
+            metrics_url = f"http://127.0.0.1:{prometheus}/metrics"
+            cmd = [peer.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+                   "--port", str(port), "--prometheus-host", "127.0.0.1",
+                   "--prometheus-port", str(prometheus), "--tokenizer-path", str(env.tokenizer),
+                   "--policy", "cache_aware", "--log-level", "warn", "--worker-urls", *backends.urls]
+        elif router == "vllm-router":
+            peer = _peer(env, router)
+            prometheus = free_port()
+            metrics_url = f"http://127.0.0.1:{prometheus}/metrics"
+            cmd = [peer.bin("vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus),
+                   "--policy", "cache_aware",
+                   "--log-level", "warning", "--worker-urls", *backends.urls]
+        else:
+            raise UserError(f"unknown router {router!r}")
+        proc = await Process.start(router, cmd + env.extra_args.get(router, []), log)
+        await wait_ready(url, proc)
+    except BaseException:
+        if proc is not None:
+            await proc.stop()
+        await backends.close()
+        raise
+    return RouterRun(url, [proc], backends, metrics_url=metrics_url)
+
+
+async def _launch_dynamo(env: Env, timing: str, tag: str) -> RouterRun:
+    """Dynamo's frontend (kv router) and ``dynamo.mocker`` workers, with file discovery, TCP
+    request plane and ZMQ event plane: no etcd or NATS, everything on 127.0.0.1."""
+    peer = _peer(env, "dynamo")
+    work = Path(tempfile.mkdtemp(prefix="dynamo-", dir=env.run_dir))
+    (work / "kv").mkdir()
+    base = {
+        **os.environ, "HOME": str(work), "DYN_FILE_KV": str(work / "kv"),
+        "DYN_TCP_RPC_HOST": "127.0.0.1", "DYN_TCP_RESPONSE_STREAM_HOST": "127.0.0.1",
+        "DYN_EVENT_PLANE_HOST": "127.0.0.1", "DYN_SYSTEM_HOST": "127.0.0.1",
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
+    }
+    planes = ["--discovery-backend", "file", "--request-plane", "tcp", "--event-plane", "zmq"]
+    # 1 = the mocker's real time; a huge ratio = no model time (the emulator's instant preset).
+    # Its documented "0 = infinite" still took ~6.5 ms per output token in 1.6.1.
+    speedup = "1000000" if timing == "instant" else "1"
+    mocker_log = env.logs / f"dynamo-mocker-{tag}.log"
+    mocker = await Process.start("dynamo.mocker", [
+        peer.python, "-m", "dynamo.mocker", "--model-path", str(env.tokenizer), "--model-name", MODEL,
+        "--num-workers", str(env.workers), "--block-size", str(BLOCK_SIZE),
+        "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "256",
+        "--max-num-batched-tokens", "8192", "--speedup-ratio", speedup, *planes,
+    ], mocker_log, {**base, "DYN_LOG": "info"})  # info: one line per request names its worker
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    frontend: Process | None = None
+
+    def count() -> dict[str, int]:
+        # "request received ... endpoint="generate" ... instance_id=N" once per request.
+        counts: dict[str, int] = {}
+        with mocker_log.open(errors="replace") as f:
+            for line in f:
+                if "request received" not in line:
+                    continue
+                line = _ANSI.sub("", line)
+                if 'endpoint="generate"' in line and "instance_id=" in line:
+                    worker = line.rsplit("instance_id=", 1)[1].split()[0]
+                    counts[worker] = counts.get(worker, 0) + 1
+        return counts
+
+    backends = Backends([], [], count, mocker.stop)
+    try:
+        frontend = await Process.start("dynamo.frontend", [
+            peer.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
+            "--router-mode", "kv", "--kv-cache-block-size", str(BLOCK_SIZE), *planes,
+            *env.extra_args.get("dynamo", []),
+        ], env.logs / f"dynamo-frontend-{tag}.log", {**base, "DYN_LOG": "warn"})
+        await wait_ready(url, frontend)
+        await _wait_dynamo_workers(env.workers, frontend)
+    except BaseException:
+        if frontend is not None:
+            await frontend.stop()
+        await mocker.stop()
+        raise
+    note = "own mocker workers (Dynamo's timing model, not kvroute's emulator)"
+    return RouterRun(url, [frontend], backends, note, metrics_url=url + "/metrics")
+
+
+_DYNAMO_WORKER = re.compile(r"Adding worker WorkerWithDpRank \{ worker_id: (\d+)")
+
+
+async def _wait_dynamo_workers(workers: int, frontend: Process) -> None:
+    """The model appears with the first mocker; wait until the frontend has added all of
+    them (its log says so at WARN level; its metrics list a worker only once it served)."""
+    deadline = time.monotonic() + STARTUP_TIMEOUT_S
+    seen: set[str] = set()
+    while time.monotonic() < deadline:
+        seen = set(_DYNAMO_WORKER.findall(_ANSI.sub("", frontend.log.read_text(errors="replace"))))
+        if len(seen) >= workers:
+            return
+        if frontend.proc.returncode is not None:
+            break
+        await asyncio.sleep(0.5)
+    raise UserError(f"Dynamo's frontend saw {len(seen)} of {workers} workers: {frontend.tail()}")
+
+
+# -- the two measurements ------------------------------------------------------------------------
+
+
+def _note(run: RouterRun, env: Env, router: str) -> str:
+    extra = env.extra_args.get(router)
+    return "; ".join(filter(None, [f"args: {shlex.join(extra)}" if extra else "", run.note]))
+
+
+@dataclass
+class CompareRow:
+    router: str
+    concurrency: int
+    stats: dict | None = None
+    worker_requests: dict[str, int] = field(default_factory=dict)
+    error: str | None = None
+    note: str = ""
+    machine_load: float | None = None  # 1-minute load average after measuring (shared CPUs)
+
+    @property
+    def load_max_over_mean(self) -> float | None:
+        values = list(self.worker_requests.values())
+        return max(values) / float(np.mean(values)) if values and sum(values) else None
+
+
+async def run_compare(router: str, env: Env, workload: BenchWorkload, levels: Sequence[int],
+                      timeout_s: float) -> list[CompareRow]:
+    """One point per concurrency level, each with fresh workers and a fresh router."""
+    rows = []
+    for c in levels:
+        row = CompareRow(router, c)
+        rows.append(row)
+        try:
+            run = await launch(router, env, "reference-gpu", f"c{c}")
+        except UserError as exc:
+            row.error = str(exc)
+            print(f"  {router} c={c}: cannot start: {exc}", flush=True)
+            continue
+        row.note = _note(run, env, router)
+        try:
+            load = WindowLoad(run.backends)
+            # Emulated workers: their /metrics for the reset before the trial (cold caches).
+            target = BenchTarget(run.url, tuple(run.backends.urls), MODEL, router, env.workers)
+            options = BenchOptions(concurrency=(c,), trials=1, reset=bool(run.backends.urls),
+                                   timeout_s=timeout_s, allow_missing_cached_tokens=True)
+            runner = BenchRunner(target, options, sink=load, hooks=load)
+            started = time.monotonic()
+            points = await runner.run([workload])
+            stats: TrialStats = points[0].trials[0]
+            row.stats = stats.to_json()
+            row.worker_requests = load.loads.get(c, {})
+            row.machine_load = os.getloadavg()[0]
+            print(f"  {router} c={c}: hit {stats.request_hit_rate:.3f}, TTFT p99 "
+                  f"{_f(stats.ttft_p99_ms)} ms, {stats.throughput_rps:.2f} req/s "
+                  f"({time.monotonic() - started:.0f} s)", flush=True)
+        except UserError as exc:
+            row.error = str(exc)
+            print(f"  {router} c={c}: failed: {exc}", flush=True)
+        finally:
+            await run.save_metrics(env.logs / f"{router}-c{c}.metrics.txt")
+            await run.close()
+    return rows
+
+
+@dataclass
+class OverheadRow:
+    router: str
+    requests: int = 0
+    direct_ttft_ms: tuple[float, float] | None = None   # p50, p99
+    router_ttft_ms: tuple[float, float] | None = None
+    direct_e2e_ms: tuple[float, float] | None = None
+    router_e2e_ms: tuple[float, float] | None = None
+    cpu_us_per_request: float | None = None
+    loaded_rps: float | None = None
+    failed: int = 0
+    error: str | None = None
+    note: str = ""
+    machine_load: float | None = None  # 1-minute load average after measuring (shared CPUs)
+
+    def added(self, which: str) -> tuple[float, float] | None:
+        direct, routed = getattr(self, f"direct_{which}_ms"), getattr(self, f"router_{which}_ms")
+        if direct is None or routed is None:
+            return None
+        return routed[0] - direct[0], routed[1] - direct[1]
+
+
+def _p50_p99(values: list[float]) -> tuple[float, float] | None:
+    if not values:
+        return None
+    a = np.asarray(values) * 1000.0
+    return float(np.percentile(a, 50)), float(np.percentile(a, 99))
+
+
+async def _collect(client: BenchClient, requests, concurrency: int) -> list[RequestRecord]:
+    records: list[RequestRecord] = []
+    if concurrency <= 1:
+        await run_sequential(client, requests, records.append)
+    else:
+        await run_closed_loop(client, requests, concurrency, records.append)
+    return records
+
+
+async def run_overhead(router: str, env: Env, workload: BenchWorkload, loaded_concurrency: int,
+                       timeout_s: float) -> OverheadRow:
+    """Added latency versus a direct call to a worker, and router CPU per request (instant
+    workers). Dynamo has no HTTP workers: its direct baseline is filled in afterwards by
+    ``_direct_baseline_for_dynamo``."""
+    row = OverheadRow(router)
+    try:
+        run = await launch(router, env, "instant", "overhead")
+    except UserError as exc:
+        row.error = str(exc)
+        print(f"  {router}: cannot start: {exc}", flush=True)
+        return row
+    row.note = _note(run, env, router)
+    try:
+        warm, measured = workload.warmup, workload.requests
+        urls = run.backends.urls
+        async with contextlib.AsyncExitStack() as stack:
+            via = await stack.enter_async_context(BenchClient(run.url, timeout_s=timeout_s))
+            direct = [await stack.enter_async_context(BenchClient(u, timeout_s=timeout_s)) for u in urls]
+            await _collect(via, warm, 1)  # first connections, code paths, router state
+            # Paired, one at a time: each request straight to a worker, then via the router, so
+            # both see the same machine state (2 shared cores drift between passes).
+            routed, direct_records, start = [], [], time.perf_counter()
+            for i, request in enumerate(measured):
+                if direct:
+                    direct_records.append(await direct[i % len(direct)].send(request, start))
+                routed.append(await via.send(request, start))
+            d = [r for r in direct_records if r.ok]
+            if d:
+                row.direct_ttft_ms = _p50_p99([r.ttft_s for r in d if r.ttft_s is not None])
+                row.direct_e2e_ms = _p50_p99([r.e2e_s for r in d if r.e2e_s is not None])
+            ok = [r for r in routed if r.ok]
+            row.router_ttft_ms = _p50_p99([r.ttft_s for r in ok if r.ttft_s is not None])
+            row.router_e2e_ms = _p50_p99([r.e2e_s for r in ok if r.e2e_s is not None])
+            cpu0, t0 = run.cpu_seconds(), time.perf_counter()
+            loaded = await _collect(via, measured, loaded_concurrency)
+            cpu1, t1 = run.cpu_seconds(), time.perf_counter()
+        row.machine_load = os.getloadavg()[0]
+        done = [r for r in loaded if r.ok]
+        row.requests = len(measured)
+        row.failed = len(routed) - len(ok) + len(loaded) - len(done)
+        if done:
+            row.cpu_us_per_request = (cpu1 - cpu0) / len(done) * 1e6
+            row.loaded_rps = len(done) / (t1 - t0)
+        if row.failed:
+            first = next(r for r in routed + loaded if not r.ok)
+            row.error = f"{row.failed} requests failed; the first: {first.error}"
+        added = row.added("e2e")
+        print(f"  {router}: added e2e p50 {_f(added and added[0], 2)} ms, CPU "
+              f"{_f(row.cpu_us_per_request, 0)} µs/request", flush=True)
+    finally:
+        await run.close()
+    return row
+
+
+# -- reporting -----------------------------------------------------------------------------------
+
+
+def _f(value: float | None, digits: int = 1) -> str:
+    return "—" if value is None else f"{value:.{digits}f}"
+
+
+def compare_table(rows: Sequence[CompareRow]) -> list[list[str]]:
+    """The compare table as strings: header first."""
+    out = [["router", "c", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "req/s", "load max/mean",
+            "requests max/mean", "failed", "load avg", "note"]]
+    for r in rows:
+        if r.stats is None:
+            out.append([r.router, str(r.concurrency), "—", "—", "—", "—", "—", "—", "—", "—",
+                        (r.error or "")[:100]])
+            continue
+        s, values = r.stats, list(r.worker_requests.values())
+        counts = f"{max(values)}/{np.mean(values):.1f}" if values else "—"
+        out.append([
+            r.router, str(r.concurrency), f"{s['request_hit_rate']:.3f}", _f(s["ttft_p50_ms"]),
+            _f(s["ttft_p99_ms"]), f"{s['throughput_rps']:.2f}", _f(r.load_max_over_mean, 2), counts,
+            str(s["failed"]), _f(r.machine_load), r.note or (r.error or ""),
+        ])
+    return out
+
+
+def overhead_table(rows: Sequence[OverheadRow]) -> list[list[str]]:
+    out = [["router", "added TTFT p50/p99 ms", "added e2e p50/p99 ms", "router e2e p50/p99 ms",
+            "direct e2e p50/p99 ms", "CPU µs/req", "req/s loaded", "load avg", "note"]]
+    pair = lambda v: "—" if v is None else f"{v[0]:.2f} / {v[1]:.2f}"
+    for r in rows:
+        out.append([r.router, pair(r.added("ttft")), pair(r.added("e2e")), pair(r.router_e2e_ms),
+                    pair(r.direct_e2e_ms), _f(r.cpu_us_per_request, 0), _f(r.loaded_rps, 1),
+                    _f(r.machine_load), (r.error or r.note)[:100]])
+    return out
+
+
+def print_table(title: str, table: list[list[str]]) -> None:
+    widths = [max(len(row[i]) for row in table) for i in range(len(table[0]))]
+    print(f"\n{title}")
+    for n, row in enumerate(table):
+        print("  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip())
+        if n == 0:
+            print("  ".join("-" * w for w in widths))
+
+
+def install_table(installs: dict[str, Install]) -> list[list[str]]:
+    out = [["peer", "status", "install s", "venv MB", "versions", "venv"]]
+    for i in installs.values():
+        status = ("reused" if i.reused else "installed") if i.ok else "FAILED: " + (i.error or "")[:120]
+        out.append([i.peer, status, _f(i.install_s, 0), _f(i.size_mb, 0),
+                    " ".join(f"{k}={v}" for k, v in sorted(i.versions.items())), i.venv])
+    return out
+
+
+# -- main ----------------------------------------------------------------------------------------
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="peers.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--mode", choices=MODES, default="both",
+                   help="compare (hit rate, TTFT, load), overhead (added latency, CPU), or both "
+                        "(default %(default)s)")
+    p.add_argument("--routers", default=",".join(ROUTERS), metavar="NAME[,NAME...]",
+                   help="which routers, in order (default %(default)s)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default ./kvroute-results/peers-<timestamp>)")
+    p.add_argument("--quick", action="store_true",
+                   help="smoke run: 48 measured requests at c=8 only, 24 overhead requests")
+    g = p.add_argument_group("compare")
+    g.add_argument("--prefixes", "-K", type=int, default=24, help="K shared prefixes (default %(default)s)")
+    g.add_argument("--workers", "-W", type=int, default=6, help="workers per router (default %(default)s)")
+    g.add_argument("--concurrency", "-c", default="8,16", metavar="C[,C...]",
+                   help="closed-loop levels (default %(default)s)")
+    g.add_argument("--requests", type=int, default=None,
+                   help="measured requests per point (default the reference's max(200, 20·K))")
+    g.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    o = p.add_argument_group("overhead")
+    o.add_argument("--overhead-requests", type=int, default=200,
+                   help="requests per latency pass and per loaded pass (default %(default)s)")
+    o.add_argument("--overhead-concurrency", type=int, default=16,
+                   help="closed-loop clients of the CPU-per-request pass (default %(default)s)")
+    o.add_argument("--overhead-output-tokens", type=int, default=64,
+                   help="output tokens per overhead request (default %(default)s, the reference's)")
+    i = p.add_argument_group("installing")
+    i.add_argument("--cache", type=Path, default=None,
+                   help="cache folder (default ${KVROUTE_CACHE:-~/.cache/kvroute}); venvs in <cache>/peers")
+    i.add_argument("--reinstall", action="store_true", help="rebuild the peers' venvs")
+    i.add_argument("--install-only", action="store_true", help="prepare the venvs, measure nothing")
+    p.add_argument("--router-args", action="append", default=[], metavar="ROUTER=ARGS",
+                   help="extra flags for one router, e.g. sglang='--balance-abs-threshold 4' "
+                        "(dynamo: its frontend); repeatable. Default: every router as shipped")
+    p.add_argument("--timeout", type=float, default=120.0, help="per request, seconds (default %(default)s)")
+    args = p.parse_args(argv)
+    args.extra_args = {}
+    for spec in args.router_args:
+        name, sep, flags = spec.partition("=")
+        if not sep or name.strip() not in ROUTERS:
+            p.error(f"--router-args {spec!r}: expected ROUTER=ARGS with ROUTER one of {', '.join(ROUTERS)}")
+        args.extra_args.setdefault(name.strip(), []).extend(shlex.split(flags))
+    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
+    bad = [r for r in routers if r not in ROUTERS]
+    if bad or not routers:
+        p.error(f"--routers: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(ROUTERS)}")
+    args.router_list = routers
+    try:
+        args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
+    except ValueError:
+        p.error(f"--concurrency: expected integers, got {args.concurrency!r}")
+    if not args.levels or min(args.levels) < 1:
+        p.error("--concurrency values must be >= 1")
+    if args.workers < 1 or args.prefixes < 1:
+        p.error("--workers and --prefixes must be >= 1")
+    if args.quick:
+        args.requests = args.requests or 48
+        args.levels = args.levels[:1]
+        args.overhead_requests = min(args.overhead_requests, 24)
+    return args
+
+
+def make_workload(tokenizer_dir: Path, prefixes: int, requests: int | None, output_tokens: int,
+                  seed: int) -> BenchWorkload:
+    """The reference workload as text prompts that re-tokenize exactly (peers match text)."""
+    tokenizer = load_tokenizer(tokenizer_dir)
+    spec = WorkloadSpec(prefixes=prefixes, prefix_tokens=LengthDist.fixed(2032),
+                        suffix_tokens=LengthDist.fixed(339), output_tokens=output_tokens,
+                        requests=requests, seed=seed)
+    return reference_workload(spec, PromptEncoder("text", MODEL, tokenizer), safe_vocabulary(tokenizer))
+
+
+async def main(args: argparse.Namespace) -> int:
+    out: Path = args.out or Path("kvroute-results") / time.strftime("peers-%Y%m%d-%H%M%S")
+    out.mkdir(parents=True, exist_ok=True)
+    logs = out / "logs"
+    root = (args.cache or cache_dir()) / "peers"
+    peers = [r for r in args.router_list if r in PEER_PACKAGES]
+    # Installs first, in the background and in parallel; the tokenizer is built meanwhile.
+    install_tasks = {r: asyncio.create_task(ensure_peer(r, root, args.reinstall)) for r in peers}
+    results: dict = {"args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                     "started": time.strftime("%Y-%m-%dT%H:%M:%S")}
+    with tempfile.TemporaryDirectory(prefix="kvroute-peers-") as tmp:
+        run_dir = Path(tmp)
+        try:
+            tokenizer = run_dir / "tokenizer"
+            if not args.install_only:
+                made = await asyncio.create_subprocess_exec(
+                    sys.executable, "-m", "kvroute", "make-tiny-model", str(tokenizer), "--seed", "0",
+                    stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+                _, err = await made.communicate()
+                if made.returncode != 0:
+                    raise UserError(f"kvroute make-tiny-model failed: {err.decode()[-300:]}")
+            if install_tasks:
+                print(f"installing/checking {', '.join(peers)} under {root} ...", flush=True)
+            installs = {r: await t for r, t in install_tasks.items()}
+            results["installs"] = {r: asdict(i) for r, i in installs.items()}
+            if installs:
+                print_table("peers", install_table(installs))
+            if args.install_only:
+                return 0 if all(i.ok for i in installs.values()) else 1
+            env = Env(args.workers, tokenizer, installs, logs, run_dir, args.extra_args)
+            if args.mode in ("compare", "both"):
+                workload = make_workload(tokenizer, args.prefixes, args.requests, 64, args.seed)
+                print(f"\ncompare: K={args.prefixes}, W={args.workers}, c={args.levels}, "
+                      f"{len(workload.requests)} requests per point", flush=True)
+                rows: list[CompareRow] = []
+                results["compare"] = rows
+                for router in args.router_list:
+                    rows += await run_compare(router, env, workload, args.levels, args.timeout)
+                    _save(out, results)
+                print_table(f"compare (K={args.prefixes}, W={args.workers}, reference-gpu timing)",
+                            compare_table(rows))
+            if args.mode in ("overhead", "both"):
+                workload = make_workload(tokenizer, 24, args.overhead_requests,
+                                         args.overhead_output_tokens, args.seed)
+                print(f"\noverhead: {len(workload.requests)} requests of "
+                      f"{workload.prefix_tokens + workload.suffix_tokens:.0f} tokens, "
+                      f"instant workers", flush=True)
+                orows: list[OverheadRow] = []
+                results["overhead"] = orows
+                for router in args.router_list:
+                    orows.append(await run_overhead(router, env, workload, args.overhead_concurrency,
+                                                    args.timeout))
+                    _save(out, results)
+                _direct_baseline_for_dynamo(orows)
+                print_table("router overhead (instant workers; added = via router − direct)",
+                            overhead_table(orows))
+        finally:
+            for t in install_tasks.values():
+                t.cancel()
+            await asyncio.gather(*install_tasks.values(), return_exceptions=True)
+            _save(out, results)
+    print(f"\nwrote {out}/results.json and logs/", flush=True)
+    return 0
+
+
+def _direct_baseline_for_dynamo(rows: list[OverheadRow]) -> None:
+    """Dynamo's mockers take no HTTP calls, so its "direct" is the emulated workers' direct
+    latency from the other routers' runs (median over them): both take no model time."""
+    others = [r for r in rows if r.router != "dynamo" and r.direct_e2e_ms is not None]
+    for r in rows:
+        if r.router == "dynamo" and r.router_e2e_ms is not None and others:
+            for which in ("ttft", "e2e"):
+                values = [getattr(o, f"direct_{which}_ms") for o in others]
+                setattr(r, f"direct_{which}_ms", tuple(float(np.median([v[i] for v in values])) for i in (0, 1)))
+            r.note = "direct = emulated worker (other runs' median); " + r.note
+
+
+def _save(out: Path, results: dict) -> None:
+    def default(o):
+        if hasattr(o, "__dataclass_fields__"):
+            d = asdict(o)
+            if isinstance(o, CompareRow):
+                d["load_max_over_mean"] = o.load_max_over_mean
+            if isinstance(o, OverheadRow):
+                d["added_ttft_ms"], d["added_e2e_ms"] = o.added("ttft"), o.added("e2e")
+            return d
+        return str(o)
+
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=default))
+
+
+def run(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)
+
+    async def guarded() -> int:
+        task = asyncio.current_task()
+        loop = asyncio.get_running_loop()
+        loop.add_signal_handler(signal.SIGTERM, task.cancel)  # stop children as on Ctrl-C
+        return await main(args)
+
+    try:
+        return aio.run(guarded())
+    except (KeyboardInterrupt, asyncio.CancelledError):
+        print("interrupted: every started process was stopped; partial results saved", file=sys.stderr)
+        return 130
+    except UserError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(run())

@@ -1,0 +1,95 @@
+"""benchmarks/peers.py without the peers: arguments, venv reuse, CPU accounting, tables."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+_PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
+_spec = importlib.util.spec_from_file_location("peers_bench", _PATH)
+peers = importlib.util.module_from_spec(_spec)
+sys.modules["peers_bench"] = peers  # dataclasses resolve their module by name
+_spec.loader.exec_module(peers)
+
+
+def test_arguments_default_to_the_reference_comparison():
+    args = peers.parse_args([])
+    assert args.router_list == list(peers.ROUTERS)
+    assert (args.prefixes, args.workers, args.levels, args.mode) == (24, 6, [8, 16], "both")
+
+
+def test_quick_shrinks_every_pass():
+    args = peers.parse_args(["--quick", "--routers", "kvroute,sglang"])
+    assert args.router_list == ["kvroute", "sglang"]
+    assert args.levels == [8] and args.requests == 48 and args.overhead_requests == 24
+
+
+@pytest.mark.parametrize("argv", [["--routers", "nginx"], ["--concurrency", "0"], ["-c", "x"]])
+def test_bad_arguments_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(argv)
+    assert "error" in capsys.readouterr().err
+
+
+async def test_a_marked_venv_is_reused_without_pip(tmp_path):
+    venv = tmp_path / "peers" / "sglang-router"
+    venv.mkdir(parents=True)
+    (venv / "kvroute-peer.json").write_text(json.dumps({"install_s": 71.5, "versions": {"sglang-router": "0.3.2"}}))
+    (venv / "blob").write_bytes(b"x" * 2**20)
+    got = await peers.ensure_peer("sglang", tmp_path / "peers")
+    assert got.ok and got.reused and got.install_s == 71.5
+    assert got.versions == {"sglang-router": "0.3.2"}
+    assert got.size_mb == pytest.approx(1.0, abs=0.01)
+
+
+def test_router_cpu_time_includes_its_children():
+    # A parent that sleeps, a child that burns CPU: the tree's time is the child's.
+    child = "import time\nt=time.process_time()\nwhile time.process_time()-t<0.3: pass\ntime.sleep(30)"
+    proc = subprocess.Popen([sys.executable, "-c",
+                             f"import subprocess,sys,time; subprocess.Popen([sys.executable,'-c',{child!r}]); time.sleep(30)"],
+                            start_new_session=True)
+    try:
+        deadline = time.monotonic() + 10
+        while peers.cpu_seconds(proc.pid) < 0.3 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert peers.cpu_seconds(proc.pid) >= 0.3
+        assert peers.cpu_seconds(os.getpid()) > 0
+    finally:
+        os.killpg(proc.pid, 9)
+        proc.wait()
+
+
+def test_compare_table_shows_hit_rate_and_load_balance():
+    stats = {"request_hit_rate": 0.9375, "ttft_p50_ms": 120.0, "ttft_p99_ms": 480.26,
+             "throughput_rps": 15.5, "failed": 0}
+    ok = peers.CompareRow("kvroute", 8, stats, {"a": 30, "b": 10, "c": 20})
+    missing = peers.CompareRow("dynamo", 8, error="not installed: pip failed")
+    header, first, second = peers.compare_table([ok, missing])
+    assert header[:3] == ["router", "c", "hit rate"]
+    assert first[:6] == ["kvroute", "8", "0.938", "120.0", "480.3", "15.50"]
+    assert first[6] == "1.50" and first[7] == "30/20.0"
+    assert second[2] == "—" and "not installed" in second[-1]
+    assert header[-2] == "load avg"
+
+
+def test_added_latency_is_router_minus_direct():
+    row = peers.OverheadRow("sglang", direct_e2e_ms=(10.0, 20.0), router_e2e_ms=(10.5, 23.0))
+    assert row.added("e2e") == (0.5, 3.0)
+    assert row.added("ttft") is None
+    assert peers.overhead_table([row])[1][2] == "0.50 / 3.00"
+
+
+def test_dynamo_borrows_the_emulated_direct_baseline():
+    rows = [peers.OverheadRow("sglang", direct_e2e_ms=(10.0, 20.0), direct_ttft_ms=(5.0, 6.0)),
+            peers.OverheadRow("kvroute", direct_e2e_ms=(12.0, 30.0), direct_ttft_ms=(7.0, 8.0)),
+            peers.OverheadRow("dynamo", router_e2e_ms=(15.0, 40.0), router_ttft_ms=(9.0, 9.0))]
+    peers._direct_baseline_for_dynamo(rows)
+    assert rows[2].added("e2e") == (4.0, 15.0)
+    assert "direct = emulated worker" in rows[2].note
