@@ -53,8 +53,8 @@ from kvroute.model import (
     capacity_for_mean_lengths,
     num_kv_blocks,
 )
-from kvroute.records import Point, RequestRecord
 from kvroute.proxy import EventsSettings, EventsSource, RouterConfig, start_router
+from kvroute.records import Point, RequestRecord
 from kvroute.service import TcpBalancer
 from kvroute.sim import trial_seed
 from kvroute.workload import WorkloadSpec

@@ -13,6 +13,8 @@ measured topology's policy name) are shown beside the measured ones when given.
 
 from __future__ import annotations
 
+import os
+import sys
 from collections.abc import Iterable
 
 from rich.console import Console
@@ -31,6 +33,19 @@ def _fmt(v: float | None, spec: str = ".1f") -> str:
 
 def _pct(v: float | None) -> str:
     return "—" if v is None else f"{100 * v:.1f}%"
+
+
+#: Width of the tables when the output is not a terminal (a file, a pipe, CI logs): rich would
+#: otherwise wrap them at 80 columns.
+PIPED_WIDTH = 160
+
+
+def output_console() -> Console:
+    """The console the commands print their tables on: the terminal's width on a terminal,
+    else ``$COLUMNS`` or :data:`PIPED_WIDTH`, so saved output keeps each table row on one line."""
+    if sys.stdout.isatty() or os.environ.get("COLUMNS"):
+        return Console()
+    return Console(width=PIPED_WIDTH)
 
 
 def _pick_concurrency(points: list[Point], preferred: int) -> int:

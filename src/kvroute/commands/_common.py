@@ -5,7 +5,13 @@ from __future__ import annotations
 import argparse
 
 from kvroute.errors import UserError
-from kvroute.model import MODEL_PRESETS, ModelShape, dtype_bytes, kv_bytes_per_token, num_kv_blocks
+from kvroute.model import (
+    MODEL_PRESETS,
+    ModelShape,
+    dtype_bytes,
+    kv_bytes_per_token,
+    num_kv_blocks,
+)
 from kvroute.units import parse_bytes
 from kvroute.workload import LengthDist, WorkloadSpec
 

@@ -30,11 +30,16 @@ from kvroute.bench.runner import (
     server_cache_config,
     simulate_points,
 )
-from kvroute.commands._common import add_worker_arguments, add_workload_arguments, kv_geometry, workload_spec
+from kvroute.commands._common import (
+    add_worker_arguments,
+    add_workload_arguments,
+    kv_geometry,
+    workload_spec,
+)
 from kvroute.engine import PRESETS
 from kvroute.errors import UserError
 from kvroute.records import Point
-from kvroute.report import print_tables
+from kvroute.report import output_console, print_tables
 from kvroute.workload import LengthDist, parse_int_list
 
 NAME = "bench"
@@ -181,7 +186,7 @@ def run(args: Namespace) -> int:
     _check_workload_flags(args)
     prompt_format = args.prompt_format or ("text" if args.tokenizer else "ids")
     out = args.out or Path("kvroute-results") / time.strftime("%Y%m%d-%H%M%S")
-    console = Console()
+    console = output_console()
 
     setup: dict = {}
     runner_box: list[BenchRunner] = []

@@ -24,7 +24,7 @@ from kvroute.experiment import (
     run_experiment,
 )
 from kvroute.fleet import VllmServeOptions, external, launch_emulated, launch_vllm
-from kvroute.report import print_tables
+from kvroute.report import output_console, print_tables
 from kvroute.routing.policies import POLICIES
 from kvroute.tinymodel import TinyModelConfig
 from kvroute.units import parse_bytes
@@ -172,7 +172,7 @@ def run(args: argparse.Namespace) -> int:
     plan = _plan(args)
     out = args.out or Path("kvroute-results") / time.strftime("experiment-%Y%m%d-%H%M%S")
     writer = ResultsWriter(out)
-    console = Console()
+    console = output_console()
     result = ExperimentResult()
     emulate_args = ["--timing", plan.timing, "--time-scale", f"{plan.time_scale:g}"]
     if "router" in plan.topologies:

@@ -13,12 +13,12 @@ import math
 from pathlib import Path
 
 from rich import box
-from rich.console import Console
 from rich.table import Table
 
 from kvroute import model
 from kvroute.commands._common import model_shape
 from kvroute.errors import UserError
+from kvroute.report import output_console
 from kvroute.units import parse_bytes
 from kvroute.workload import parse_int_list
 
@@ -170,7 +170,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UserError(str(exc)) from None
 
-    console = Console()
+    console = output_console()
     usable = model.usable_blocks(blocks)
     console.print(
         f"[bold]{described}[/]: {bytes_per_token:,} B of KV per token; "

@@ -6,8 +6,13 @@ import argparse
 import json
 from pathlib import Path
 
-from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from kvroute.commands._common import (
     add_worker_arguments,
@@ -20,7 +25,7 @@ from kvroute.engine import PRESETS, get_preset
 from kvroute.errors import UserError
 from kvroute.model import capacity_for_mean_lengths
 from kvroute.records import Point
-from kvroute.report import print_tables
+from kvroute.report import output_console, print_tables
 from kvroute.routing.policies import POLICIES
 from kvroute.sim import WorkerConfig, run_point, sweep_points
 from kvroute.workload import generate, parse_int_list
@@ -92,7 +97,7 @@ def run(args: argparse.Namespace) -> int:
     for wl in workloads.values():
         config.check_fits(wl)
     points = sweep_points(workers, prefixes, concurrency, policies)
-    console = Console()
+    console = output_console()
     results: list[Point] = []
     with Progress(
         TextColumn("[bold]sim[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
