@@ -52,6 +52,7 @@ from typing import Any
 import aiohttp
 import msgspec
 from aiohttp import web
+from aiohttp.http_exceptions import HttpProcessingError
 
 from kvroute.blocks import DEFAULT_HASH_SEED, GPU_BLOCK_SIZE, BlockHasher
 from kvroute.errors import UserError
@@ -170,6 +171,19 @@ class RouterConfig:
     prefix_cache_entries: int = 4096
 
 
+class _QuietClientErrors(logging.Filter):
+    """Drops aiohttp's ERROR-with-traceback for each malformed request it answers with a 4xx
+    (bad request line, header or chunk framing): those are the client's mistakes, and logging
+    each one would let any client flood the router's log. Handler failures still log."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        exc = record.exc_info[1] if record.exc_info else None
+        return not (isinstance(exc, HttpProcessingError) and 400 <= (exc.code or 0) < 500)
+
+
+_QUIET_CLIENT_ERRORS = _QuietClientErrors()
+
+
 def _policy_parameters(name: str) -> set[str]:
     cls = POLICIES.get(name)
     return set(inspect.signature(cls).parameters) if cls is not None else set()
@@ -241,6 +255,7 @@ class Router:
             config.prefix_cache_entries,
         )
         self.metrics = RouterMetrics()
+        logging.getLogger("aiohttp.server").addFilter(_QUIET_CLIENT_ERRORS)  # idempotent
         self._events = events
         self._rng = random.Random(config.seed)
         self.url = ""
@@ -254,13 +269,14 @@ class Router:
         self.app = web.Application(
             client_max_size=config.max_body_bytes, middlewares=[self._errors, self._auth]
         )
+        expect = {"expect_handler": self._expect}
         self.app.add_routes(
             [
-                web.post("/v1/completions", self.completions),
-                web.post("/v1/chat/completions", self.chat_completions),
-                web.get("/v1/models", self.models),
-                web.get("/health", self.health),
-                web.get("/metrics", self.metrics_route),
+                web.post("/v1/completions", self.completions, **expect),
+                web.post("/v1/chat/completions", self.chat_completions, **expect),
+                web.get("/v1/models", self.models, **expect),
+                web.get("/health", self.health, **expect),
+                web.get("/metrics", self.metrics_route, **expect),
             ]
         )
 
@@ -357,21 +373,39 @@ class Router:
             self.metrics.requests.labels(resource.canonical, str(response.status)).inc()
         return response
 
+    async def _expect(self, request: web.Request) -> web.StreamResponse | None:
+        """``Expect`` header, answered before the body is sent (it runs before middlewares).
+
+        Replaces aiohttp's default, which echoes the header into its 417 text and fails with
+        a 500 when the value is not UTF-8-encodable. A client that is not authorized learns so
+        before uploading its body."""
+        if request.headers.get("Expect", "").lower() != "100-continue":
+            return _error(417, "only 'Expect: 100-continue' is supported", "BadRequestError")
+        if self._api_key is not None and not self._authorized(request):
+            return _error(401, "missing or wrong API key (Authorization: Bearer <key>)",
+                          "AuthenticationError", **{"WWW-Authenticate": "Bearer"})
+        if request.version >= (1, 1):
+            request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+        return None
+
+    def _authorized(self, request: web.Request) -> bool:
+        """True when the route is open or the bearer token is the API key."""
+        resource = request.match_info.route.resource
+        route = resource.canonical if resource is not None else ""
+        if route in _OPEN_ROUTES or (route == "/metrics" and self.config.metrics_public):
+            return True
+        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
+        # compare_digest runs in time independent of where the values differ; the scheme
+        # check leaks only whether "Bearer" was sent.
+        return scheme.lower() == "bearer" and hmac.compare_digest(
+            token.strip().encode("utf-8", "surrogateescape"), self._api_key
+        )
+
     @web.middleware
     async def _auth(self, request: web.Request, handler: Callable[[web.Request], Awaitable]) -> web.StreamResponse:
         """With ``api_key``: 401 unless ``Authorization: Bearer <key>`` (constant-time compare,
         so response times reveal nothing about the key)."""
-        key = self._api_key
-        if key is None:
-            return await handler(request)
-        resource = request.match_info.route.resource
-        route = resource.canonical if resource is not None else ""
-        if route in _OPEN_ROUTES or (route == "/metrics" and self.config.metrics_public):
-            return await handler(request)
-        scheme, _, token = request.headers.get("Authorization", "").partition(" ")
-        # compare_digest runs in time independent of where the values differ; the scheme
-        # check leaks only whether "Bearer" was sent.
-        if scheme.lower() == "bearer" and hmac.compare_digest(token.strip().encode("utf-8", "surrogateescape"), key):
+        if self._api_key is None or self._authorized(request):
             return await handler(request)
         return _error(401, "missing or wrong API key (Authorization: Bearer <key>)", "AuthenticationError",
                       **{"WWW-Authenticate": "Bearer"})
@@ -463,6 +497,20 @@ class Router:
         started = time.perf_counter()
         if self.draining:
             return _error(503, "the router is shutting down", "ServiceUnavailable")
+        # Counted in flight from here: a drain that begins while the body is still arriving
+        # waits for this request instead of closing under it.
+        self._in_flight += 1
+        self._idle.clear()
+        try:
+            return await self._route(request, parse, started)
+        finally:
+            self._in_flight -= 1
+            if self._in_flight == 0:
+                self._idle.set()
+
+    async def _route(
+        self, request: web.Request, parse: Callable[[dict], PromptInfo], started: float
+    ) -> web.StreamResponse:
         if request.content_type != _JSON:
             return _error(400, "Content-Type must be application/json", "BadRequestError")
         raw = await request.read()
@@ -481,15 +529,7 @@ class Router:
             return _error(503, "no worker available", "ServiceUnavailable")
         worker, prefill = self._choose(prompt, candidates)
         self.metrics.routing_seconds.observe(time.perf_counter() - started)
-
-        self._in_flight += 1
-        self._idle.clear()
-        try:
-            return await self._forward(request, raw, prompt, worker, prefill)
-        finally:
-            self._in_flight -= 1
-            if self._in_flight == 0:
-                self._idle.set()
+        return await self._forward(request, raw, prompt, worker, prefill)
 
     async def _forward(
         self, request: web.Request, raw: bytes, prompt: PromptInfo, worker: Worker, prefill: int
