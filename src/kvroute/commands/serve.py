@@ -43,7 +43,8 @@ kvroute's built-in tokenizer: exact for emulated workers started without --token
 APPROXIMATE for a real engine (matches then come from the load term only).
 
 Workers: --worker (repeatable), --worker-file (one URL per line, re-read when it changes) or
---dns NAME:PORT (re-resolved; a Kubernetes headless Service). Unhealthy workers (GET /health)
+--dns NAME:PORT (re-resolved; a Kubernetes headless Service) or --k8s-service (the
+Service's EndpointSlices, watched: pods that start terminating get no new requests). Unhealthy workers (GET /health)
 are taken out until they recover. On SIGTERM the router drains: /health turns 503, new
 requests get 503, in-flight streams finish (up to --drain-timeout), then it exits.
 
@@ -87,6 +88,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="file with one worker URL per line, re-read when it changes")
     workers.add_argument("--dns", metavar="NAME:PORT",
                          help="a name resolving to one address per worker (Kubernetes headless Service)")
+    workers.add_argument("--k8s-service", metavar="[NAMESPACE/]SERVICE[:PORT]",
+                         help="watch a Kubernetes Service's EndpointSlices (ready and terminating pods); "
+                         "PORT is the port's number or name (default http); needs RBAC to "
+                         "get/list/watch endpointslices (deploy/helm/kvroute sets it up)")
     workers.add_argument("--discovery-interval", type=float, default=5.0, metavar="S",
                          help="seconds between --dns lookups / --worker-file checks (default: %(default)s)")
     workers.add_argument("--health-interval", type=float, default=2.0, metavar="S",
@@ -172,14 +177,22 @@ def _option_value(text: str) -> object:
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The router configuration the flags describe (raises UserError on bad flags)."""
-    sources = [bool(args.worker), bool(args.worker_file), bool(args.dns)]
+    sources = [bool(args.worker), bool(args.worker_file), bool(args.dns), bool(args.k8s_service)]
     if sum(sources) != 1:
-        raise UserError("give the workers one way: --worker URL (repeated), --worker-file PATH or --dns NAME:PORT")
+        raise UserError(
+            "give the workers one way: --worker URL (repeated), --worker-file PATH, --dns NAME:PORT "
+            "or --k8s-service [NAMESPACE/]SERVICE[:PORT]"
+        )
     discovery = None
     if args.worker_file:
         discovery = FileDiscovery(args.worker_file, args.discovery_interval)
     elif args.dns:
         discovery = DnsDiscovery.from_spec(args.dns, args.discovery_interval)
+    elif args.k8s_service:
+        # Imported here: only this mode needs the Kubernetes client.
+        from kvroute.proxy.k8s import EndpointSliceDiscovery
+
+        discovery = EndpointSliceDiscovery.from_spec(args.k8s_service)
     for flag, port in (("--kv-events-port", args.kv_events_port), ("--kv-replay-port", args.kv_replay_port)):
         if port is not None and not 0 < port <= 65535:
             raise UserError(f"{flag} must be a port 1-65535, got {port}")

@@ -149,7 +149,7 @@ class EndpointSliceDiscovery:
             except ConfigError as exc:
                 raise UserError(
                     "no Kubernetes API credentials: not running in a pod with a service account "
-                    f"token, and no kubeconfig ({exc}); use --discovery dns instead"
+                    f"token, and no kubeconfig ({exc}); use --dns NAME:PORT instead"
                 ) from None
         self.service = service
         self.config = config
