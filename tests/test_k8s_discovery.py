@@ -454,7 +454,7 @@ async def test_router_drops_a_workers_index_entries_when_its_pod_leaves(api):
 
 def test_without_credentials_the_error_says_what_to_do(monkeypatch, tmp_path):
     monkeypatch.setenv("KUBECONFIG", str(tmp_path / "missing"))
-    with pytest.raises(UserError, match="no Kubernetes API credentials.*--discovery dns"):
+    with pytest.raises(UserError, match="no Kubernetes API credentials.*--dns NAME:PORT"):
         EndpointSliceDiscovery(SERVICE)
 
 
