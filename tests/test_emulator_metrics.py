@@ -224,9 +224,10 @@ async def test_ttft_matches_the_cost_model_at_low_load():
         await w.close()
     predicted_miss = cost.frontend_s + cost.step_time(2371, 0)
     predicted_hit = cost.frontend_s + cost.step_time(339, 0)
-    # The first "hit" computed the prefix: it is a miss; the rest hit.
-    miss_ttft = float(np.median(misses + hits[:1]))
-    hit_ttft = float(np.median(hits[1:]))
+    # The first "hit" computed the prefix: it is a miss; the rest hit. The fastest sample is
+    # the estimate: a busy machine only ever adds delay to the model's time.
+    miss_ttft = min(misses + hits[:1])
+    hit_ttft = min(hits[1:])
     assert abs(miss_ttft - predicted_miss) <= 0.2 * predicted_miss, (miss_ttft, predicted_miss)
     assert abs(hit_ttft - predicted_hit) <= 0.2 * predicted_hit, (hit_ttft, predicted_hit)
     assert value(metrics, "vllm:time_to_first_token_seconds_count") == 9
@@ -237,9 +238,11 @@ async def test_time_scale_keeps_ratios():
     base = config(timing="reference-gpu", max_model_len=4096).cost
     assert cfg.cost.step_time(2371, 0) == pytest.approx(base.step_time(2371, 0) / 4)
     assert cfg.cost.frontend_s == pytest.approx(base.frontend_s / 4)
+    rng = np.random.default_rng(9)
     (w,) = await start_workers(cfg, 1)
     try:
-        ttft = await _ttft(w.url, np.random.default_rng(9).integers(1000, 8000, size=2371).tolist())
+        # Three distinct prompts (all misses); the fastest is the estimate, as above.
+        ttft = min([await _ttft(w.url, rng.integers(1000, 8000, size=2371).tolist()) for _ in range(3)])
     finally:
         await w.close()
     predicted = cfg.cost.frontend_s + cfg.cost.step_time(2371, 0)
