@@ -13,7 +13,9 @@ Two servers, each in its own process (so client and server do not share a CPU or
 
 Measured: TTFT overhead p50/p99 at an open-loop 200 requests/s, and the most streamed requests
 per second one bench process sustains (closed loop, rising concurrency), each with a new TCP
-connection per request (the default) and the reference prompt (2,371 token ids as JSON).
+connection per request (the default) and the reference prompt (2,371 token ids as JSON). Each
+measurement also records the 1-minute load average before and after it (``load_1min``): on a
+shared machine the p99 follows the load, so a figure means little without it.
 
     python benchmarks/bench_client_overhead.py [--requests 2000] [--output-tokens 16]
 """
@@ -23,6 +25,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import re
 import socket
 import subprocess
@@ -32,7 +35,12 @@ import time
 import numpy as np
 
 from kvroute.bench.client import BenchClient, run_closed_loop, run_open_loop
-from kvroute.bench.prompts import BenchRequest, PromptEncoder, poisson_schedule, reference_workload
+from kvroute.bench.prompts import (
+    BenchRequest,
+    PromptEncoder,
+    poisson_schedule,
+    reference_workload,
+)
 from kvroute.workload import WorkloadSpec
 
 # -- the canned server (run as a subprocess: this file with --serve-canned PORT N_TOKENS) ------
@@ -186,10 +194,11 @@ def main() -> None:
             url = f"http://127.0.0.1:{port}"
             requests = _requests(args.requests, args.output_tokens, tag_index=name == "canned")
             _run(_open_loop(url, requests[:50], args.rate))  # warm both processes up
+            load = os.getloadavg()[0]
             records, start = _run(_open_loop(url, requests, args.rate))
             ttft = [r.ttft_s for r in records if r.ok]
             entry = {"failed": sum(not r.ok for r in records), "ttft_p50_ms": _pct(ttft, 50) * 1e3,
-                     "ttft_p99_ms": _pct(ttft, 99) * 1e3}
+                     "ttft_p99_ms": _pct(ttft, 99) * 1e3, "load_1min": [load, os.getloadavg()[0]]}
             if name == "canned":
                 stamps = _run(_dump(url))
                 # Client overhead = client TTFT minus the server's own time (read → first write).
@@ -204,8 +213,10 @@ def main() -> None:
                              joined=len(overhead))
             entry["max_rate"] = {}
             for c in levels:
+                load = os.getloadavg()[0]
                 rps, cpu, failed = _run(_max_rate(url, requests, c))
-                entry["max_rate"][c] = {"requests_per_s": rps, "client_cpu": cpu, "failed": failed}
+                entry["max_rate"][c] = {"requests_per_s": rps, "client_cpu": cpu, "failed": failed,
+                                        "load_1min": [load, os.getloadavg()[0]]}
             results[name] = entry
             print(name, json.dumps(entry, indent=1), flush=True)
     finally:
