@@ -14,14 +14,23 @@ Two fast paths exist for speed, and each is checked against the plain version it
 
 from __future__ import annotations
 
+import random
 from collections import OrderedDict
 
 import numpy as np
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from kvroute.blocks import BlockHasher
-from kvroute.engine import BlockPool, BlockRemoved, BlockStored, CostModel, Engine, EngineRequest
+from kvroute.engine import (
+    BlockPool,
+    BlockRemoved,
+    BlockStored,
+    CostModel,
+    Engine,
+    EngineRequest,
+)
 
 
 class ReferencePool:
@@ -84,6 +93,13 @@ class ReferencePool:
             if self.ref_cnt[b] == 0:
                 self.free_queue[b] = None
 
+    def reset_prefix_cache(self) -> bool:
+        if len(self.free_queue) != len(self.ref_cnt) - 1:
+            return False
+        self.cached.clear()
+        self.block_hash = [None] * len(self.ref_cnt)
+        return True
+
 
 def _events(pool: BlockPool) -> list:
     out = []
@@ -97,24 +113,54 @@ def _events(pool: BlockPool) -> list:
 
 # A request's hash chain: drawn from a few shared chains so that hits, shared blocks, and
 # identical blocks cached twice all happen; a small hash alphabet adds repeats within a chain.
-_CHAINS = [[1000 * c + i for i in range(12)] for c in range(3)]
-_TOKENS = list(range(12 * 4))  # BlockStored needs tokens; their values do not matter here
+# Chains long enough that both the few-block loops and the bulk paths (above 8 blocks) run.
+_CHAINS = [[1000 * c + i for i in range(20)] for c in range(3)]
+_TOKENS = list(range(20 * 4))  # BlockStored needs tokens; their values do not matter here
 
 pool_ops = st.lists(
     st.tuples(
-        st.sampled_from(["admit", "admit", "extend", "finish"]),
+        st.sampled_from(["admit", "admit", "extend", "finish", "finish", "reset"]),
         st.integers(0, 2),  # chain
-        st.integers(1, 12),  # prompt blocks
+        st.integers(1, 20),  # prompt blocks
         st.integers(0, 1000),  # which request / a free choice
     ),
     max_size=60,
 )
 
 
-@settings(max_examples=150, deadline=None)
-@given(num_blocks=st.integers(2, 40), ops=pool_ops, repeat_hash=st.booleans())
-def test_block_pool_matches_the_straightforward_pool(num_blocks, ops, repeat_hash):
-    fast = BlockPool(num_blocks, 4, emit_events=True)
+@settings(max_examples=200, deadline=None)
+@given(
+    num_blocks=st.integers(2, 60),
+    ops=pool_ops,
+    repeat_hash=st.booleans(),
+    tracked=st.booleans(),
+    emit_events=st.booleans(),
+)
+def test_block_pool_matches_the_straightforward_pool(
+    num_blocks, ops, repeat_hash, tracked, emit_events
+):
+    """Also with ``track_block_hashes=False``, where the caller (as the engine does) passes
+    each freed block's hash: its blocks below the cached count hold its hashes, the rest none."""
+    _run_pool_ops(num_blocks, ops, repeat_hash, tracked, emit_events)
+
+
+@pytest.mark.parametrize("tracked", [True, False])
+@pytest.mark.parametrize("seed", range(4))
+def test_block_pool_matches_the_straightforward_pool_on_long_runs(seed, tracked):
+    """Long seeded runs reach what short examples rarely do: bulk takes that rebuild the free
+    queue while cached blocks stay in it, and hashes cached twice within one bulk run."""
+    rng = random.Random(seed)
+    kinds = ["admit", "admit", "admit", "extend", "finish", "finish", "reset"]
+    ops = [
+        (rng.choice(kinds), rng.randrange(3), rng.randint(1, 20), rng.randrange(1000))
+        for _ in range(1500)
+    ]
+    _run_pool_ops(rng.randint(20, 60), ops, rng.random() < 0.5, tracked, emit_events=seed % 2 == 0)
+
+
+def _run_pool_ops(num_blocks, ops, repeat_hash, tracked, emit_events):
+    """Apply ``ops`` to a BlockPool and a ReferencePool; after each, compare all their state."""
+    fast = BlockPool(num_blocks, 4, emit_events=emit_events, track_block_hashes=tracked)
     ref = ReferencePool(num_blocks, 4)
     running: list[tuple[list[int], list[int], int]] = []  # blocks, hashes, cached blocks
     for op, chain, length, pick in ops:
@@ -143,9 +189,16 @@ def test_block_pool_matches_the_straightforward_pool(num_blocks, ops, repeat_has
                 fast.cache_full_blocks(blocks, hashes, cached, cached + 1, _TOKENS)
                 ref.cache_full_blocks(blocks, hashes, cached, cached + 1)
                 running[pick % len(running)] = (blocks, hashes, cached + 1)
+        elif op == "reset":
+            assert fast.reset_prefix_cache() == ref.reset_prefix_cache()
+            fast.take_events()  # AllBlocksCleared, which the reference does not model
         elif op == "finish" and running:
-            blocks, _, _ = running.pop(pick % len(running))
-            fast.free_blocks(blocks[::-1])
+            blocks, hashes, cached = running.pop(pick % len(running))
+            if tracked:
+                fast.free_blocks(blocks[::-1])
+            else:
+                held = hashes[:cached] + [None] * (len(blocks) - cached)
+                fast.free_blocks(blocks[::-1], held[::-1])
             ref.free_blocks(blocks[::-1])
         assert fast.num_free_blocks == ref.num_free_blocks
         assert list(fast.free_queue) == list(ref.free_queue)
@@ -154,7 +207,15 @@ def test_block_pool_matches_the_straightforward_pool(num_blocks, ops, repeat_has
             h: bs[0] for h, bs in ref.cached.items()
         }
         assert len(fast.cached) == len(ref.cached)
-        assert _events(fast) == ref.events
+        # Every holder of every hash, oldest first (who takes over when a holder is evicted).
+        more = fast._more_holders
+        assert {h: [b, *more.get(h, ())] for h, b in fast.cached.items()} == ref.cached
+        # Free blocks carry the hash they hold (what taking them evicts).
+        assert list(fast.free_queue.items()) == [(b, ref.block_hash[b]) for b in ref.free_queue]
+        if emit_events:
+            assert _events(fast) == ref.events
+        else:
+            assert fast.take_events() == []
         ref.events.clear()
 
 
@@ -214,9 +275,21 @@ def _drive(config, requests, coalesce: bool):
                 r = o.request
                 seen[r.request_id] = (r.num_cached_tokens, first.get(r.request_id), step, r.num_preemptions)
         assert step < 100_000, "engine stalled"
+        _assert_free_blocks_carry_their_hashes(engine.pool)
     cache = sorted((h, len(engine.pool._more_holders.get(h, ())) + 1) for h in engine.pool.cached)
     stats = engine.stats
     return seen, cache, (stats.requests, stats.queries, stats.hits, stats.preempted_requests, stats.preempted_hits)
+
+
+def _assert_free_blocks_carry_their_hashes(pool: BlockPool) -> None:
+    """The engine's pool does not track hashes itself (the engine passes them when freeing):
+    every free block must carry exactly the hash the lookup table says it holds."""
+    more = pool._more_holders
+    holds = {b: h for h, first in pool.cached.items() for b in [first, *more.get(h, ())]}
+    assert len(holds) == len(pool.cached) + sum(map(len, pool._more_holders.values()))
+    assert {b: h for b, h in pool.free_queue.items() if h is not None} == {
+        b: h for b, h in holds.items() if b in pool.free_queue
+    }
 
 
 @settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.too_slow])

@@ -128,6 +128,51 @@ def test_workload_zipf_and_mixed_lengths():
     assert {r.prompt_tokens - r.prefix_len for r in wl.requests} == {100, 300}
 
 
+def _generate_one_request_at_a_time(spec, vocab):
+    """The straightforward generator: each suffix drawn by its own call, in request order."""
+    rng = np.random.default_rng(spec.seed)
+    prefix_lens = spec.prefix_tokens.sample(rng, spec.prefixes)
+    prefixes = [vocab[rng.integers(0, len(vocab), size=int(n))] for n in prefix_lens]
+    n, k = spec.num_requests, spec.prefixes
+    order = np.arange(n) % k if spec.zipf_alpha == 0 else rng.choice(k, size=n, p=spec.popularity())
+    rng.shuffle(order)
+    suffix_lens = spec.suffix_tokens.sample(rng, k + n)
+    prefix_ids = [*range(k), *order.tolist()]
+    return [
+        (prefixes[p].tobytes(), vocab[rng.integers(0, len(vocab), size=int(m))].tobytes())
+        for p, m in zip(prefix_ids, suffix_lens)
+    ]
+
+
+@pytest.mark.parametrize("chunk", [1, 50, 1 << 22])
+@pytest.mark.parametrize(
+    "spec",
+    [
+        WorkloadSpec(prefixes=5, requests=40, seed=3, suffix_tokens=LengthDist.parse("0:30")),
+        WorkloadSpec(prefixes=3, requests=30, seed=4, zipf_alpha=1.0,
+                     prefix_tokens=LengthDist.parse("0,7"), suffix_tokens=LengthDist.parse("1:9")),
+    ],
+)
+def test_workload_suffixes_drawn_in_chunks_equal_one_draw_per_request(monkeypatch, spec, chunk):
+    """generate() draws many suffixes per numpy call; the tokens must be exactly those of one
+    call per request (same seed, same workload), whatever the chunk size."""
+    monkeypatch.setattr("kvroute.workload._SUFFIX_CHUNK_TOKENS", chunk)
+    vocab = np.arange(7, 300, dtype=np.uint32)
+    wl = generate(spec, vocab)
+    got = [(r.prefix.tobytes(), r.suffix.tobytes()) for r in wl.warmup + wl.requests]
+    assert got == _generate_one_request_at_a_time(spec, vocab)
+    assert [r.index for r in wl.warmup] == list(range(spec.prefixes))
+    assert [r.index for r in wl.requests] == list(range(spec.num_requests))
+    assert all(r.warmup for r in wl.warmup) and not any(r.warmup for r in wl.requests)
+
+
+def test_workload_rejects_an_empty_prompt():
+    spec = WorkloadSpec(prefixes=2, requests=5, prefix_tokens=LengthDist.parse("0"),
+                        suffix_tokens=LengthDist.parse("0,3"), seed=1)
+    with pytest.raises(UserError, match="at least one token"):
+        generate(spec)
+
+
 def test_prefix_hash_cache_matches_plain_hashing():
     hasher = BlockHasher(16)
     cache = PrefixHashCache(hasher)

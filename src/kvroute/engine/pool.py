@@ -17,11 +17,15 @@ Follows ``vllm/v1/core/block_pool.py`` and ``FreeKVCacheBlockQueue``:
 Blocks are plain integers. A simulation moves whole requests' worth of blocks at a time (a
 miss takes ~150 blocks at once, evicting as many hashes, and frees them together when it
 finishes), so the state is kept in plain dicts that C-level bulk operations (``update``,
-``map``, ``islice``) can change a run of blocks at once: ref counts, each cached block's hash,
-the cached hash's first holder, and the free queue itself (a dict keeps insertion order, so its
-keys are the LRU queue, and deleting a touched block from the middle is O(1)). Per-block Python
-loops remain only for the rare cases: identical blocks cached twice, and frees or touches of
-shared blocks.
+``map``, ``islice``) can change a run of blocks at once: ref counts, the cached hash's first
+holder, and the free queue itself (a dict keeps insertion order, so its keys are the LRU queue,
+and deleting a touched block from the middle is O(1)). The free queue's values are the hashes
+its blocks hold, so taking blocks reads what they evict in the same sweep. A block in use keeps
+its hash in ``block_hash`` until it is freed, unless the caller says it will pass the hashes
+back itself (``track_block_hashes=False``: the engine knows which of a request's blocks hold
+which hash, and skipping that table saves two dict operations per block, a large share of a
+many-worker simulation whose tables no longer fit the CPU cache). Per-block Python loops remain
+only for the rare cases: identical blocks cached twice, and frees or touches of shared blocks.
 """
 
 from __future__ import annotations
@@ -38,6 +42,24 @@ from kvroute.engine.events import (
 
 NULL_BLOCK = 0
 
+#: Block ids as shared int objects. Ids above 256 are separate objects per ``range``; a
+#: simulation of many workers would give each pool its own copies, and every dict operation
+#: on a block reads its id object (to hash it) and updates its reference count. Sharing one
+#: set keeps those objects few and hot in the CPU cache, which measurably speeds up the
+#: per-block work of a many-worker simulation.
+_BLOCK_IDS: list[int] = []
+
+
+def _block_ids(num_blocks: int) -> list[int]:
+    if len(_BLOCK_IDS) < num_blocks:
+        _BLOCK_IDS.extend(range(len(_BLOCK_IDS), num_blocks))
+    return _BLOCK_IDS[:num_blocks]
+
+
+#: Up to this many blocks, taking or caching them runs a plain loop (decode steps); above
+#: it, C-level bulk operations (a prefill's blocks).
+_FEW = 8
+
 
 def _consume(iterator) -> None:
     """Run an iterator of side effects (``map(d.pop, keys)``) to its end at C speed."""
@@ -50,6 +72,9 @@ class BlockPool:
         block_size: tokens per block.
         enable_caching: when False, nothing is cached or looked up (``--no-enable-prefix-caching``).
         emit_events: collect KV events for a publisher; off in the simulator for speed.
+        track_block_hashes: keep the hash of every cached block in use, so that
+            ``free_blocks`` needs only the blocks. False when the caller passes each freed
+            block's hash to ``free_blocks`` itself (faster; the engine does).
     """
 
     def __init__(
@@ -58,6 +83,7 @@ class BlockPool:
         block_size: int,
         enable_caching: bool = True,
         emit_events: bool = False,
+        track_block_hashes: bool = True,
     ) -> None:
         if num_blocks < 2:
             raise ValueError(f"need at least 2 KV blocks (one is the null block), got {num_blocks}")
@@ -69,10 +95,15 @@ class BlockPool:
         #: any other 1 plus its entry here. Only shared blocks (prefix hits) get an entry, so
         #: taking and freeing a request's own blocks never touches a count.
         self._extra_refs: dict[int, int] = {}
-        #: block -> the hash it holds, for cached blocks only.
+        self.track_block_hashes = track_block_hashes
+        #: block -> the hash it holds, for cached blocks in use (free ones keep theirs in the
+        #: free queue); empty unless ``track_block_hashes``.
         self.block_hash: dict[int, int] = {}
-        #: The LRU free queue: keys in eviction order (values unused).
-        self.free_queue: dict[int, None] = dict.fromkeys(range(1, num_blocks))
+        #: The LRU free queue: keys in eviction order, each with the hash the block holds
+        #: (None when it holds none).
+        self.free_queue: dict[int, int | None] = dict.fromkeys(
+            islice(_block_ids(num_blocks), 1, None)
+        )
         #: hash -> the oldest block holding it (what a lookup returns).
         self.cached: dict[int, int] = {}
         #: hash -> younger blocks holding the same hash, oldest first. vLLM does not
@@ -128,9 +159,12 @@ class BlockPool:
         """Take hit blocks into use: ref count +1, out of the free queue if they were free."""
         free = self.free_queue
         extra = self._extra_refs
+        block_hash = self.block_hash if self.track_block_hashes else None
         for b in blocks:
             if b in free:
-                del free[b]
+                h = free.pop(b)
+                if block_hash is not None:
+                    block_hash[b] = h
             else:
                 extra[b] = extra.get(b, 0) + 1
 
@@ -142,22 +176,27 @@ class BlockPool:
         if n <= 0:
             return []
         out = list(islice(free, n))
-        if n == 1:  # a decode step's new block: skip the bulk machinery
-            del free[out[0]]
-        elif 2 * n >= len(free):
+        if n <= _FEW:
+            # A decode step's new blocks: a plain loop beats the bulk machinery's set-up.
+            cached = self.cached
+            for b in out:
+                h = free.pop(b)
+                if h is not None:
+                    if self._more_holders:
+                        self._forget_holder(b, h)
+                    else:
+                        del cached[h]
+                    if self.emit_events:
+                        self.pending_events.append(BlockRemoved(block_hashes=[h]))
+            return out
+        if 3 * n >= 2 * len(free):
             # Most of the queue goes: rebuilding it from the blocks that stay is cheaper
             # than deleting the taken ones (a miss on a full cache takes nearly all of it).
-            free = self.free_queue = dict.fromkeys(islice(free, n, None))
+            held = list(islice(free.values(), n))
+            self.free_queue = dict(islice(free.items(), n, None))
         else:
-            _consume(map(free.pop, out))
-        block_hash = self.block_hash
-        if not block_hash:
-            return out
+            held = list(map(free.pop, out))
         # Evict: the blocks' memory is reused now.
-        if n == 1:
-            held = [block_hash.pop(out[0], None)]
-        else:
-            held = list(map(block_hash.pop, out, repeat(None)))
         if held.count(None) == n:
             return out
         if self._more_holders:
@@ -165,7 +204,8 @@ class BlockPool:
                 if h is not None:
                     self._forget_holder(b, h)
         else:
-            # Uncached blocks hold None, which is never a key: popping it is a no-op.
+            # Every cached hash has exactly one holder, so each evicted hash simply leaves the
+            # lookup table (uncached blocks hold None, which is never a key).
             _consume(map(self.cached.pop, held, repeat(None)))
         if self.emit_events:
             self.pending_events.extend(BlockRemoved(block_hashes=[h]) for h in held if h is not None)
@@ -203,29 +243,35 @@ class BlockPool:
         if not self.enable_caching or num_cached >= num_full:
             return
         self.version += 1
-        if num_full - num_cached == 1 and not self.emit_events:
-            # A decode step filled one block: the common case, without the bulk machinery.
-            b = blocks[num_cached]
-            h = block_hashes[num_cached]
-            self.block_hash[b] = h
-            if h in self.cached:
-                self._more_holders.setdefault(h, []).append(b)
-            else:
-                self.cached[h] = b
+        if num_full - num_cached <= _FEW and not self.emit_events:
+            # Decode steps filled a few blocks: the common case, in a plain loop. (A new block
+            # holds no hash yet, so ``setdefault`` answers a block other than ``b`` exactly
+            # when the hash is already held.)
+            cached = self.cached
+            block_hash = self.block_hash if self.track_block_hashes else None
+            for i in range(num_cached, num_full):
+                b = blocks[i]
+                h = block_hashes[i]
+                if block_hash is not None:
+                    block_hash[b] = h
+                if cached.setdefault(h, b) is not b:
+                    self._more_holders.setdefault(h, []).append(b)
             return
         new_blocks = blocks[num_cached:num_full]
         new_hashes = block_hashes[num_cached:num_full]
-        self.block_hash.update(zip(new_blocks, new_hashes))
-        cached = self.cached
-        before = len(cached)
-        if cached.keys().isdisjoint(new_hashes):
-            cached.update(zip(new_hashes, new_blocks))
-            if len(cached) - before != len(new_hashes):
-                # A hash repeated within the run: undo, and take the exact path below.
-                _consume(map(cached.pop, new_hashes, repeat(None)))
-                self._add_holders(new_blocks, new_hashes)
-        else:
-            self._add_holders(new_blocks, new_hashes)
+        if self.track_block_hashes:
+            self.block_hash.update(zip(new_blocks, new_hashes))
+        # One pass: each hash not cached yet gets its block; ``setdefault`` answers the
+        # holder already there otherwise. A new block holds no hash before this call, so a
+        # lookup table value can equal it only where it was just inserted: any difference
+        # from ``new_blocks`` marks a hash that is now held twice (already cached, or repeated
+        # within the run), whose block joins the younger holders in order.
+        holders = list(map(self.cached.setdefault, new_hashes, new_blocks))
+        if holders != new_blocks:
+            more = self._more_holders
+            for b, h, first in zip(new_blocks, new_hashes, holders):
+                if first != b:
+                    more.setdefault(h, []).append(b)
         if self.emit_events:
             bs = self.block_size
             self.pending_events.append(
@@ -237,32 +283,38 @@ class BlockPool:
                 )
             )
 
-    def _add_holders(self, blocks: list[int], block_hashes: list[int]) -> None:
-        cached = self.cached
-        for b, h in zip(blocks, block_hashes):
-            if h in cached:
-                self._more_holders.setdefault(h, []).append(b)
-            else:
-                cached[h] = b
-
-    def free_blocks(self, ordered_blocks: list[int]) -> None:
+    def free_blocks(
+        self, ordered_blocks: list[int], held_hashes: list[int | None] | None = None
+    ) -> None:
         """Drop one reference from each block; those reaching 0 join the free queue's tail in
-        the given order (callers pass a request's blocks reversed: tail evicted first)."""
+        the given order (callers pass a request's blocks reversed: tail evicted first).
+
+        Args:
+            held_hashes: with ``track_block_hashes=False``, the hash each block holds (None
+                for an uncached block), aligned with ``ordered_blocks``; ignored otherwise.
+        """
         self.version += 1
+        if self.track_block_hashes:
+            held_hashes = map(self.block_hash.pop, ordered_blocks, repeat(None))
+        elif held_hashes is None:
+            raise ValueError("this pool does not track block hashes: pass held_hashes")
         extra = self._extra_refs
         if not extra or extra.keys().isdisjoint(ordered_blocks):
             # The usual case: nobody else holds them, so all of them are free now.
-            self.free_queue.update(zip(ordered_blocks, repeat(None)))
+            self.free_queue.update(zip(ordered_blocks, held_hashes))
             return
         free = self.free_queue
-        for b in ordered_blocks:
+        for b, h in zip(ordered_blocks, held_hashes):
             n = extra.get(b)
             if n is None:
-                free[b] = None
-            elif n == 1:
-                del extra[b]
+                free[b] = h
             else:
-                extra[b] = n - 1
+                if self.track_block_hashes and h is not None:
+                    self.block_hash[b] = h  # still in use by another request
+                if n == 1:
+                    del extra[b]
+                else:
+                    extra[b] = n - 1
 
     def reset_prefix_cache(self) -> bool:
         """Forget every cached hash, as ``/reset_prefix_cache`` does.
@@ -274,6 +326,7 @@ class BlockPool:
         self.cached.clear()
         self._more_holders.clear()
         self.block_hash.clear()
+        self.free_queue = dict.fromkeys(self.free_queue)
         self.version += 1
         if self.emit_events:
             self.pending_events.append(AllBlocksCleared())

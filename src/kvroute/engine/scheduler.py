@@ -30,7 +30,7 @@ import numpy as np
 
 from kvroute.blocks import BlockHasher, as_token_array
 from kvroute.engine.cost import CostModel
-from kvroute.engine.events import EventBatch, KVCacheEvent
+from kvroute.engine.events import EventBatch
 from kvroute.engine.pool import BlockPool
 
 
@@ -87,7 +87,7 @@ class EngineRequest:
         if n <= len(self.prompt_token_ids):
             return self.prompt_token_ids[:n]
         return np.concatenate(
-            [self.prompt_token_ids, self.output_token_ids[: n - len(self.prompt_token_ids)]]
+            (self.prompt_token_ids, self.output_token_ids[: n - len(self.prompt_token_ids)])
         )
 
 
@@ -146,7 +146,10 @@ class Engine:
         enable_caching: bool = True,
         emit_events: bool = False,
     ) -> None:
-        self.pool = BlockPool(num_blocks, block_size, enable_caching, emit_events)
+        # The engine tells the pool which hash each freed block holds (see ``_free``).
+        self.pool = BlockPool(
+            num_blocks, block_size, enable_caching, emit_events, track_block_hashes=False
+        )
         self.block_size = block_size
         self.cost = cost
         self.hasher = hasher or BlockHasher(block_size)
@@ -232,20 +235,24 @@ class Engine:
         Runs with a blocked waiting head matter for speed: a worker whose cache is full keeps
         decoding with a queue in front of it, and those steps were most of a large simulation.
         """
-        if not self.running or self.pool.emit_events:
+        running = self.running
+        if not running or self.pool.emit_events:
             return 0
-        if len(self.running) > self.cost.max_num_batched_tokens:
+        if len(running) > self.cost.max_num_batched_tokens:
             return 0
-        steps = min(r.max_tokens - r.num_output for r in self.running)
+        for r in running:
+            # Decoding: one token to compute, and not the last token of a chunked prefill
+            # (that step is a prefill, costed as one, and produces the first token).
+            if not r.num_output:
+                return 0
+            if r.num_computed_tokens != len(r.prompt_token_ids) + r.num_output - 1:
+                return 0
+        steps = min(r.max_tokens - r.num_output for r in running)
         if steps < 2:
             return 0
         bs = self.block_size
         need = 0
-        for r in self.running:
-            # Decoding: one token to compute, and not the last token of a chunked prefill
-            # (that step is a prefill, costed as one, and produces the first token).
-            if r.num_computed_tokens != r.num_tokens - 1 or not r.num_output:
-                return 0
+        for r in running:
             need += -(-(r.num_computed_tokens + steps) // bs) - len(r.blocks)
         if need > self.pool.num_free_blocks:
             return 0
@@ -272,8 +279,10 @@ class Engine:
         many blocks as it removes from ``E``), and ``ceil(B/bs) + E - free`` is at least
         ``ceil(B/bs) - free_now``; so if both bounds exceed the free blocks now, and no block
         cached during the run carries one of the head's hashes (which could lengthen its hit),
-        every step refuses it. A cheap sufficient test, not an exact one: when it fails the
-        caller just steps one at a time.
+        every step refuses it. Only the head's hashes up to its first uncached one matter
+        there: its hit is the longest cached run of its hashes and only shrinks by eviction,
+        so growing it at any step takes caching one of those. A cheap sufficient test, not an
+        exact one: when it fails the caller just steps one at a time.
         """
         budget = self._waiting_budget(len(self.running))
         if budget == 0:
@@ -284,12 +293,15 @@ class Engine:
         bs = self.block_size
         pool = self.pool
         hit: list[int] = []
-        max_blocks = (head.num_tokens - 1) // bs
+        num_tokens = len(head.prompt_token_ids) + head.num_output
+        max_blocks = (num_tokens - 1) // bs
         if pool.enable_caching:
-            self._extend_hashes(head, head.num_tokens // bs)
+            if len(head.block_hashes) < num_tokens // bs:
+                self._extend_hashes(head, num_tokens // bs)
             hit = pool.find_longest_hit(head.block_hashes, max_blocks)
         lower_bound = min(
-            -(-head.num_tokens // bs) - len(hit) + pool.num_evictable(hit), -(-budget // bs)
+            -(-num_tokens // bs) - len(hit) + (pool.num_evictable(hit) if hit else 0),
+            -(-budget // bs),
         )
         if lower_bound <= pool.num_free_blocks:
             return False
@@ -299,9 +311,12 @@ class Engine:
             for r in self.running:
                 num_full = (r.num_computed_tokens + steps) // bs
                 if num_full > r.num_cached_blocks:
-                    self._extend_hashes(r, num_full)
+                    if len(r.block_hashes) < num_full:
+                        self._extend_hashes(r, num_full)
                     new_hashes.update(r.block_hashes[r.num_cached_blocks : num_full])
-            if new_hashes and not new_hashes.isdisjoint(head.block_hashes[:max_blocks]):
+            if new_hashes and not new_hashes.isdisjoint(
+                head.block_hashes[: min(len(hit) + 1, max_blocks)]
+            ):
                 return False
         return True
 
@@ -446,7 +461,7 @@ class Engine:
         num_computed = request.num_computed_tokens + len(hit_blocks) * self.block_size
         required = -(-(num_computed + num_new) // self.block_size)
         need = required - len(request.blocks) - len(hit_blocks)
-        if need > pool.num_free_blocks - pool.num_evictable(hit_blocks):
+        if need > pool.num_free_blocks - (pool.num_evictable(hit_blocks) if hit_blocks else 0):
             return False
         if hit_blocks:
             pool.touch(hit_blocks)
@@ -489,7 +504,15 @@ class Engine:
         )
 
     def _free(self, request: EngineRequest) -> None:
-        self.pool.free_blocks(request.blocks[::-1])
+        """Free a request's blocks tail-first, telling the pool the hash each one holds: its
+        first ``num_cached_blocks`` blocks hold the request's hashes at the same positions
+        (prefix hits were found by them, the rest were cached from them), the others none."""
+        blocks = request.blocks
+        held = request.block_hashes[: request.num_cached_blocks] if self.pool.enable_caching else []
+        if len(blocks) > len(held):
+            held += repeat(None, len(blocks) - len(held))
+        held.reverse()
+        self.pool.free_blocks(blocks[::-1], held)
         request.blocks = []
         request.num_cached_blocks = 0
 
