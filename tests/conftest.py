@@ -29,6 +29,7 @@ from pathlib import Path
 import pytest
 
 from kvroute.bench.runner import server_cache_config
+from kvroute.experiment import ExperimentPlan
 from kvroute.fleet import (
     Fleet,
     VllmServeOptions,
@@ -37,7 +38,9 @@ from kvroute.fleet import (
     terminate_servers,
     wait_healthy,
 )
+from kvroute.tinymodel import TinyModelConfig
 from kvroute.vllm_setup import VllmInstall
+from kvroute.workload import LengthDist, WorkloadSpec
 
 #: The tier's scale: KV blocks are 128 tokens × 512 B = 64 KiB on CPU, so 3 MiB is 48 blocks
 #: (47 usable). Prompts of a 1,792-token prefix + 128-token suffix fill 15 blocks, so a worker
@@ -149,6 +152,29 @@ def vllm_fleet(pytestconfig: pytest.Config) -> Iterator[RealVllmFleet]:
     finally:
         terminate_servers(servers)
         report(f"stopped the vLLM servers (logs kept in {work})")
+
+
+@pytest.fixture
+def tier_plan(vllm_fleet: RealVllmFleet) -> Callable[..., ExperimentPlan]:
+    """The tier's small experiment on the session fleet: K = 4 prefixes of 1,792 tokens (14
+    blocks of 128) plus 128 unique tokens, 16 output tokens, 40 requests at concurrency 2, one
+    trial; ``make(**overrides)`` sets other ExperimentPlan fields (e.g. topologies)."""
+
+    def make(**overrides) -> ExperimentPlan:
+        spec = WorkloadSpec(
+            prefixes=4,
+            prefix_tokens=LengthDist.fixed(1792),
+            suffix_tokens=LengthDist.fixed(128),
+            output_tokens=16,
+            requests=40,
+            seed=0,
+        )
+        return ExperimentPlan(
+            workers=(len(vllm_fleet.servers),), specs=(spec,), concurrency=(2,), trials=1,
+            timing="cpu-tiny", vocab_size=TinyModelConfig().vocab_size, **overrides,
+        )
+
+    return make
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

@@ -29,7 +29,7 @@ from kvroute.bench.files import ResultsWriter
 from kvroute.bench.runner import SweepHooks
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvroute.experiment import ExperimentPlan, ExperimentResult, run_experiment
+from kvroute.experiment import ExperimentResult, run_experiment
 from kvroute.fleet import VllmServer, external
 from kvroute.kvevents.subscriber import (
     EngineRestarted,
@@ -40,9 +40,7 @@ from kvroute.kvevents.subscriber import (
     ReplayFailed,
     SubscriberItem,
 )
-from kvroute.tinymodel import TinyModelConfig
 from kvroute.tokens import HFTokenizer
-from kvroute.workload import LengthDist, WorkloadSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -129,17 +127,8 @@ async def test_kvroute_block_hashes_equal_those_of_the_blocks_vllm_stored(vllm_f
           f"all {len(expected)} kvroute hashes found among the blocks vLLM stored")
 
 
-async def test_bench_hit_measures_agree_through_the_service(vllm_fleet, tmp_path):
-    spec = WorkloadSpec(
-        prefixes=4,
-        prefix_tokens=LengthDist.fixed(1792),
-        suffix_tokens=LengthDist.fixed(128),
-        output_tokens=16,
-        requests=40,
-        seed=0,
-    )
-    plan = ExperimentPlan(workers=(len(vllm_fleet.servers),), specs=(spec,), concurrency=(2,), trials=1,
-                          timing="cpu-tiny", vocab_size=TinyModelConfig().vocab_size)
+async def test_bench_hit_measures_agree_through_the_service(vllm_fleet, tier_plan, tmp_path):
+    plan = tier_plan()
 
     async def shared_fleet(workers: int):
         # The session owns the servers: hand the experiment a fleet whose close() stops nothing.

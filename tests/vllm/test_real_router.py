@@ -35,7 +35,7 @@ from kvroute.bench.files import ResultsWriter
 from kvroute.bench.runner import SweepHooks
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
-from kvroute.experiment import ExperimentPlan, ExperimentResult, run_experiment
+from kvroute.experiment import ExperimentResult, run_experiment
 from kvroute.fleet import Fleet, VllmServer
 from kvroute.kvevents.subscriber import (
     EngineRestarted,
@@ -53,8 +53,6 @@ from kvroute.proxy import (
     RouterConfig,
     start_router,
 )
-from kvroute.tinymodel import TinyModelConfig
-from kvroute.workload import LengthDist, WorkloadSpec
 
 pytestmark = pytest.mark.vllm
 
@@ -281,18 +279,8 @@ async def test_router_index_follows_real_kv_events(vllm_fleet):
               f"= vLLM {len(mirror.held())}; vLLM events seen {dict(mirror.kinds)}; index stats {stats}")
 
 
-async def test_kv_aware_router_beats_random_on_real_vllm(vllm_fleet, tmp_path):
-    spec = WorkloadSpec(
-        prefixes=4,
-        prefix_tokens=LengthDist.fixed(1792),
-        suffix_tokens=LengthDist.fixed(128),
-        output_tokens=16,
-        requests=40,
-        seed=0,
-    )
-    plan = ExperimentPlan(workers=(len(vllm_fleet.servers),), specs=(spec,), concurrency=(2,), trials=1,
-                          topologies=("service", "router"), router_policy="kv-aware",
-                          timing="cpu-tiny", vocab_size=TinyModelConfig().vocab_size)
+async def test_kv_aware_router_beats_random_on_real_vllm(vllm_fleet, tier_plan, tmp_path):
+    plan = tier_plan(topologies=("service", "router"), router_policy="kv-aware")
     servers = vllm_fleet.servers
 
     async def shared_fleet(workers: int) -> Fleet:
