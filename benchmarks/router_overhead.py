@@ -9,7 +9,8 @@ BPE model written on the fly), so matching is exact for every prompt format:
 * ``chat``: system = the 2,032-token shared prefix, user = the 339-token suffix; the router
   renders the chat template and tokenizes (segment cache: the shared system prompt once);
 * ``ids``: the prompt as token ids (no tokenization anywhere);
-* ``text``: the prompt as one string (tokenized whole on every request: no cut points).
+* ``text``: the prompt as one string (cut between words where the tokenizer provably cuts,
+  pieces cached: the shared prefix once, see ``kvroute.proxy.chunks``).
 
 Phase 1 (latency): requests one at a time, alternating direct-to-a-worker and through the
 router; added latency = router − direct, whole request (stream read to ``[DONE]``).
@@ -93,8 +94,6 @@ async def measure(args, fmt: str, tokenizer: HFTokenizer, urls: list[str], route
     # router's tokenization caches and understate the CPU.
     latency_requests = workload.requests[: args.latency_requests]
     requests = workload.requests[args.latency_requests :]
-    if fmt == "text":
-        requests = requests[: max(len(requests) // 4, 20)]  # ~15 ms of tokenizing each
     async with session(args) as s:
         for r in workload.warmup:  # each prefix once: warm the caches and the index
             await one(s, router_url, r.path, r.body)

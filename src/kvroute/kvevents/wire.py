@@ -256,13 +256,33 @@ class _ArrayClearedIn(msgspec.Struct, array_like=True, tag="AllBlocksCleared"):
     pass
 
 
+_ArrayEvent = _ArrayStoredIn | _ArrayRemovedIn | _ArrayClearedIn
+_MapEvent = _MapStoredIn | _MapRemovedIn | _MapClearedIn
+
+
+def _typed_batch_decoders(array_like: bool) -> tuple[msgspec.msgpack.Decoder, ...]:
+    """Decoders of a whole batch of one envelope shape whose events all share one shape,
+    the batch's own shape first (vLLM's), then the other."""
+    decoders = []
+    for event_type in ((_ArrayEvent, _MapEvent) if array_like else (_MapEvent, _ArrayEvent)):
+        typed = msgspec.defstruct(
+            "_BatchTypedIn",
+            [("ts", float), ("events", list[event_type]), ("data_parallel_rank", int | None, None)],
+            array_like=array_like,
+            gc=False,
+        )
+        decoders.append(msgspec.msgpack.Decoder(typed))
+    return tuple(decoders)
+
+
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
+#: The common case in one call: a batch whose events all share one shape and have known tags.
+#: Anything else fails these decoders (at its first odd event) and takes the event-by-event path.
+_typed_batch_decoders = {True: _typed_batch_decoders(True), False: _typed_batch_decoders(False)}
 _batch_array_decoder = msgspec.msgpack.Decoder(_BatchArrayIn)
 _batch_map_decoder = msgspec.msgpack.Decoder(_BatchMapIn)
-_map_event_decoder = msgspec.msgpack.Decoder(Union[_MapStoredIn, _MapRemovedIn, _MapClearedIn])
-_array_event_decoder = msgspec.msgpack.Decoder(
-    Union[_ArrayStoredIn, _ArrayRemovedIn, _ArrayClearedIn]
-)
+_map_event_decoder = msgspec.msgpack.Decoder(_MapEvent)
+_array_event_decoder = msgspec.msgpack.Decoder(_ArrayEvent)
 
 
 def _is_msgpack_map(first_byte: int) -> bool:
@@ -277,11 +297,31 @@ def _hash64(value: int | bytes) -> int:
     return value
 
 
+_REMOVED_TYPES = frozenset({_ArrayRemovedIn, _MapRemovedIn})
+
+
+def _hashes64(values: list[int | bytes]) -> list[int]:
+    # Integers (vLLM's default) pass through without a call per hash.
+    if bytes not in set(map(type, values)):
+        return values
+    return [_hash64(h) for h in values]
+
+
 def _from_wire(event: msgspec.Struct) -> KVCacheEvent:
+    if type(event) in _REMOVED_TYPES:
+        # The most common event (vLLM sends one per evicted block): positional arguments and
+        # no per-hash call for the usual single integer hash.
+        hashes = event.block_hashes
+        group = event.group_idx
+        return BlockRemoved(
+            hashes if len(hashes) == 1 and type(hashes[0]) is int else _hashes64(hashes),
+            event.medium,
+            0 if group is None else group,
+        )
     if isinstance(event, _StoredFields):
         parent = event.parent_block_hash
         return BlockStored(
-            block_hashes=[_hash64(h) for h in event.block_hashes],
+            block_hashes=_hashes64(event.block_hashes),
             parent_block_hash=None if parent is None else _hash64(parent),
             token_ids=event.token_ids,
             block_size=event.block_size,
@@ -300,7 +340,7 @@ def _from_wire(event: msgspec.Struct) -> KVCacheEvent:
         )
     if isinstance(event, _RemovedFields):
         return BlockRemoved(
-            block_hashes=[_hash64(h) for h in event.block_hashes],
+            block_hashes=_hashes64(event.block_hashes),
             medium=event.medium,
             group_idx=0 if event.group_idx is None else event.group_idx,
         )
@@ -352,7 +392,19 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     """
     if not payload:
         raise KVEventDecodeError("empty payload")
-    decoder = _batch_map_decoder if _is_msgpack_map(payload[0]) else _batch_array_decoder
+    is_map = _is_msgpack_map(payload[0])
+    for typed_decoder in _typed_batch_decoders[not is_map]:
+        try:
+            typed = typed_decoder.decode(payload)
+        except msgspec.DecodeError:  # ValidationError included: the careful path says why
+            continue
+        return DecodedBatch(
+            ts=typed.ts,
+            events=[_from_wire(e) for e in typed.events],
+            data_parallel_rank=typed.data_parallel_rank,
+            unknown_events=0,
+        )
+    decoder = _batch_map_decoder if is_map else _batch_array_decoder
     try:
         envelope = decoder.decode(payload)
     except msgspec.DecodeError as exc:

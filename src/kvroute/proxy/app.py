@@ -137,7 +137,8 @@ class RouterConfig:
         forward_authorization: pass the client's ``Authorization`` header to the workers.
         worker_api_key: send ``Authorization: Bearer <worker_api_key>`` to the workers
             (overrides a forwarded one).
-        segment_cache_entries / prefix_cache_entries: tokenization caches (LRU entries).
+        segment_cache_entries / prefix_cache_entries / text_piece_cache_entries: tokenization
+            caches (LRU entries; see :class:`kvroute.proxy.prompts.PromptHasher`).
     """
 
     workers: Sequence[str] = ()
@@ -169,6 +170,7 @@ class RouterConfig:
     worker_api_key: str | None = None
     segment_cache_entries: int = 4096
     prefix_cache_entries: int = 4096
+    text_piece_cache_entries: int = 32768
 
 
 class _QuietClientErrors(logging.Filter):
@@ -253,6 +255,7 @@ class Router:
             block_hasher,
             config.segment_cache_entries,
             config.prefix_cache_entries,
+            config.text_piece_cache_entries,
         )
         self.metrics = RouterMetrics()
         logging.getLogger("aiohttp.server").addFilter(_QUIET_CLIENT_ERRORS)  # idempotent
@@ -385,7 +388,9 @@ class Router:
             return _error(401, "missing or wrong API key (Authorization: Bearer <key>)",
                           "AuthenticationError", **{"WWW-Authenticate": "Bearer"})
         if request.version >= (1, 1):
-            request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            # A coroutine: without the await the 100 never leaves, and a client such as curl
+            # (which sends this header for bodies over 1 KiB) stalls a second before sending.
+            await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
         return None
 
     def _authorized(self, request: web.Request) -> bool:
@@ -624,7 +629,8 @@ class Router:
         """Pass an SSE stream through as it arrives; end it with an error event if the
         worker dies (or stays silent beyond ``stream_idle_timeout_s``) before finishing it."""
         worker = load.worker
-        response = web.StreamResponse(
+        content = upstream.content
+        response = _RelayedStream(
             status=upstream.status,
             headers={
                 "Content-Type": upstream.headers.get("Content-Type", "text/event-stream"),
@@ -633,7 +639,6 @@ class Router:
             },
         )
         await response.prepare(request)
-        content = upstream.content
         idle = self.config.stream_idle_timeout_s
         # Events are passed on whole (each chunk up to its last event boundary), so a worker
         # dying mid-event never leaves the client a half event to choke on.
@@ -649,24 +654,38 @@ class Router:
                 self.metrics.upstream_errors.labels(worker.name, "stream").inc()
                 problem = self._died(worker, exc)
                 logger.warning("worker %s failed mid-stream: %s", worker.name, problem)
-                await response.write(_sse_error(f"worker {worker.name} failed mid-stream: {problem}"))
+                tail = _sse_error(f"worker {worker.name} failed mid-stream: {problem}")
                 break
-            if not chunk:
-                if pending:  # a worker that ended without a final blank line
-                    await response.write(pending)
+            if chunk:
+                load.prefill_done()
+                data = pending + chunk if pending else chunk
+            else:
+                data = pending  # a worker that ended without a final blank line
+            if not chunk or content.at_eof():
+                # The worker's answer is complete: its last bytes leave with the end of the
+                # response in one write (the usual case: "[DONE]" arrives with the end).
+                tail = data
                 if upstream.status < 500:
                     self.pool.record_success(worker)
                 break
-            load.prefill_done()
-            data = pending + chunk if pending else chunk
             cut = max(data.rfind(b"\n\n") + 2, data.rfind(b"\r\n\r\n") + 4, 0)
             pending = data[cut:]
             if cut:
                 # A client that left makes this raise; the handler ends and the worker's
                 # connection is dropped (the worker aborts the request).
                 await response.write(data[:cut] if pending else data)
-        await response.write_eof()
+        await response.write_eof(tail)
         return response
+
+
+class _RelayedStream(web.StreamResponse):
+    """A relayed SSE stream whose headers leave with its first event: one write to the client
+    instead of two per stream, and for a short answer one write in all (with the end of the
+    stream). The client sees the headers when the worker's first event arrives rather than
+    when the worker's headers do; what it reads as time to first token is unchanged.
+    (aiohttp >= 3.12 reads this flag; older versions send the headers at ``prepare``.)"""
+
+    _send_headers_immediately = False
 
 
 class _Load:

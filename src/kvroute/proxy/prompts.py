@@ -25,8 +25,10 @@ repeated work exactly:
 * **prefix hashes**: the block hashes of everything before the last piece are cached by that
   text, so only the last piece's blocks are hashed per request.
 
-A completion prompt given as text has no such cut points and is tokenized whole (cached only
-when the identical text repeats).
+A completion prompt given as text has no special tokens to cut at; for byte-level BPE
+tokenizers it is cut instead where the pre-tokenizer provably cuts (between words) and the
+pieces cached the same way (:mod:`kvroute.proxy.chunks`). Other tokenizers encode it whole
+(cached only when the identical text repeats).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ import numpy as np
 
 from kvroute.blocks import BlockHasher
 from kvroute.errors import UserError
+from kvroute.proxy.chunks import text_chunker
 from kvroute.tokens import HFTokenizer, SyntheticTokenizer, Tokenizer, flatten_message_content
 
 
@@ -111,6 +114,8 @@ class PromptHasher:
         hasher: the router's block hasher (same block size and seed as the index).
         segment_cache_entries: pieces of text kept tokenized (LRU).
         prefix_cache_entries: prompt heads whose block hashes are kept (LRU).
+        text_piece_cache_entries: pieces of text prompts kept tokenized (LRU; a 2,400-token
+            prompt is ~70 pieces, each ~0.5 KB with its ids).
     """
 
     def __init__(
@@ -119,6 +124,7 @@ class PromptHasher:
         hasher: BlockHasher,
         segment_cache_entries: int = 4096,
         prefix_cache_entries: int = 4096,
+        text_piece_cache_entries: int = 32768,
     ) -> None:
         self.tokenizer = tokenizer
         self.hasher = hasher
@@ -130,6 +136,8 @@ class PromptHasher:
         )
         self._segments = _LRU(segment_cache_entries)
         self._prefixes = _LRU(prefix_cache_entries)
+        #: Piecewise exact encoder of text prompts, or None when the tokenizer does not qualify.
+        self.text_chunker = text_chunker(tokenizer, text_piece_cache_entries)
 
     # --- request bodies -----------------------------------------------------------------------
 
@@ -196,7 +204,10 @@ class PromptHasher:
         """A completion prompt given as text (special tokens added as the engine adds them)."""
         cached = self._prefixes.get(("text", text))
         if cached is None:
-            ids = self.tokenizer.encode(text, add_special_tokens=True)
+            if self.text_chunker is not None:
+                ids = self.text_chunker.encode(text)
+            else:
+                ids = self.tokenizer.encode(text, add_special_tokens=True)
             cached = PromptInfo(len(ids), self.hasher.hash_blocks(ids))
             self._prefixes.put(("text", text), cached)
         return cached
@@ -204,7 +215,11 @@ class PromptHasher:
     def _segment_ids(self, piece: str) -> np.ndarray:
         ids = self._segments.get(piece)
         if ids is None:
-            ids = np.asarray(self.tokenizer.encode(piece, add_special_tokens=False), dtype=np.uint32)
+            if self.text_chunker is not None:
+                # A new message: only its words not seen before go through the library.
+                ids = self.text_chunker.encode(piece, add_special_tokens=False)
+            else:
+                ids = np.asarray(self.tokenizer.encode(piece, add_special_tokens=False), dtype=np.uint32)
             self._segments.put(piece, ids)
         return ids
 

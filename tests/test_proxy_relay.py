@@ -1,0 +1,69 @@
+"""The router's HTTP edges that cost or save round trips: ``Expect: 100-continue`` is
+answered before the body is sent, and a streamed answer relays whole whatever its packets."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from aiohttp import web
+
+from kvroute.proxy import WORKER_HEADER, RouterConfig, start_router
+
+
+async def _ok(request: web.Request) -> web.Response:
+    return web.Response()
+
+
+async def test_expect_100_continue_is_answered_before_the_body() -> None:
+    async with start_router(RouterConfig(workers=["http://127.0.0.1:9"], health_interval_s=0)) as router:
+        host, port = router.url.removeprefix("http://").split(":")
+        reader, writer = await asyncio.open_connection(host, int(port))
+        body = json.dumps({"model": "m", "prompt": "hello"}).encode()
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Expect: 100-continue\r\nContent-Length: " + str(len(body)).encode() + b"\r\n\r\n"
+        )
+        await writer.drain()
+        # curl waits a second for this line before sending the body anyway.
+        line = await asyncio.wait_for(reader.readline(), 0.5)
+        assert line == b"HTTP/1.1 100 Continue\r\n"
+        writer.close()
+
+
+async def test_streams_relay_every_event_however_the_worker_splits_them() -> None:
+    events = [b'data: {"n": %d}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await asyncio.sleep(0.05)  # headers alone first: the router holds them for the first event
+        await response.write(events[0][:7])  # half an event
+        await asyncio.sleep(0.01)
+        await response.write(events[0][7:] + events[1])
+        for event in events[2:-1]:
+            await response.write(event)
+        await response.write_eof(events[-1])  # the last event with the end of the stream
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    app.router.add_get("/health", _ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    worker = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
+        async with (
+            start_router(RouterConfig(workers=[worker], health_interval_s=0)) as router,
+            aiohttp.ClientSession() as session,
+            session.post(router.url + "/v1/completions", json=body) as response,
+        ):
+            assert response.status == 200
+            assert response.headers[WORKER_HEADER]
+            assert await response.read() == b"".join(events)
+    finally:
+        await runner.cleanup()
