@@ -183,6 +183,12 @@ class KVEventSubscriber:
 
     async def _receive_live(self) -> list[bytes] | None:
         """Next live multipart message, or None once close() was called."""
+        # Fast path: under load messages are already queued; take one without arming the
+        # wait below (a set, two callbacks and a task switch per message).
+        try:
+            return await self._sub.recv_multipart(flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
         if self._closed_signal is None:
             self._closed_signal = asyncio.get_running_loop().create_future()
         receive = self._sub.recv_multipart()
