@@ -409,3 +409,14 @@ def test_serve_flags_for_timeouts_ejection_and_auth(monkeypatch):
                 ["--api-key", " "]):
         with pytest.raises(UserError):
             serve_config(bad)
+
+
+def test_serve_kv_events_take_tcp_or_ipc_endpoints():
+    config = serve_config(["--kv-events", "http://127.0.0.1:9=ipc:///tmp/kv-0,ipc:///tmp/kv-0-replay"])
+    (source,) = config.events.per_worker.values()
+    assert (source.endpoint, source.replay_endpoint) == ("ipc:///tmp/kv-0", "ipc:///tmp/kv-0-replay")
+    config = serve_config(["--kv-events", "http://127.0.0.1:9=tcp://127.0.0.1:5557"])
+    assert [s.endpoint for s in config.events.per_worker.values()] == ["tcp://127.0.0.1:5557"]
+    for bad in ("http://127.0.0.1:9=udp://x", "http://127.0.0.1:9", "http://127.0.0.1:9=tcp://a:1,http://b"):
+        with pytest.raises(UserError, match="bad --kv-events"):
+            serve_config(["--kv-events", bad])

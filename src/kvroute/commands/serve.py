@@ -116,7 +116,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="every worker's replay socket is tcp://<its host>:Q")
     events.add_argument("--kv-events", action="append", default=[], metavar="WORKER=ENDPOINT[,REPLAY]",
                         help="one worker's event (and replay) sockets, e.g. "
-                        "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558; repeatable")
+                        "http://10.0.0.5:8000=tcp://10.0.0.5:5557,tcp://10.0.0.5:5558 (ipc://PATH too); repeatable")
     events.add_argument("--kv-events-topic", default="", help="subscription topic prefix (default: all)")
     events.add_argument("--predicted-ttl", type=float, metavar="S",
                         help=f"seconds a routing decision counts as cached before events confirm it "
@@ -175,6 +175,10 @@ def _option_value(text: str) -> object:
     return text
 
 
+#: ZeroMQ transports a worker's KV event sockets may use (ipc: workers on the router's host).
+_ZMQ_SCHEMES = ("tcp://", "ipc://")
+
+
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The router configuration the flags describe (raises UserError on bad flags)."""
     sources = [bool(args.worker), bool(args.worker_file), bool(args.dns), bool(args.k8s_service)]
@@ -202,8 +206,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     for spec in args.kv_events:
         worker, sep, sockets = spec.partition("=")
         endpoint, _, replay = sockets.partition(",")
-        if not sep or not endpoint.startswith("tcp://") or (replay and not replay.startswith("tcp://")):
-            raise UserError(f"bad --kv-events {spec!r}: expected WORKER_URL=tcp://HOST:PORT[,tcp://HOST:PORT]")
+        if not sep or not endpoint.startswith(_ZMQ_SCHEMES) or (replay and not replay.startswith(_ZMQ_SCHEMES)):
+            raise UserError(
+                f"bad --kv-events {spec!r}: expected WORKER_URL=ENDPOINT[,REPLAY_ENDPOINT] with "
+                "tcp://HOST:PORT or ipc://PATH endpoints"
+            )
         per_worker[normalize_worker_url(worker)] = EventsSource(endpoint, replay or None)
     options = {}
     for spec in args.policy_option:
