@@ -12,7 +12,13 @@ import sys
 from kvroute import aio
 from kvroute.blocks import GPU_BLOCK_SIZE
 from kvroute.errors import UserError
-from kvroute.proxy.app import DEFAULT_PREDICTED_CAPACITY_BLOCKS, EVENTS_PREDICTED_TTL_S, Router, RouterConfig
+from kvroute.proxy.app import (
+    DEFAULT_PREDICTED_CAPACITY_BLOCKS,
+    EVENTS_PREDICTED_TTL_S,
+    Router,
+    RouterConfig,
+    tune_gc_for_serving,
+)
 from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
 from kvroute.proxy.pool import EventsSettings, EventsSource
 from kvroute.routing.policies import POLICIES
@@ -269,6 +275,7 @@ async def _serve(config: RouterConfig) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     await router.start()
+    tune_gc_for_serving()
     try:
         workers = ", ".join(router.pool.workers) or "none yet"
         # The first line names the bound port, so a script that asked for port 0 can read it.

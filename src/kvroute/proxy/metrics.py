@@ -43,6 +43,7 @@ class RouterMetrics:
             "kvroute_router_requests", "Requests answered, by route and status", ["route", "status"],
             registry=r,
         )
+        self._requests_by_key: dict[tuple[str, int], Counter] = {}
         self.index_blocks = Gauge(
             "kvroute_router_index_blocks", "Event-backed (worker, block) entries in the index", registry=r
         )
@@ -97,6 +98,15 @@ class RouterMetrics:
         self.health_failures = Counter(
             "kvroute_router_health_check_failures", "Failed /health checks", ["worker"], registry=r
         )
+
+    def count_request(self, route: str, status: int) -> None:
+        """One answered request of ``route`` (a route's canonical path, never a client's raw
+        path) with ``status``. The labelled children are kept by (route, status), which stays
+        small (routes times statuses), so no request pays prometheus_client's label lookup."""
+        child = self._requests_by_key.get((route, status))
+        if child is None:
+            child = self._requests_by_key[(route, status)] = self.requests.labels(route, str(status))
+        child.inc()
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
