@@ -6,7 +6,13 @@ process (tests, ``kvroute experiment``) without their counters mixing or names c
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import (
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    generate_latest,
+)
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 
 #: Overlap in blocks: fine near zero (first contacts), coarse up to long prompts.
