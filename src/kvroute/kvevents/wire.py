@@ -260,7 +260,7 @@ _ArrayEvent = _ArrayStoredIn | _ArrayRemovedIn | _ArrayClearedIn
 _MapEvent = _MapStoredIn | _MapRemovedIn | _MapClearedIn
 
 
-def _typed_batch_decoders(array_like: bool) -> tuple[msgspec.msgpack.Decoder, ...]:
+def _make_typed_batch_decoders(array_like: bool) -> tuple[msgspec.msgpack.Decoder, ...]:
     """Decoders of a whole batch of one envelope shape whose events all share one shape,
     the batch's own shape first (vLLM's), then the other."""
     decoders = []
@@ -278,7 +278,7 @@ def _typed_batch_decoders(array_like: bool) -> tuple[msgspec.msgpack.Decoder, ..
 _KNOWN_TAGS = frozenset({"BlockStored", "BlockRemoved", "AllBlocksCleared"})
 #: The common case in one call: a batch whose events all share one shape and have known tags.
 #: Anything else fails these decoders (at its first odd event) and takes the event-by-event path.
-_typed_batch_decoders = {True: _typed_batch_decoders(True), False: _typed_batch_decoders(False)}
+_typed_batch_decoders = {True: _make_typed_batch_decoders(True), False: _make_typed_batch_decoders(False)}
 _batch_array_decoder = msgspec.msgpack.Decoder(_BatchArrayIn)
 _batch_map_decoder = msgspec.msgpack.Decoder(_BatchMapIn)
 _map_event_decoder = msgspec.msgpack.Decoder(_MapEvent)
@@ -297,9 +297,6 @@ def _hash64(value: int | bytes) -> int:
     return value
 
 
-_REMOVED_TYPES = frozenset({_ArrayRemovedIn, _MapRemovedIn})
-
-
 def _hashes64(values: list[int | bytes]) -> list[int]:
     # Integers (vLLM's default) pass through without a call per hash.
     if bytes not in set(map(type, values)):
@@ -307,10 +304,13 @@ def _hashes64(values: list[int | bytes]) -> list[int]:
     return [_hash64(h) for h in values]
 
 
+_REMOVED_TYPES = frozenset({_ArrayRemovedIn, _MapRemovedIn})
+
+
 def _from_wire(event: msgspec.Struct) -> KVCacheEvent:
     if type(event) in _REMOVED_TYPES:
-        # The most common event (vLLM sends one per evicted block): positional arguments and
-        # no per-hash call for the usual single integer hash.
+        # The most common event (vLLM sends one per evicted block), so checked first, built
+        # with positional arguments and no call for the usual single integer hash.
         hashes = event.block_hashes
         group = event.group_idx
         return BlockRemoved(
@@ -337,12 +337,6 @@ def _from_wire(event: msgspec.Struct) -> KVCacheEvent:
             # An absent group means vLLM's single KV cache group, which kvroute numbers 0.
             group_idx=0 if event.group_idx is None else event.group_idx,
             kv_cache_spec_kind=event.kv_cache_spec_kind,
-        )
-    if isinstance(event, _RemovedFields):
-        return BlockRemoved(
-            block_hashes=_hashes64(event.block_hashes),
-            medium=event.medium,
-            group_idx=0 if event.group_idx is None else event.group_idx,
         )
     return AllBlocksCleared()
 
