@@ -41,6 +41,7 @@ from kvroute.bench.prompts import (
     poisson_schedule,
     reference_workload,
 )
+from kvroute.fleet import free_ports
 from kvroute.workload import WorkloadSpec
 
 # -- the canned server (run as a subprocess: this file with --serve-canned PORT N_TOKENS) ------
@@ -96,12 +97,6 @@ async def _serve_canned(port: int, tokens: int) -> None:
 
 
 # -- helpers -----------------------------------------------------------------------------------
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _wait_port(port: int, timeout: float = 30.0) -> None:
@@ -179,10 +174,10 @@ def main() -> None:
     results: dict = {"requests": args.requests, "output_tokens": args.output_tokens, "rate": args.rate}
     servers = {}
     try:
-        port = _free_port()
+        (port,) = free_ports(1)
         servers["canned"] = (subprocess.Popen(
             [sys.executable, __file__, "--serve-canned", str(port), str(args.output_tokens)]), port)
-        port = _free_port()
+        (port,) = free_ports(1)
         servers["emulator"] = (subprocess.Popen(
             [sys.executable, "-m", "kvroute", "emulate", "--port", str(port), "--timing", "instant",
              "--enable-prompt-tokens-details", "--served-model-name", "m"],

@@ -93,7 +93,7 @@ from kvroute.bench.runner import (
     TrialSink,
 )
 from kvroute.errors import UserError
-from kvroute.fleet import Fleet, launch_emulated
+from kvroute.fleet import Fleet, free_ports, launch_emulated
 from kvroute.records import RequestRecord, TrialStats
 from kvroute.tokens import load_tokenizer, safe_vocabulary
 from kvroute.workload import LengthDist, WorkloadSpec
@@ -257,13 +257,6 @@ def _versions(python: str) -> dict[str, str]:
 
 
 # -- processes -----------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    """A currently free loopback port (the router binds it right after; a tiny race)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def free_port_block(n: int, rng: random.Random | None = None) -> int:
@@ -519,7 +512,7 @@ async def launch(router: str, env: Env, timing: str, tag: str) -> RouterRun:
     if router == "dynamo":
         return await _launch_dynamo(env, timing, tag)
     backends = await start_emulated(env.workers, env.tokenizer, timing, env.run_dir)
-    port = free_port()
+    port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     log = env.logs / f"{router}-{tag}.log"
     proc: Process | None = None
@@ -538,7 +531,7 @@ async def launch(router: str, env: Env, timing: str, tag: str) -> RouterRun:
         elif router == "sglang":
             peer = _peer(env, router)
             # Both hosts and a local tokenizer, or it resolves one from a model hub (ROUTERS.md).
-            prometheus = free_port()
+            prometheus = free_ports(1)[0]
             metrics_url = f"http://127.0.0.1:{prometheus}/metrics"
             cmd = [peer.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
                    "--port", str(port), "--prometheus-host", "127.0.0.1",
@@ -546,7 +539,7 @@ async def launch(router: str, env: Env, timing: str, tag: str) -> RouterRun:
                    "--policy", "cache_aware", "--log-level", "warn", "--worker-urls", *backends.urls]
         elif router == "vllm-router":
             peer = _peer(env, router)
-            prometheus = free_port()
+            prometheus = free_ports(1)[0]
             metrics_url = f"http://127.0.0.1:{prometheus}/metrics"
             cmd = [peer.bin("vllm-router"), "--host", "127.0.0.1", "--port", str(port),
                    "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus),
@@ -587,7 +580,7 @@ async def _launch_dynamo(env: Env, timing: str, tag: str) -> RouterRun:
         "--num-gpu-blocks-override", str(NUM_BLOCKS), "--max-num-seqs", "256",
         "--max-num-batched-tokens", "8192", "--speedup-ratio", speedup, *planes,
     ], mocker_log, {**base, "DYN_LOG": "info"})  # info: one line per request names its worker
-    port = free_port()
+    port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     frontend: Process | None = None
 

@@ -25,6 +25,7 @@ from zmq.utils.monitor import parse_monitor_message
 
 from kvroute.emulator import EmulatorConfig, RunningWorker, start_workers
 from kvroute.engine import AllBlocksCleared, BlockRemoved, BlockStored
+from kvroute.fleet import free_ports
 from kvroute.kvevents import decode_batch
 
 BS = 16
@@ -240,12 +241,6 @@ async def test_array_wire_format_sends_positional_events(zctx):
 # -- the process ------------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(http_port: int, events: str, replay: str) -> subprocess.Popen:
     cmd = [
         sys.executable, "-m", "kvroute", "emulate", "--port", str(http_port), "--timing", "instant",
@@ -272,7 +267,7 @@ async def _wait_ready(proc: subprocess.Popen, url: str) -> None:
 
 
 async def test_killed_and_restarted_worker_restarts_seq_at_0(zctx):
-    http_port, events_port, replay_port = _free_port(), _free_port(), _free_port()
+    http_port, events_port, replay_port = free_ports(3)
     url = f"http://127.0.0.1:{http_port}"
     # An explicit host makes the publisher connect (vLLM's rule), so this subscriber binds
     # once and sees both lives of the worker.

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import socket
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -15,6 +14,7 @@ import pytest
 from aiohttp import web
 
 from kvroute.emulator import EmulatorConfig, start_workers
+from kvroute.fleet import free_ports
 from kvroute.proxy import WORKER_HEADER, RouterConfig, start_router
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -37,9 +37,7 @@ def client(url: str) -> openai.AsyncOpenAI:
 
 def refused_url() -> str:
     """A loopback URL nothing listens on (the port was just bound and released)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    (port,) = free_ports(1)
     return f"http://127.0.0.1:{port}"
 
 
