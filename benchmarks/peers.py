@@ -710,12 +710,33 @@ class OverheadRow:
     error: str | None = None
     note: str = ""
     machine_load: float | None = None  # 1-minute load average after measuring (shared CPUs)
+    #: With ``--rounds N``: each round's CPU µs per request; the other figures are medians.
+    cpu_rounds: list[float] = field(default_factory=list)
 
     def added(self, which: str) -> tuple[float, float] | None:
         direct, routed = getattr(self, f"direct_{which}_ms"), getattr(self, f"router_{which}_ms")
         if direct is None or routed is None:
             return None
         return routed[0] - direct[0], routed[1] - direct[1]
+
+
+def median_row(rows: Sequence[OverheadRow]) -> OverheadRow:
+    """One router's rounds as one row: the median of each figure over the rounds that
+    measured it (p50 and p99 separately), every round's CPU µs per request kept."""
+    merged = OverheadRow(rows[0].router, note=rows[0].note)
+    merged.cpu_rounds = [r.cpu_us_per_request for r in rows if r.cpu_us_per_request is not None]
+    for name in ("direct_ttft_ms", "router_ttft_ms", "direct_e2e_ms", "router_e2e_ms"):
+        pairs = [getattr(r, name) for r in rows if getattr(r, name) is not None]
+        if pairs:
+            setattr(merged, name, tuple(float(np.median([p[i] for p in pairs])) for i in (0, 1)))
+    for name in ("cpu_us_per_request", "loaded_rps", "machine_load"):
+        values = [getattr(r, name) for r in rows if getattr(r, name) is not None]
+        if values:
+            setattr(merged, name, float(np.median(values)))
+    merged.requests = sum(r.requests for r in rows)
+    merged.failed = sum(r.failed for r in rows)
+    merged.error = next((r.error for r in rows if r.error), None)
+    return merged
 
 
 def _p50_p99(values: list[float]) -> tuple[float, float] | None:
@@ -821,7 +842,10 @@ def overhead_table(rows: Sequence[OverheadRow]) -> list[list[str]]:
     pair = lambda v: "—" if v is None else f"{v[0]:.2f} / {v[1]:.2f}"
     for r in rows:
         out.append([r.router, pair(r.added("ttft")), pair(r.added("e2e")), pair(r.router_e2e_ms),
-                    pair(r.direct_e2e_ms), _f(r.cpu_us_per_request, 0), _f(r.loaded_rps, 1),
+                    pair(r.direct_e2e_ms),
+                    _f(r.cpu_us_per_request, 0) + (
+                        f" ({', '.join(f'{c:.0f}' for c in r.cpu_rounds)})" if len(r.cpu_rounds) > 1 else ""),
+                    _f(r.loaded_rps, 1),
                     _f(r.machine_load), (r.error or r.note)[:100]])
     return out
 
@@ -875,6 +899,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="closed-loop clients of the CPU-per-request pass (default %(default)s)")
     o.add_argument("--overhead-output-tokens", type=int, default=64,
                    help="output tokens per overhead request (default %(default)s, the reference's)")
+    o.add_argument("--rounds", type=int, default=1,
+                   help="measure every router this many times, the order reversed each round "
+                        "(A B, B A, ...), and report medians with each round's CPU figure: on "
+                        "shared cores one pass per router can differ by 20%% from the next "
+                        "(default %(default)s)")
     i = p.add_argument_group("installing")
     i.add_argument("--cache", type=Path, default=None,
                    help="cache folder (default ${KVROUTE_CACHE:-~/.cache/kvroute}); venvs in <cache>/peers")
@@ -904,6 +933,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--concurrency values must be >= 1")
     if args.workers < 1 or args.prefixes < 1:
         p.error("--workers and --prefixes must be >= 1")
+    if args.rounds < 1:
+        p.error("--rounds must be >= 1")
     if args.quick:
         args.requests = args.requests or 48
         args.levels = args.levels[:1]
@@ -968,12 +999,16 @@ async def main(args: argparse.Namespace) -> int:
                 print(f"\noverhead: {len(workload.requests)} requests of "
                       f"{workload.prefix_tokens + workload.suffix_tokens:.0f} tokens, "
                       f"instant workers", flush=True)
-                orows: list[OverheadRow] = []
+                rounds: dict[str, list[OverheadRow]] = {r: [] for r in args.router_list}
+                results["overhead_rounds"] = rounds
+                for n in range(args.rounds):
+                    order = args.router_list if n % 2 == 0 else args.router_list[::-1]
+                    for router in order:
+                        rounds[router].append(await run_overhead(
+                            router, env, workload, args.overhead_concurrency, args.timeout))
+                        _save(out, results)
+                orows = [median_row(rows) for rows in rounds.values()]
                 results["overhead"] = orows
-                for router in args.router_list:
-                    orows.append(await run_overhead(router, env, workload, args.overhead_concurrency,
-                                                    args.timeout))
-                    _save(out, results)
                 _direct_baseline_for_dynamo(orows)
                 print_table("router overhead (instant workers; added = via router − direct)",
                             overhead_table(orows))

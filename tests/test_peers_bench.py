@@ -31,7 +31,7 @@ def test_quick_shrinks_every_pass():
     assert args.levels == [8] and args.requests == 48 and args.overhead_requests == 24
 
 
-@pytest.mark.parametrize("argv", [["--routers", "nginx"], ["--concurrency", "0"], ["-c", "x"]])
+@pytest.mark.parametrize("argv", [["--routers", "nginx"], ["--concurrency", "0"], ["-c", "x"], ["--rounds", "0"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         peers.parse_args(argv)
@@ -84,6 +84,22 @@ def test_added_latency_is_router_minus_direct():
     assert row.added("e2e") == (0.5, 3.0)
     assert row.added("ttft") is None
     assert peers.overhead_table([row])[1][2] == "0.50 / 3.00"
+
+
+def test_rounds_merge_into_medians_keeping_each_cpu_figure():
+    rounds = [
+        peers.OverheadRow("kvroute", requests=200, router_e2e_ms=(9.0, 30.0), cpu_us_per_request=1300.0),
+        peers.OverheadRow("kvroute", requests=200, router_e2e_ms=(7.0, 10.0), cpu_us_per_request=1100.0,
+                          failed=1, error="1 requests failed"),
+        peers.OverheadRow("kvroute", requests=200, router_e2e_ms=(8.0, 20.0), cpu_us_per_request=1150.0),
+    ]
+    merged = peers.median_row(rounds)
+    assert merged.cpu_us_per_request == 1150.0
+    assert merged.cpu_rounds == [1300.0, 1100.0, 1150.0]
+    assert merged.router_e2e_ms == (8.0, 20.0)
+    assert merged.direct_e2e_ms is None  # no round measured it
+    assert (merged.requests, merged.failed, merged.error) == (600, 1, "1 requests failed")
+    assert peers.overhead_table([merged])[1][5] == "1150 (1300, 1100, 1150)"
 
 
 def test_dynamo_borrows_the_emulated_direct_baseline():
