@@ -17,13 +17,27 @@ connection per request (the default) and the reference prompt (2,371 token ids a
 measurement also records the 1-minute load average before and after it (``load_1min``): on a
 shared machine the p99 follows the load, so a figure means little without it.
 
+Side by side (``--client lean,aiohttp``, the default): ``lean`` is the product's
+``BenchClient`` (httptools on a bare asyncio Protocol), ``aiohttp`` the client it replaced,
+kept here as the reference. The clients take turns against the same servers within one run (``--rounds`` alternations, the
+order flipped each round), since on a shared machine only figures from one run compare. The
+first client listed fills the top-level entries; each client's own figures are under
+``clients``, and ``gc`` counts the collector's pauses inside each measured window.
+
+``--floor`` adds the loopback floor: a blocking raw-socket client that connects, writes the
+same 15 KB request and reads a one-byte answer from a raw-socket server process, paced at the
+same rate. Its round trip is what the kernel and the scheduler take without any HTTP or event
+loop, so an overhead p99 near the floor's p99 is scheduler wake-up latency, not client code.
+
     python benchmarks/bench_client_overhead.py [--requests 2000] [--output-tokens 16]
+        [--client lean,aiohttp] [--rounds 2] [--servers canned] [--floor]
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import json
 import os
 import re
@@ -34,7 +48,16 @@ import time
 
 import numpy as np
 
-from kvroute.bench.client import BenchClient, run_closed_loop, run_open_loop
+from kvroute.bench.client import (  # the private helpers: the reference client records alike
+    WORKER_HEADER,
+    BenchClient,
+    StreamResult,
+    _error_message,
+    _record,
+    read_sse,
+    run_closed_loop,
+    run_open_loop,
+)
 from kvroute.bench.prompts import (
     BenchRequest,
     PromptEncoder,
@@ -42,6 +65,7 @@ from kvroute.bench.prompts import (
     reference_workload,
 )
 from kvroute.fleet import free_ports
+from kvroute.records import RequestRecord
 from kvroute.workload import WorkloadSpec
 
 # -- the canned server (run as a subprocess: this file with --serve-canned PORT N_TOKENS) ------
@@ -69,6 +93,7 @@ async def _serve_canned(port: int, tokens: int) -> None:
                 received = time.perf_counter()
                 if head.startswith(b"GET /dump"):
                     payload = json.dumps(log).encode()
+                    log.clear()  # each dump covers the requests since the previous one
                     writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(payload), payload))
                     await writer.drain()
                     continue
@@ -94,6 +119,126 @@ async def _serve_canned(port: int, tokens: int) -> None:
     server = await asyncio.start_server(handle, "127.0.0.1", port, backlog=4096)
     async with server:
         await server.serve_forever()
+
+
+# -- the loopback floor (run as a subprocess: this file with --serve-floor PORT SIZE) ----------
+
+
+def _serve_floor(port: int, size: int) -> None:
+    """Accept, read ``size`` bytes, answer one byte, close: no HTTP, no event loop."""
+    listener = socket.create_server(("127.0.0.1", port), backlog=4096)
+    while True:
+        conn, _ = listener.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        got = 0
+        while got < size:
+            data = conn.recv(size - got)
+            if not data:
+                break
+            got += len(data)
+        conn.sendall(b"x")
+        conn.close()
+
+
+def _floor(port: int, payload: bytes, n: int, rate: float) -> list[float]:
+    """Round trips (connect, write ``payload``, read the answer) of a blocking client, paced
+    at ``rate`` like the open loop."""
+    schedule = poisson_schedule(n, rate, 0).tolist()
+    out = []
+    start = time.perf_counter()
+    for offset in schedule:
+        delay = start + offset - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+        t0 = time.perf_counter()
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            sock.sendall(payload)
+            sock.recv(1)
+            out.append(time.perf_counter() - t0)
+    return out
+
+
+# -- the reference client: the aiohttp client that BenchClient replaced --------------------------
+
+
+class AiohttpClient:
+    """``BenchClient``'s API and record rules on aiohttp (a ``ClientSession`` with
+    ``TCPConnector(force_close=True)``), as the product's client was before the lean one."""
+
+    def __init__(self, url: str, keep_alive: bool = False, timeout_s: float = 600.0) -> None:
+        import aiohttp
+
+        self._aiohttp = aiohttp
+        self.url = url.rstrip("/")
+        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
+        connector = aiohttp.TCPConnector(force_close=not keep_alive, limit=0, ttl_dns_cache=300)
+        self.session = aiohttp.ClientSession(
+            connector=connector, timeout=self.timeout,
+            headers={"Content-Type": "application/json"}, skip_auto_headers=("User-Agent",),
+        )
+
+    async def __aenter__(self) -> AiohttpClient:
+        return self
+
+    async def __aexit__(self, *exc) -> None:
+        await self.session.close()
+
+    async def send(self, request: BenchRequest, window_start: float) -> RequestRecord:
+        clock = time.perf_counter
+        sent = clock()
+        result = StreamResult()
+        status = 0
+        worker = None
+        try:
+            async with self.session.post(self.url + request.path, data=request.body) as resp:
+                status = resp.status
+                worker = resp.headers.get(WORKER_HEADER)
+                if status != 200:
+                    result.error = f"HTTP {status}: {_error_message(await resp.read())}"
+                else:
+                    await read_sse(resp.content, result)
+                    if not result.done and result.error is None:
+                        result.error = "stream ended without [DONE]"
+        except asyncio.TimeoutError:
+            result.error = f"timed out after {self.timeout.total:g} s"
+        except (self._aiohttp.ClientError, OSError) as exc:
+            result.error = f"{type(exc).__name__}: {exc}"[:300]
+        return _record(request, sent - window_start, sent, clock(), status, worker, result)
+
+
+CLIENTS = {"lean": BenchClient, "aiohttp": AiohttpClient}
+
+
+class _GcWatch:
+    """The collector's pauses while active (gc.callbacks): how many per generation, the
+    longest, and their total, from a given time on (the measured window's start: the full
+    collection that the load generator makes before it is not inside the window)."""
+
+    def __init__(self) -> None:
+        self.pauses: list[tuple[int, float, float]] = []  # generation, start, duration
+        self._t0 = 0.0
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+        else:
+            self.pauses.append((info["generation"], self._t0, time.perf_counter() - self._t0))
+
+    def __enter__(self) -> _GcWatch:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def summary(self, since: float) -> dict:
+        pauses = [(g, d) for g, t, d in self.pauses if t >= since]
+        return {
+            "collections_by_generation": [sum(g == k for g, _ in pauses) for k in range(3)],
+            "max_pause_ms": max((d for _, d in pauses), default=0.0) * 1e3,
+            "total_pause_ms": sum(d for _, d in pauses) * 1e3,
+        }
 
 
 # -- helpers -----------------------------------------------------------------------------------
@@ -124,18 +269,19 @@ def _pct(values, q) -> float:
     return float(np.percentile(np.asarray(values), q))
 
 
-async def _open_loop(url: str, requests, rate: float) -> tuple[list, float]:
+async def _open_loop(client_cls, url: str, requests, rate: float) -> tuple[list, float, dict]:
     records = []
-    async with BenchClient(url) as client:
-        start = await run_open_loop(client, requests, poisson_schedule(len(requests), rate, 0).tolist(), records.append)
-    return records, start
+    async with client_cls(url) as client:
+        with _GcWatch() as watch:
+            start = await run_open_loop(client, requests, poisson_schedule(len(requests), rate, 0).tolist(), records.append)
+    return records, start, watch.summary(since=start)
 
 
-async def _max_rate(url: str, requests, concurrency: int) -> tuple[float, float, int]:
+async def _max_rate(client_cls, url: str, requests, concurrency: int) -> tuple[float, float, int]:
     """(requests/s, client CPU share, failures) of a closed loop at ``concurrency``."""
     records = []
     cpu0, t0 = time.process_time(), time.perf_counter()
-    async with BenchClient(url) as client:
+    async with client_cls(url) as client:
         await run_closed_loop(client, requests, concurrency, records.append)
     wall = time.perf_counter() - t0
     cpu = time.process_time() - cpu0
@@ -158,64 +304,139 @@ def _run(coro):
     return uvloop.run(coro)
 
 
+def _overhead_entry(runs: list[tuple]) -> dict:
+    """Pooled figures of one client's open-loop windows (``runs``: records, start, gc
+    summary, load, and the canned server's stamps of that window or None)."""
+    ttft, overhead, before, window_p99 = [], [], [], []
+    failed = 0
+    for records, start, _, _, stamps in runs:
+        ttft += [r.ttft_s for r in records if r.ok]
+        failed += sum(not r.ok for r in records)
+        if stamps is None:
+            continue
+        # Client overhead = client TTFT minus the server's own time (read → first write).
+        joined = [r for r in records if r.ok and r.index in stamps]
+        window = [r.ttft_s - (stamps[r.index][1] - stamps[r.index][0]) for r in joined]
+        overhead += window
+        window_p99.append(_pct(window, 99) * 1e3)
+        # Where it goes: before the server has the request (connect, write), and after its
+        # first write (loopback, the client's read, parse and wake-up).
+        before += [stamps[r.index][0] - (start + r.send_time) for r in joined]
+    entry = {"failed": failed, "ttft_p50_ms": _pct(ttft, 50) * 1e3, "ttft_p99_ms": _pct(ttft, 99) * 1e3,
+             "load_1min": [run[3] for run in runs]}
+    if runs[0][4] is not None:
+        entry.update(overhead_p50_ms=_pct(overhead, 50) * 1e3, overhead_p99_ms=_pct(overhead, 99) * 1e3,
+                     until_received_p50_ms=_pct(before, 50) * 1e3, until_received_p99_ms=_pct(before, 99) * 1e3,
+                     joined=len(overhead), overhead_p99_ms_by_window=window_p99)
+    entry["gc"] = [run[2] for run in runs]
+    return entry
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--serve-canned", nargs=2, type=int, metavar=("PORT", "TOKENS"), help=argparse.SUPPRESS)
+    parser.add_argument("--serve-floor", nargs=2, type=int, metavar=("PORT", "SIZE"), help=argparse.SUPPRESS)
     parser.add_argument("--requests", type=int, default=2000, help="requests per measurement (default %(default)s)")
     parser.add_argument("--rate", type=float, default=200.0, help="open-loop rate for the overhead (default %(default)s)")
     parser.add_argument("--output-tokens", type=int, default=16, help="streamed chunks per response (default %(default)s)")
     parser.add_argument("--concurrency", default="16,64,256", help="closed-loop levels for the max rate")
+    parser.add_argument("--client", default="lean,aiohttp",
+                        help="clients to compare, the first fills the top-level entries (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=1, help="alternations of the clients (default %(default)s)")
+    parser.add_argument("--servers", default="canned,emulator", help="servers to measure against")
+    parser.add_argument("--floor", action="store_true", help="also measure the raw-socket loopback floor")
     args = parser.parse_args()
     if args.serve_canned:
         _run(_serve_canned(*args.serve_canned))
         return
+    if args.serve_floor:
+        _serve_floor(*args.serve_floor)
+        return
 
+    clients = args.client.split(",")
+    unknown = set(clients) - set(CLIENTS)
+    if unknown:
+        parser.error(f"unknown client(s) {sorted(unknown)}; choose from {sorted(CLIENTS)}")
     levels = [int(c) for c in args.concurrency.split(",")]
-    results: dict = {"requests": args.requests, "output_tokens": args.output_tokens, "rate": args.rate}
+    results: dict = {"requests": args.requests, "output_tokens": args.output_tokens, "rate": args.rate,
+                     "clients": clients}
     servers = {}
+    floor_proc = None
     try:
-        (port,) = free_ports(1)
-        servers["canned"] = (subprocess.Popen(
-            [sys.executable, __file__, "--serve-canned", str(port), str(args.output_tokens)]), port)
-        (port,) = free_ports(1)
-        servers["emulator"] = (subprocess.Popen(
-            [sys.executable, "-m", "kvroute", "emulate", "--port", str(port), "--timing", "instant",
-             "--enable-prompt-tokens-details", "--served-model-name", "m"],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
+        names = args.servers.split(",")
+        if "canned" in names:
+            (port,) = free_ports(1)
+            servers["canned"] = (subprocess.Popen(
+                [sys.executable, __file__, "--serve-canned", str(port), str(args.output_tokens)]), port)
+        if "emulator" in names:
+            (port,) = free_ports(1)
+            servers["emulator"] = (subprocess.Popen(
+                [sys.executable, "-m", "kvroute", "emulate", "--port", str(port), "--timing", "instant",
+                 "--enable-prompt-tokens-details", "--served-model-name", "m"],
+                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL), port)
+        if args.floor:
+            payload = _requests(1, args.output_tokens, tag_index=False)[0].body
+            (port,) = free_ports(1)
+            servers["floor"] = (subprocess.Popen(
+                [sys.executable, __file__, "--serve-floor", str(port), str(len(payload))]), port)
+            floor_proc = servers["floor"][0]
         for _, port in servers.values():
             _wait_port(port)
 
+        floor_port = servers.pop("floor")[1] if args.floor else None
+        floor_trips: list[float] = []
+        floor_load: list[list[float]] = []
+        floor_p99: list[float] = []
+        if floor_port is not None:
+            _floor(floor_port, payload, 50, args.rate)  # warm up
         for name, (_, port) in servers.items():
             url = f"http://127.0.0.1:{port}"
             requests = _requests(args.requests, args.output_tokens, tag_index=name == "canned")
-            _run(_open_loop(url, requests[:50], args.rate))  # warm both processes up
-            load = os.getloadavg()[0]
-            records, start = _run(_open_loop(url, requests, args.rate))
-            ttft = [r.ttft_s for r in records if r.ok]
-            entry = {"failed": sum(not r.ok for r in records), "ttft_p50_ms": _pct(ttft, 50) * 1e3,
-                     "ttft_p99_ms": _pct(ttft, 99) * 1e3, "load_1min": [load, os.getloadavg()[0]]}
-            if name == "canned":
-                stamps = _run(_dump(url))
-                # Client overhead = client TTFT minus the server's own time (read → first write).
-                overhead = [r.ttft_s - (stamps[r.index][1] - stamps[r.index][0])
-                            for r in records if r.ok and r.index in stamps]
-                # Where it goes: before the server has the request (connect, write), and after
-                # its first write (loopback, the client's read, parse and wake-up).
-                sent = {r.index: start + r.send_time for r in records}
-                before = [stamps[r.index][0] - sent[r.index] for r in records if r.ok and r.index in stamps]
-                entry.update(overhead_p50_ms=_pct(overhead, 50) * 1e3, overhead_p99_ms=_pct(overhead, 99) * 1e3,
-                             until_received_p50_ms=_pct(before, 50) * 1e3, until_received_p99_ms=_pct(before, 99) * 1e3,
-                             joined=len(overhead))
-            entry["max_rate"] = {}
-            for c in levels:
-                load = os.getloadavg()[0]
-                rps, cpu, failed = _run(_max_rate(url, requests, c))
-                entry["max_rate"][c] = {"requests_per_s": rps, "client_cpu": cpu, "failed": failed,
-                                        "load_1min": [load, os.getloadavg()[0]]}
+            runs: dict[str, list] = {c: [] for c in clients}
+            for c in clients:
+                _run(_open_loop(CLIENTS[c], url, requests[:50], args.rate))  # warm both processes up
+            # The floor takes its turn in the first server's rounds, beside the clients.
+            turns = clients + ["floor"] if floor_port is not None and not floor_trips else clients
+            for round_ in range(args.rounds):
+                for c in turns if round_ % 2 == 0 else turns[::-1]:
+                    if c == "floor":
+                        load = os.getloadavg()[0]
+                        trips = _floor(floor_port, payload, args.requests, args.rate)
+                        floor_trips += trips
+                        floor_load.append([load, os.getloadavg()[0]])
+                        floor_p99.append(_pct(trips, 99) * 1e3)
+                        continue
+                    if name == "canned":
+                        _run(_dump(url))  # forget earlier windows' stamps
+                    load = os.getloadavg()[0]
+                    records, start, gc_summary = _run(_open_loop(CLIENTS[c], url, requests, args.rate))
+                    load_after = os.getloadavg()[0]
+                    stamps = _run(_dump(url)) if name == "canned" else None
+                    runs[c].append((records, start, gc_summary, [load, load_after], stamps))
+            per_client = {}
+            for c in clients:
+                per_client[c] = _overhead_entry(runs[c])
+                per_client[c]["max_rate"] = {}
+            for level in levels:
+                for c in clients:
+                    load = os.getloadavg()[0]
+                    rps, cpu, failed = _run(_max_rate(CLIENTS[c], url, requests, level))
+                    per_client[c]["max_rate"][level] = {"requests_per_s": rps, "client_cpu": cpu, "failed": failed,
+                                                        "load_1min": [load, os.getloadavg()[0]]}
+            entry = dict(per_client[clients[0]])
+            if len(clients) > 1:
+                entry["clients"] = per_client
             results[name] = entry
-            print(name, json.dumps(entry, indent=1), flush=True)
+            for c in clients:
+                print(name, c, json.dumps(per_client[c], indent=1), flush=True)
+        if floor_trips:
+            results["floor"] = {"round_trip_p50_ms": _pct(floor_trips, 50) * 1e3,
+                                "round_trip_p99_ms": _pct(floor_trips, 99) * 1e3, "load_1min": floor_load,
+                                "round_trip_p99_ms_by_window": floor_p99}
+            print("floor", json.dumps(results["floor"], indent=1), flush=True)
     finally:
-        for proc, _ in servers.values():
+        procs = [proc for proc, _ in servers.values()] + ([floor_proc] if floor_proc is not None else [])
+        for proc in procs:
             proc.terminate()
             proc.wait(10)
     print(json.dumps(results))

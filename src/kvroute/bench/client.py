@@ -5,29 +5,37 @@ into a ``RequestRecord``. Measurement rules it keeps (EXPERIMENT.md):
 
 * **A new TCP connection per request** unless ``keep_alive``: a balancer that chooses per
   connection (kube-proxy) must get a fresh choice for every request, or a pooled client stays
-  pinned to one worker and flatters the baseline. ``TCPConnector(force_close=True)`` closes the
-  connection after each response, so the next request connects again (tests count the
-  connections a server accepts).
-* **Low overhead**: timestamps are ``time.perf_counter`` taken once per network read, and a
-  chunk is decoded by msgspec into a tiny typed struct; nothing else happens per token. All
-  events that arrive in one read get that read's timestamp (they did arrive together).
+  pinned to one worker and flatters the baseline. The request says ``Connection: close`` and
+  the client closes the connection once the response is read, so the next request connects
+  again (tests count the connections a server accepts).
+* **Low overhead**: the HTTP exchange is :mod:`kvroute.bench.wire` (httptools' C parser driven
+  from the transport's callbacks, no task wake-up per chunk), timestamps are
+  ``time.perf_counter`` taken once per network read, and a chunk is decoded by msgspec into a
+  tiny typed struct; nothing else happens per token. All events that arrive in one read get
+  that read's timestamp (they did arrive together).
 
-TTFT is measured from just before the request is handed to aiohttp (connection set-up
-included, as a user experiences it) to the first chunk that carries generated text; inter-token
-latencies are the gaps between content chunks; ``cached_tokens`` comes from the final usage
-chunk (``stream_options.include_usage``).
+TTFT is measured from just before the client frames the request and connects (connection
+set-up included, as a user experiences it) to the first chunk that carries generated text;
+inter-token latencies are the gaps between content chunks; ``cached_tokens`` comes from the
+final usage chunk (``stream_options.include_usage``).
 """
 
 from __future__ import annotations
 
 import asyncio
+import gc
+import socket
+import ssl
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from urllib.parse import urlsplit
 
-import aiohttp
 import msgspec
 
 from kvroute.bench.prompts import BenchRequest
+from kvroute.bench.wire import ERROR_BODY_KEEP, BenchConnection, ExchangeError
+from kvroute.errors import UserError
 from kvroute.records import RequestRecord
 
 #: Response header naming the worker that served a request (set by kvroute's router).
@@ -80,9 +88,14 @@ def _has_content(chunk: _Chunk) -> bool:
 
 
 class StreamResult:
-    """What one streamed response told us (filled in while reading)."""
+    """What one streamed response told us (filled in while reading).
 
-    __slots__ = ("first_content", "content_times", "usage", "error", "done")
+    It is also the SSE decoder: :meth:`feed` takes body bytes as they arrive. vLLM writes one
+    ``data: {...}`` line per event, events separated by a blank line; lines may end in
+    ``\\r\\n``. A partial line stays buffered until its end arrives.
+    """
+
+    __slots__ = ("first_content", "content_times", "usage", "error", "done", "_pending")
 
     def __init__(self) -> None:
         self.first_content: float | None = None
@@ -90,6 +103,24 @@ class StreamResult:
         self.usage: _Usage | None = None
         self.error: str | None = None
         self.done = False
+        self._pending = b""
+
+    def feed(self, data: bytes, now: float) -> bool:
+        """Body bytes read at ``now``; returns True once ``[DONE]`` has been seen."""
+        if self._pending:
+            data = self._pending + data
+        lines = data.split(b"\n")
+        self._pending = lines.pop()
+        for line in lines:
+            if line.startswith(b"data:"):
+                self.feed_event(line[5:].strip(), now)
+        return self.done
+
+    def finish(self, now: float) -> None:
+        """The body ended: a last line without its newline still counts."""
+        pending, self._pending = self._pending, b""
+        if not self.done and pending.startswith(b"data:"):
+            self.feed_event(pending[5:].strip(), now)
 
     def feed_event(self, payload: bytes, now: float) -> None:
         """One ``data:`` payload that arrived at ``now``."""
@@ -111,56 +142,99 @@ class StreamResult:
             self.usage = chunk.usage
 
 
-async def read_sse(content: aiohttp.StreamReader, result: StreamResult) -> None:
-    """Read an SSE body incrementally into ``result``.
-
-    vLLM writes one ``data: {...}`` line per event, events separated by a blank line; lines
-    may end in ``\\r\\n``. A partial line stays buffered until its end arrives.
-    """
+async def read_sse(content, result: StreamResult) -> None:
+    """Read an SSE body into ``result`` from a stream with an async ``readany()`` (aiohttp's
+    ``StreamReader``; the aiohttp reference client of benchmarks/bench_client_overhead.py),
+    one timestamp per read."""
     clock = time.perf_counter
-    pending = b""
     while True:
         data = await content.readany()
         if not data:
             break
-        now = clock()
-        if pending:
-            data = pending + data
-        lines = data.split(b"\n")
-        pending = lines.pop()
-        for line in lines:
-            if line.startswith(b"data:"):
-                result.feed_event(line[5:].strip(), now)
-        if result.done:
+        if result.feed(data, clock()):
             return
-    if pending.startswith(b"data:"):
-        result.feed_event(pending[5:].strip(), clock())
+    result.finish(clock())
+
+
+class _ErrorBody:
+    """The sink for a non-200 body: keeps its first bytes for the record's error."""
+
+    __slots__ = ("data",)
+
+    def __init__(self) -> None:
+        self.data = bytearray()
+
+    def feed(self, data: bytes, now: float) -> bool:
+        if len(self.data) < ERROR_BODY_KEEP:
+            self.data += data[: ERROR_BODY_KEEP - len(self.data)]
+        return False
+
+    def finish(self, now: float) -> None:
+        pass
+
+
+class _Deadline:
+    """Cancels the current task after ``delay`` seconds and remembers that it did, so the
+    cancellation can be told apart from one that comes from outside (Ctrl-C, a failed
+    gather). One timer handle per request: cheaper than ``asyncio.wait_for``'s extra task."""
+
+    __slots__ = ("task", "expired", "handle")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
+        self.task = asyncio.current_task()
+        self.expired = False
+        self.handle = loop.call_later(delay, self._expire)
+
+    def _expire(self) -> None:
+        self.expired = True
+        self.task.cancel()
+
+    def absorb(self) -> None:
+        """The expiry's cancellation was handled: undo it, so a later ``await`` of the task's
+        own (or an enclosing ``asyncio.timeout``) does not see it again (3.11+)."""
+        uncancel = getattr(self.task, "uncancel", None)
+        if uncancel is not None:
+            uncancel()
 
 
 class BenchClient:
     """Sends requests to one OpenAI-compatible base URL.
 
     Args:
-        url: base URL, e.g. ``http://127.0.0.1:8000``.
+        url: base URL, ``http://`` or ``https://`` (TLS with the default certificate checks),
+            with an optional path prefix, e.g. ``http://127.0.0.1:8000`` or
+            ``https://gw.example/team-a``.
         keep_alive: pool connections (off by default: see the module docstring).
-        timeout_s: limit for one whole request.
+        timeout_s: limit for one whole request (connection set-up included).
 
-    Use as an async context manager, or call ``close``.
+    Use as an async context manager, or call ``close``. The host name is resolved once, on
+    the first request (as aiohttp's DNS cache would within its 300 s), so no request pays
+    for a lookup.
+
+    Raises:
+        UserError: the URL is not http(s) or has no host.
     """
 
     def __init__(self, url: str, keep_alive: bool = False, timeout_s: float = 600.0) -> None:
         self.url = url.rstrip("/")
         self.keep_alive = keep_alive
-        self.timeout = aiohttp.ClientTimeout(total=timeout_s)
-        # limit=0: the connector must never queue requests, or the client's own pool would
-        # become the concurrency limit and distort TTFT.
-        connector = aiohttp.TCPConnector(force_close=not keep_alive, limit=0, ttl_dns_cache=300)
-        self.session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=self.timeout,
-            headers={"Content-Type": "application/json"},
-            skip_auto_headers=("User-Agent",),
-        )
+        self.timeout_s = timeout_s
+        parts = urlsplit(self.url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise UserError(f"bench URL must be http://HOST[:PORT][/PREFIX] or https://..., got {url!r}")
+        self._host = parts.hostname
+        self._port = parts.port or (443 if parts.scheme == "https" else 80)
+        self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
+        self._prefix = parts.path.encode()
+        authority = parts.netloc.rpartition("@")[2]
+        self._head_tail = (
+            f" HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n"
+            f"Connection: {'keep-alive' if keep_alive else 'close'}\r\nContent-Length: "
+        ).encode()
+        self._heads: dict[str, bytes] = {}
+        self._addresses: list[tuple[str, int]] | None = None
+        self._worker_header = WORKER_HEADER.encode()
+        self._idle: list[BenchConnection] = []  # keep-alive: connections ready for a request
 
     async def __aenter__(self) -> BenchClient:
         return self
@@ -169,7 +243,9 @@ class BenchClient:
         await self.close()
 
     async def close(self) -> None:
-        await self.session.close()
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
 
     async def send(self, request: BenchRequest, window_start: float) -> RequestRecord:
         """Send one request and wait for the end of its stream.
@@ -177,30 +253,109 @@ class BenchClient:
         Never raises for a failed request: the failure is recorded (``status`` 0 when no
         response arrived) so it stays in the denominators.
         """
+        loop = asyncio.get_running_loop()
         clock = time.perf_counter
         sent = clock()
         result = StreamResult()
-        status = 0
-        worker = None
+        error_body = None
+
+        def sink_for_status(status: int):
+            nonlocal error_body
+            if status == 200:
+                return result
+            error_body = _ErrorBody()
+            return error_body
+
+        deadline = _Deadline(loop, self.timeout_s)
+        conn = None
+        finished = False
+        # Keep-alive reads each response to the end of its framing (the chunked terminator may
+        # come after [DONE]) so that the connection can carry the next request.
+        exchange = (self._frame(request), sink_for_status, self.keep_alive)
         try:
-            async with self.session.post(self.url + request.path, data=request.body) as resp:
-                status = resp.status
-                worker = resp.headers.get(WORKER_HEADER)
-                if status != 200:
-                    body = await resp.read()
-                    result.error = f"HTTP {status}: {_error_message(body)}"
-                else:
-                    await read_sse(resp.content, result)
-                    if not result.done and result.error is None:
-                        result.error = "stream ended without [DONE]"
-        except asyncio.TimeoutError:
-            result.error = f"timed out after {self.timeout.total:g} s"
-        except aiohttp.ClientError as exc:
-            result.error = f"{type(exc).__name__}: {exc}"[:_ERROR_BODY_LIMIT]
+            conn = self._pooled()
+            if conn is None:
+                conn = await self._connect(loop, exchange)  # writes the request once connected
+                await conn.exchange
+            else:
+                await conn.start(*exchange)
+            finished = True
+        except asyncio.CancelledError:
+            if not deadline.expired:
+                raise
+            deadline.absorb()
+            result.error = f"timed out after {self.timeout_s:g} s"
+        except ExchangeError as exc:
+            result.error = str(exc)[:_ERROR_BODY_LIMIT]
         except OSError as exc:
-            result.error = f"{type(exc).__name__}: {exc}"[:_ERROR_BODY_LIMIT]
-        end = clock()
+            result.error = f"cannot connect to {self._host}:{self._port}: {type(exc).__name__}: {exc}"[
+                :_ERROR_BODY_LIMIT
+            ]
+        finally:
+            deadline.handle.cancel()
+            if conn is not None:
+                self._release(conn, finished)
+        # The end is the read that completed the answer, not this task's wake-up after it.
+        end = conn.answered_at if finished and conn.answered_at is not None else clock()
+        status = 0 if conn is None else conn.status
+        worker = None if conn is None else conn.worker
+        if error_body is not None and finished:
+            result.error = f"HTTP {status}: {_error_message(bytes(error_body.data))}"
+        elif status == 200 and finished and not result.done and result.error is None:
+            result.error = "stream ended without [DONE]"
         return _record(request, sent - window_start, sent, end, status, worker, result)
+
+    def _frame(self, request: BenchRequest) -> bytes:
+        """Request line, headers and body as one buffer (one write, one segment burst)."""
+        head = self._heads.get(request.path)
+        if head is None:
+            head = self._heads[request.path] = b"POST " + self._prefix + request.path.encode() + self._head_tail
+        body = request.body
+        return b"%s%d\r\n\r\n%s" % (head, len(body), body)
+
+    def _pooled(self) -> BenchConnection | None:
+        """An idle connection still open (keep-alive), if any."""
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed:
+                return conn
+        return None
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, exchange: tuple) -> BenchConnection:
+        """A new connection that starts ``exchange`` (its ``BenchConnection`` arguments) as
+        soon as it is made."""
+        if self._addresses is None:
+            infos = await loop.getaddrinfo(self._host, self._port, type=socket.SOCK_STREAM)
+            self._addresses = list(dict.fromkeys(info[4][:2] for info in infos))
+        server_hostname = self._host if self._ssl is not None else None
+        error: OSError | None = None
+        for address in list(self._addresses):  # in resolver order, as aiohttp tries them
+            try:
+                _, conn = await loop.create_connection(
+                    lambda: BenchConnection(self._worker_header, *exchange),
+                    *address, ssl=self._ssl, server_hostname=server_hostname,
+                )
+            except OSError as exc:
+                error = exc
+                continue
+            if address != self._addresses[0]:
+                # Try the address that answered first from now on ("localhost" resolving
+                # to ::1 first for a server listening on 127.0.0.1 only would otherwise
+                # cost every request a refused connection attempt).
+                self._addresses.remove(address)
+                self._addresses.insert(0, address)
+            return conn
+        raise error
+
+    def _release(self, conn: BenchConnection, finished: bool) -> None:
+        """After an exchange: pool the connection (keep-alive, and the server keeps it open),
+        close it (the default), or abort it (a failed or cancelled exchange)."""
+        if not finished:
+            conn.abort()
+        elif self.keep_alive and conn.reusable:
+            self._idle.append(conn)
+        else:
+            conn.close()
 
 
 def _error_message(body: bytes) -> str:
@@ -254,6 +409,25 @@ def _record(
 OnRecord = Callable[[RequestRecord], None]
 
 
+@contextmanager
+def _frozen_heap() -> Iterator[None]:
+    """Hide everything alive before the measured window from the cyclic collector while it
+    runs (``gc.freeze``), as ``kvroute serve`` does: a full collection would otherwise walk
+    the tokenizer, the workload and every earlier trial's records, a pause of milliseconds
+    that lands inside some request's TTFT. The young collections stay as they are: the
+    client frees what it allocates by reference count, so they find little and stay short.
+    Left alone when something else already manages the collector (disabled, or frozen)."""
+    if not gc.isenabled() or gc.get_freeze_count():
+        yield
+        return
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 class _Dependencies:
     """Completion events for requests that a later request must wait for (session turns)."""
 
@@ -281,7 +455,6 @@ async def run_closed_loop(
     previous one completes. Returns the window's start (perf_counter)."""
     deps = _Dependencies(requests)
     position = 0
-    start = time.perf_counter()
 
     async def user() -> None:
         nonlocal position
@@ -292,7 +465,9 @@ async def run_closed_loop(
             on_record(await client.send(request, start))
             deps.done(request)
 
-    await asyncio.gather(*(user() for _ in range(max(1, concurrency))))
+    with _frozen_heap():
+        start = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(max(1, concurrency))))
     return start
 
 
@@ -306,7 +481,6 @@ async def run_open_loop(
     Poisson schedule, or a trace's timestamps). A request that falls behind schedule is sent
     at once. Returns the window's start (perf_counter)."""
     deps = _Dependencies(requests)
-    start = time.perf_counter()
     tasks: set[asyncio.Task] = set()
 
     async def one(request: BenchRequest) -> None:
@@ -314,19 +488,21 @@ async def run_open_loop(
         on_record(await client.send(request, start))
         deps.done(request)
 
-    try:
-        for request, offset in zip(requests, offsets):
-            delay = start + offset - time.perf_counter()
-            if delay > 0:
-                await asyncio.sleep(delay)
-            task = asyncio.create_task(one(request))
-            tasks.add(task)
-            task.add_done_callback(tasks.discard)
-        if tasks:
-            await asyncio.gather(*tasks)
-    finally:
-        for task in tasks:
-            task.cancel()
+    with _frozen_heap():
+        start = time.perf_counter()
+        try:
+            for request, offset in zip(requests, offsets):
+                delay = start + offset - time.perf_counter()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                task = asyncio.create_task(one(request))
+                tasks.add(task)
+                task.add_done_callback(tasks.discard)
+            if tasks:
+                await asyncio.gather(*tasks)
+        finally:
+            for task in tasks:
+                task.cancel()
     return start
 
 
