@@ -271,6 +271,43 @@ def test_url_must_be_http():
         BenchClient("127.0.0.1:8000")
 
 
+async def test_api_key_is_sent_as_a_bearer_token():
+    async with ScriptedServer(chunked_sse([STREAM])) as server:
+        assert_complete(await send(server.url, api_key="sk-local"))
+        assert_complete(await send(server.url))
+    assert "Authorization: Bearer sk-local" in server.requests[0][0].decode().split("\r\n")
+    assert b"authorization" not in server.requests[1][0].lower()
+    with pytest.raises(UserError):
+        BenchClient("http://127.0.0.1:1", api_key="a\r\nX-Injected: 1")
+
+
+async def test_model_discovery_says_when_a_key_is_wanted_or_refused():
+    from aiohttp import web
+
+    from kvroute.bench.runner import discover_model
+
+    async def models(request: web.Request) -> web.Response:
+        if request.headers.get("Authorization") != "Bearer right":
+            return web.json_response({"error": "unauthorized"}, status=401)
+        return web.json_response({"data": [{"id": "tiny"}]})
+
+    app = web.Application()
+    app.router.add_get("/v1/models", models)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
+    try:
+        assert await discover_model(url, api_key="right") == "tiny"
+        with pytest.raises(UserError, match="wants an API key"):
+            await discover_model(url)
+        with pytest.raises(UserError, match="refused the API key"):
+            await discover_model(url, api_key="wrong")
+    finally:
+        await runner.cleanup()
+
+
 # -- connections -------------------------------------------------------------------------------
 
 

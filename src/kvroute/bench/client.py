@@ -206,6 +206,7 @@ class BenchClient:
             ``https://gw.example/team-a``.
         keep_alive: pool connections (off by default: see the module docstring).
         timeout_s: limit for one whole request (connection set-up included).
+        api_key: sent as ``Authorization: Bearer KEY`` (a server started with ``--api-key``).
 
     Use as an async context manager, or call ``close``. The host name is resolved once, on
     the first request (as aiohttp's DNS cache would within its 300 s), so no request pays
@@ -215,7 +216,9 @@ class BenchClient:
         UserError: the URL is not http(s) or has no host.
     """
 
-    def __init__(self, url: str, keep_alive: bool = False, timeout_s: float = 600.0) -> None:
+    def __init__(
+        self, url: str, keep_alive: bool = False, timeout_s: float = 600.0, api_key: str | None = None
+    ) -> None:
         self.url = url.rstrip("/")
         self.keep_alive = keep_alive
         self.timeout_s = timeout_s
@@ -227,8 +230,11 @@ class BenchClient:
         self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self._prefix = parts.path.encode()
         authority = parts.netloc.rpartition("@")[2]
+        if api_key is not None and (not api_key or any(c in api_key for c in "\r\n")):
+            raise UserError("the API key must be one non-empty line")
+        auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""
         self._head_tail = (
-            f" HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n"
+            f" HTTP/1.1\r\nHost: {authority}\r\nContent-Type: application/json\r\n{auth}"
             f"Connection: {'keep-alive' if keep_alive else 'close'}\r\nContent-Length: "
         ).encode()
         self._heads: dict[str, bytes] = {}

@@ -56,6 +56,8 @@ class BenchTarget:
         model: served model name; discovered from ``GET /v1/models`` when None.
         label: the topology's name in reports (``point.policy``): ``service``, ``router``...
         workers: W, for labels and the formula; default: the number of metrics URLs.
+        api_key: bearer token for ``url`` (a server started with ``--api-key``); never
+            written to the results.
     """
 
     url: str
@@ -63,6 +65,7 @@ class BenchTarget:
     model: str | None = None
     label: str = "service"
     workers: int | None = None
+    api_key: str | None = field(default=None, repr=False)
 
     @property
     def num_workers(self) -> int:
@@ -166,16 +169,23 @@ class _Current:
     measuring: bool = False
 
 
-async def discover_model(url: str, timeout_s: float = 10.0) -> str:
-    """The first model that ``GET {url}/v1/models`` lists; checks the target is reachable.
+async def discover_model(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> str:
+    """The first model that ``GET {url}/v1/models`` lists; checks the target is reachable
+    (and, with ``api_key``, that it accepts the key).
 
     Raises:
-        UserError: unreachable, not an OpenAI-compatible server, or no model served.
+        UserError: unreachable, not an OpenAI-compatible server, a key missing or refused, or
+            no model served.
     """
     target = url.rstrip("/") + "/v1/models"
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            async with session.get(target) as resp:
+            async with session.get(target, headers=headers) as resp:
+                if resp.status == 401:
+                    what = "refused the API key" if api_key else "wants an API key"
+                    raise UserError(f"GET {target} answered HTTP 401: the server {what} "
+                                    "(--api-key, or the OPENAI_API_KEY environment variable)")
                 if resp.status != 200:
                     raise UserError(f"GET {target} answered HTTP {resp.status}: is this an OpenAI-compatible server?")
                 body = await resp.json(content_type=None)
@@ -267,7 +277,7 @@ class BenchRunner:
                     "cannot reset prefix caches (" + "; ".join(failures) + "; a real vLLM needs "
                     "VLLM_SERVER_DEV_MODE=1 for /reset_prefix_cache)"
                 )
-        async with BenchClient(self.target.url, opts.keep_alive, opts.timeout_s) as client:
+        async with BenchClient(self.target.url, opts.keep_alive, opts.timeout_s, self.target.api_key) as client:
             if opts.warmup and workload.warmup:
                 self.hooks.phase("warmup", len(workload.warmup))
                 await run_sequential(client, workload.warmup, self._on_warmup)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import time
 from argparse import Namespace
 from pathlib import Path
@@ -70,6 +71,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--metrics-url", action="append", default=[], metavar="WORKER_URL",
                    help="a worker's base or /metrics URL; repeat (or comma-separate) for each worker")
     t.add_argument("--model", default=None, help="served model name (default: the first of GET /v1/models)")
+    t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None, metavar="KEY",
+                   help="bearer token for a server started with --api-key (default: $OPENAI_API_KEY, "
+                        "as vLLM's own clients read it); sent to --url only, never saved")
     t.add_argument("--workers", "-W", type=int, default=None,
                    help="workers behind URL, for labels and the formula (default: number of --metrics-url)")
     t.add_argument("--label", default="service",
@@ -193,7 +197,7 @@ def run(args: Namespace) -> int:
     writer = ResultsWriter(out)
 
     async def main() -> list[Point]:
-        model = args.model or await discover_model(args.url)
+        model = args.model or await discover_model(args.url, api_key=args.api_key)
         configs = await server_cache_config(metrics_urls)  # also checks the metrics URLs answer
         blocks, block_size, geometry_source = _geometry(args, configs, console)
         tokenizer = None
@@ -205,7 +209,7 @@ def run(args: Namespace) -> int:
             vocab = safe_vocabulary(tokenizer)
         encoder = PromptEncoder(prompt_format, model, tokenizer, ignore_eos=not args.no_ignore_eos)
         workloads = _workloads(args, encoder, vocab)
-        target = BenchTarget(args.url, metrics_urls, model, args.label, args.workers)
+        target = BenchTarget(args.url, metrics_urls, model, args.label, args.workers, args.api_key)
         setup.update(model=model, blocks=blocks, block_size=block_size, geometry=geometry_source,
                      workloads=workloads, target=target)
         total = len(workloads) * len(options.load_levels) * options.trials
