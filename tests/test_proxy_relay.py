@@ -67,3 +67,49 @@ async def test_streams_relay_every_event_however_the_worker_splits_them() -> Non
             assert await response.read() == b"".join(events)
     finally:
         await runner.cleanup()
+
+
+async def test_a_client_leaving_mid_stream_is_counted_not_logged_as_an_error(caplog) -> None:
+    """A bench closes once it has read ``[DONE]``, a user closes a tab: the router's next
+    write finds the connection gone. It must end the relay quietly (no 'Error handling
+    request' traceback), count it, and drop the worker's stream."""
+    worker_cut = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        try:
+            for i in range(200):
+                await response.write(b'data: {"n": %d}\n\n' % i)
+                await asyncio.sleep(0.01)
+            await response.write_eof(b"data: [DONE]\n\n")
+        except ConnectionResetError:
+            worker_cut.set()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    app.router.add_get("/health", _ok)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    worker = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        async with start_router(RouterConfig(workers=[worker], health_interval_s=0)) as router:
+            host, port = router.url.removeprefix("http://").split(":")
+            reader, writer = await asyncio.open_connection(host, int(port))
+            body = json.dumps({"model": "m", "prompt": [1, 2, 3], "stream": True}).encode()
+            writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                         b"Content-Length: %d\r\n\r\n%s" % (len(body), body))
+            head = await reader.readuntil(b"\r\n\r\n")
+            assert head.startswith(b"HTTP/1.1 200")
+            name = next(line.split(b": ", 1)[1].decode() for line in head.split(b"\r\n")
+                        if line.lower().startswith(WORKER_HEADER.encode()))
+            assert b'"n": 0' in await reader.readuntil(b"\n\n")
+            writer.close()  # gone after the first event
+            await asyncio.wait_for(worker_cut.wait(), 5)
+            assert router.metrics.client_disconnects.labels(name)._value.get() == 1
+    finally:
+        await runner.cleanup()
+    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text

@@ -648,7 +648,24 @@ class Router:
         self, request: web.Request, upstream: aiohttp.ClientResponse, load: _Load
     ) -> web.StreamResponse:
         """Pass an SSE stream through as it arrives; end it with an error event if the
-        worker dies (or stays silent beyond ``stream_idle_timeout_s``) before finishing it."""
+        worker dies (or stays silent beyond ``stream_idle_timeout_s``) before finishing it.
+
+        A client may leave before the end (a bench that has read ``[DONE]`` closes before the
+        stream's terminating chunk; a user closes a tab). That is counted, never logged as an
+        error: aiohttp cancels this handler when it notices, or the next write finds the
+        connection gone (``_pass_on``). Either way the handler ends, which drops the worker's
+        connection, and the worker aborts the request if it was still generating."""
+        try:
+            return await self._relay_events(request, upstream, load)
+        except asyncio.CancelledError:
+            transport = request.transport
+            if transport is None or transport.is_closing():
+                self.metrics.client_disconnects.labels(load.worker.name).inc()
+            raise
+
+    async def _relay_events(
+        self, request: web.Request, upstream: aiohttp.ClientResponse, load: _Load
+    ) -> web.StreamResponse:
         worker = load.worker
         content = upstream.content
         response = _RelayedStream(
@@ -695,11 +712,25 @@ class Router:
                 cut = max(data.rfind(b"\n\n") + 2, data.rfind(b"\r\n\r\n") + 4, 0)
             pending = data[cut:]
             if cut:
-                # A client that left makes this raise; the handler ends and the worker's
-                # connection is dropped (the worker aborts the request).
-                await response.write(data[:cut] if pending else data)
-        await response.write_eof(tail)
+                if not await self._pass_on(response, data[:cut] if pending else data, worker):
+                    return response
+        await self._pass_on(response, tail, worker, last=True)
         return response
+
+    async def _pass_on(
+        self, response: web.StreamResponse, data: bytes, worker: Worker, last: bool = False
+    ) -> bool:
+        """Write relayed bytes to the client (and end the response if ``last``); False, and
+        counted, when the client has gone."""
+        try:
+            if last:
+                await response.write_eof(data)
+            else:
+                await response.write(data)
+        except ConnectionResetError:  # aiohttp's ClientConnectionResetError is one
+            self.metrics.client_disconnects.labels(worker.name).inc()
+            return False
+        return True
 
 
 class _RelayedStream(web.StreamResponse):

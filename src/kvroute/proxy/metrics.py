@@ -92,6 +92,11 @@ class RouterMetrics:
             "retried; body, stream: after it)",
             ["worker", "kind"], registry=r,
         )
+        self.client_disconnects = Counter(
+            "kvroute_router_client_disconnects",
+            "Streams whose client left before the router had written all of them",
+            ["worker"], registry=r,
+        )
         self.retries = Counter(
             "kvroute_router_retries", "Requests sent again to another worker before any response byte",
             registry=r,
