@@ -112,4 +112,7 @@ async def test_a_client_leaving_mid_stream_is_counted_not_logged_as_an_error(cap
             assert router.metrics.client_disconnects.labels(name)._value.get() == 1
     finally:
         await runner.cleanup()
-    assert not [r for r in caplog.records if r.levelname == "ERROR"], caplog.text
+    # (Only the router's and aiohttp's own records: an earlier test's client may be collected
+    # here and log its own complaint.)
+    errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name.startswith(("aiohttp", "kvroute"))]
+    assert not errors, caplog.text
