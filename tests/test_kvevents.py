@@ -598,6 +598,41 @@ async def test_gap_is_filled_by_replay_and_duplicates_are_skipped(topic_frame):
     assert [i.batch.ts for i in items if isinstance(i, EventsReceived)] == [0, 1, 2, 3, 4, 5]
 
 
+async def test_a_long_replay_lets_the_event_loop_run_other_work():
+    """A router started beside a busy engine replays thousands of batches; taking them all
+    without a pause would hold the loop (and every request it relays) for 100 ms or more."""
+    engine = FakeEngine()
+    sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint)
+    n = 2000
+    turns = 0
+    stop = asyncio.Event()
+
+    async def other_work() -> None:
+        nonlocal turns
+        while not stop.is_set():
+            turns += 1
+            await asyncio.sleep(0)
+
+    try:
+        await engine.wait_subscribed()
+        await engine.send(0)
+        for seq in range(1, n):
+            engine.buffer[seq] = encode_batch(EventBatch(ts=float(seq), events=[BlockRemoved([seq])]))
+        await engine.send(n)
+        first = await take(sub, 2)  # batch 0, then the gap: the replay is now queued
+        ticker = asyncio.ensure_future(other_work())
+        turns_before = turns
+        items = await take(sub, n)
+        turns_during = turns - turns_before
+        stop.set()
+        await ticker
+    finally:
+        await sub.close()
+        engine.close()
+    assert received(first + items) == [(0, False)] + [(s, True) for s in range(1, n)] + [(n, False)]
+    assert turns_during >= n // 100  # the loop got a turn at least every ~100 batches
+
+
 async def test_late_subscriber_replays_from_zero_with_real_publisher():
     config = KVEventsConfig(
         enable_kv_cache_events=True, endpoint=LOOPBACK_ANY_PORT, replay_endpoint=LOOPBACK_ANY_PORT

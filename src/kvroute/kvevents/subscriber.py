@@ -113,6 +113,9 @@ class KVEventSubscriber:
     #: Receive queue size in messages; matches vLLM's default publisher HWM so a busy router
     #: loses nothing the engine did not already drop.
     RCVHWM = 100_000
+    #: Items yielded (or replayed messages received) between two turns given to the event
+    #: loop: ~0.5 ms of decoding and indexing at most.
+    PAUSE_EVERY = 64
 
     def __init__(
         self,
@@ -141,7 +144,10 @@ class KVEventSubscriber:
         except zmq.ZMQError:
             self._sub.close(linger=0)
             raise
-        self._pending: deque[SubscriberItem] = deque()
+        #: Items to yield, in order; a batch waits here undecoded, as ``(seq, payload,
+        #: replayed)``, and is decoded when taken (see ``__anext__``).
+        self._pending: deque[SubscriberItem | tuple[int, bytes, bool]] = deque()
+        self._taken_since_pause = 0
         self._last: int | None = None  # last seq yielded (batch or malformed)
         self._last_live: int | None = None  # highest seq seen on the live socket
         self._closed = False
@@ -163,6 +169,15 @@ class KVEventSubscriber:
         return self
 
     async def __anext__(self) -> SubscriberItem:
+        # A replay can bring thousands of batches at once (a router started beside an engine
+        # that has run for a while), and queued live batches are taken without waiting: the
+        # consumer would then decode and apply them all in one go, holding the event loop
+        # (and every request the router is relaying) for 100 ms and more. Every
+        # PAUSE_EVERY items it lets the loop run other work first.
+        self._taken_since_pause += 1
+        if self._taken_since_pause >= self.PAUSE_EVERY:
+            self._taken_since_pause = 0
+            await asyncio.sleep(0)
         while not self._pending:
             if self._closed:
                 raise StopAsyncIteration
@@ -170,7 +185,14 @@ class KVEventSubscriber:
             if frames is None:
                 raise StopAsyncIteration
             await self._on_live(frames)
-        return self._pending.popleft()
+        item = self._pending.popleft()
+        if type(item) is tuple:
+            seq, payload, replayed = item
+            try:
+                return EventsReceived(seq, decode_batch(payload), replayed)
+            except KVEventDecodeError as exc:
+                return MalformedPayload(seq, str(exc))
+        return item
 
     async def close(self) -> None:
         """Stop iteration (a pending ``__anext__`` ends with StopAsyncIteration) and close the
@@ -274,11 +296,7 @@ class KVEventSubscriber:
                 self._deliver(s, p, replayed=True)
 
     def _deliver(self, seq: int, payload: bytes, replayed: bool) -> None:
-        try:
-            item: SubscriberItem = EventsReceived(seq, decode_batch(payload), replayed)
-        except KVEventDecodeError as exc:
-            item = MalformedPayload(seq, str(exc))
-        self._pending.append(item)
+        self._pending.append((seq, payload, replayed))  # decoded by __anext__
         self._last = seq
 
     # --- replay ----------------------------------------------------------------------------
@@ -301,6 +319,8 @@ class KVEventSubscriber:
                 dealer.send_multipart([b"", encode_seq(start_seq)]), self._replay_timeout
             )
             while True:
+                if len(received) % self.PAUSE_EVERY == self.PAUSE_EVERY - 1:
+                    await asyncio.sleep(0)  # a queued reply is taken without suspending
                 frames = await asyncio.wait_for(dealer.recv_multipart(), self._replay_timeout)
                 # Current vLLM: [b"", topic, seq, payload]; before the topic frame was added:
                 # [b"", seq, payload]. The end marker has seq -1 and an empty payload in both.
