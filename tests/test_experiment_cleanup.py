@@ -1,5 +1,5 @@
 """`kvroute experiment` leaves no process and no listening port behind: after a normal exit,
-after Ctrl-C, and after a worker crashes mid-run.
+after Ctrl-C, after a worker crashes mid-run, and after it is killed itself.
 
 Every process the experiment starts inherits a unique environment tag, so the test finds them
 (and the TCP ports they listen on) through /proc whatever their names or ports are.
@@ -139,4 +139,16 @@ def test_worker_crash_leaves_nothing(tmp_path):
     text = out.decode(errors="replace")
     assert proc.returncode != 0
     assert "Traceback" not in text, text
+    _assert_nothing_left(tag, ports)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
+def test_killed_experiment_leaves_no_workers(tmp_path):
+    """SIGKILL (an OOM kill, a `kill -9`) gives the experiment no chance to clean up: the
+    workers it started must end on their own when it dies."""
+    tag = uuid.uuid4().hex
+    proc = _start(tmp_path, tag, "--requests", "5000", "--timing", "reference-gpu", "--time-scale", "1")
+    ports = _wait_for_children(proc, tag)
+    os.kill(proc.pid, signal.SIGKILL)  # the experiment alone, not its process group
+    proc.communicate(timeout=30)
     _assert_nothing_left(tag, ports)

@@ -103,7 +103,8 @@ async def launch_emulated(workers: int, emulate_args: list[str], startup_timeout
         "--host", "127.0.0.1", "--port", "0", "--enable-prompt-tokens-details", *emulate_args,
     ]
     proc = await asyncio.create_subprocess_exec(
-        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT
+        *cmd, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.STDOUT,
+        preexec_fn=_parent_death_signal(),  # noqa: PLW1509 (a killed kvroute leaves no workers)
     )
     fleet = Fleet(urls=[], process=proc)
     try:
