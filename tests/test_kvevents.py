@@ -633,6 +633,53 @@ async def test_a_long_replay_lets_the_event_loop_run_other_work():
     assert turns_during >= n // 100  # the loop got a turn at least every ~100 batches
 
 
+async def test_catch_up_replays_the_buffer_before_any_live_batch():
+    """A router restarted beside an idle engine learns its cache at once."""
+    engine = FakeEngine()
+    for seq in range(3):  # published before the subscriber existed
+        engine.buffer[seq] = encode_batch(EventBatch(ts=float(seq), events=[BlockRemoved([seq])]))
+    sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint, catch_up=True)
+    try:
+        await engine.wait_subscribed()
+        items = await take(sub, 3)  # no live batch at all
+        await engine.send(2)  # the live copy of a replayed batch: skipped
+        await engine.send(3)
+        items += await take(sub, 1)
+    finally:
+        await sub.close()
+        engine.close()
+    assert engine.replay_requests == [0]
+    assert received(items) == [(0, True), (1, True), (2, True), (3, False)]
+
+
+async def test_catch_up_from_a_wrapped_buffer_reports_the_loss_then_delivers_the_rest():
+    engine = FakeEngine()
+    for seq in (5, 6):  # 0..4 rotated out
+        engine.buffer[seq] = encode_batch(EventBatch(ts=float(seq)))
+    sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint, catch_up=True)
+    try:
+        await engine.wait_subscribed()
+        items = await take(sub, 3)
+    finally:
+        await sub.close()
+        engine.close()
+    assert items[0] == ReplayFailed(0, 5, "replay buffer starts at 5, not 0")
+    assert received(items) == [(5, True), (6, True)]
+
+
+async def test_catch_up_without_an_answer_leaves_it_to_the_live_stream():
+    engine = FakeEngine(answer_replay=False)
+    sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint, replay_timeout=0.2, catch_up=True)
+    try:
+        await engine.wait_subscribed()
+        await engine.send(0)
+        items = await take(sub, 1)
+    finally:
+        await sub.close()
+        engine.close()
+    assert received(items) == [(0, False)]
+
+
 async def test_late_subscriber_replays_from_zero_with_real_publisher():
     config = KVEventsConfig(
         enable_kv_cache_events=True, endpoint=LOOPBACK_ANY_PORT, replay_endpoint=LOOPBACK_ANY_PORT

@@ -70,6 +70,29 @@ async def test_kv_aware_sends_a_repeated_prefix_where_the_events_put_it():
         await asyncio.gather(*(w.close() for w in workers))
 
 
+async def test_a_router_started_beside_idle_workers_knows_their_caches_at_once():
+    """Restart the router after a worker cached a prefix: the replay at subscription tells
+    the index, with no new event from the (idle) worker, and the prefix goes to its owner."""
+    config = EmulatorConfig.for_model("qwen3-0.6b", timing="instant", max_model_len=1024, kv_events_config=EVENTS)
+    workers = await start_workers(config, 3)
+    try:
+        prefix = list(range(1000, 1000 + 10 * BS))
+        hashes = BlockHasher(BS).hash_blocks(prefix)
+        async with aiohttp.ClientSession() as s:
+            direct = {"prompt": prefix + [7, 8, 9], "max_tokens": 1}
+            async with s.post(f"{workers[2].url}/v1/completions", json=direct) as r:  # no router yet
+                assert r.status == 200
+            router_config = RouterConfig(
+                workers=[w.url for w in workers], events=events_for(workers), predicted_ttl_s=0.0
+            )
+            async with start_router(router_config) as router:
+                names = list(router.pool.workers)
+                await until(lambda: router.index.overlaps(hashes, names, time.monotonic()) == [0, 0, 10])
+                assert await complete(s, router.url, prefix + [20] * 5) == workers[2].url
+    finally:
+        await asyncio.gather(*(w.close() for w in workers))
+
+
 async def test_index_holds_reported_blocks_and_evictions_remove_them():
     # 12 blocks (11 usable): a second and third distinct prompt evict the first one's blocks.
     config = EmulatorConfig.for_model(

@@ -105,9 +105,16 @@ class KVEventSubscriber:
         topic: subscription prefix (vLLM's ``topic``, empty for all).
         bind: bind the SUB socket instead of connecting it.
         replay_timeout: seconds to wait for each message of a replay before giving up.
+        catch_up: before waiting for live batches, replay everything the engine still buffers
+            (see below).
 
     Sequence numbers are expected from 0, so a subscriber that starts after the engine first
     replays what the engine still buffers (or reports ReplayFailed when that is not everything).
+    Without ``catch_up`` that happens when the first live batch shows the gap, which an idle
+    engine may not publish for a long time: a router restarted beside idle engines would route
+    blind until then. With it, the replay is asked for at once. A buffer that no longer starts
+    at 0 (the engine has run longer than its buffer) yields ReplayFailed first, then what the
+    buffer holds: the blocks those batches stored are known, older ones are not.
     """
 
     #: Receive queue size in messages; matches vLLM's default publisher HWM so a busy router
@@ -124,6 +131,7 @@ class KVEventSubscriber:
         topic: str = "",
         bind: bool = False,
         replay_timeout: float = 1.0,
+        catch_up: bool = False,
     ) -> None:
         # The replay DEALERs are awaited; the live SUB socket is a plain one that the event loop
         # polls itself (see ``_receive_live``).
@@ -148,6 +156,7 @@ class KVEventSubscriber:
         #: replayed)``, and is decoded when taken (see ``__anext__``).
         self._pending: deque[SubscriberItem | tuple[int, bytes, bool]] = deque()
         self._taken_since_pause = 0
+        self._catch_up = catch_up and replay_endpoint is not None
         self._last: int | None = None  # last seq yielded (batch or malformed)
         self._last_live: int | None = None  # highest seq seen on the live socket
         self._closed = False
@@ -178,6 +187,9 @@ class KVEventSubscriber:
         if self._taken_since_pause >= self.PAUSE_EVERY:
             self._taken_since_pause = 0
             await asyncio.sleep(0)
+        if self._catch_up:
+            self._catch_up = False
+            await self._replay_buffer()
         while not self._pending:
             if self._closed:
                 raise StopAsyncIteration
@@ -300,6 +312,23 @@ class KVEventSubscriber:
         self._last = seq
 
     # --- replay ----------------------------------------------------------------------------
+
+    async def _replay_buffer(self) -> None:
+        """``catch_up``: queue what the engine buffers, from its oldest batch on. Live batches
+        already queued on the SUB socket that the replay covered are skipped as duplicates
+        later; a failed or empty replay leaves everything to the live stream."""
+        replayed, _ = await self._replay(0)
+        run = replayed[:1]
+        for seq, payload in replayed[1:]:
+            if seq != run[-1][0] + 1:
+                break  # a hole: the live stream's first gap asks again from there
+            run.append((seq, payload))
+        if not run:
+            return
+        if run[0][0] != 0:
+            self._pending.append(ReplayFailed(0, run[0][0], f"replay buffer starts at {run[0][0]}, not 0"))
+        for seq, payload in run:
+            self._deliver(seq, payload, replayed=True)
 
     async def _replay(self, start_seq: int) -> tuple[list[tuple[int, bytes]], str | None]:
         """Ask the replay socket for every buffered batch from ``start_seq`` on.

@@ -304,18 +304,24 @@ class WorkerPool:
 
     async def _consume_events(self, worker: Worker) -> None:
         """Feed ``worker``'s event stream into the index, restarting the subscriber if it
-        fails (the engine's sockets come and go with the engine; ZeroMQ reconnects itself)."""
+        fails (the engine's sockets come and go with the engine; ZeroMQ reconnects itself).
+
+        Each subscriber starts by replaying what the engine still buffers (``catch_up``), so
+        a router (re)started beside running engines knows their caches before their next
+        step; the worker's entries are dropped first, since that replay repeats every store
+        the index may already have counted."""
         source = worker.events
         assert source is not None
         name = worker.name
         while True:
             try:
                 subscriber = KVEventSubscriber(
-                    source.endpoint, source.replay_endpoint, topic=self.events.topic
+                    source.endpoint, source.replay_endpoint, topic=self.events.topic, catch_up=True
                 )
             except Exception as exc:  # zmq.ZMQError: a malformed address
                 logger.error("worker %s: cannot subscribe to %s: %s", name, source.endpoint, exc)
                 return
+            self.index.reset_worker(name)
             try:
                 async with subscriber:
                     async for item in subscriber:
