@@ -89,6 +89,7 @@ class FakePublisher:
         self.replay = None
         self.replay_endpoint = None
         self._task = None
+        self._answered = asyncio.Event()
         if replay:
             self.replay = self.ctx.socket(zmq.ROUTER)
             self.replay.bind("tcp://127.0.0.1:*")
@@ -96,7 +97,11 @@ class FakePublisher:
             self._task = asyncio.ensure_future(self._serve_replay())
 
     async def subscribed(self) -> None:
+        """The router's SUB socket is connected, and its first replay request (the catch-up
+        it asks for on subscribing) answered: what is published from now on arrives live."""
         await asyncio.wait_for(self.pub.recv(), 10)
+        if self.replay is not None:
+            await asyncio.wait_for(self._answered.wait(), 10)
 
     async def publish(self, seq: int, payload: bytes, live: bool = True) -> None:
         self.buffer.append((seq, payload))
@@ -114,6 +119,7 @@ class FakePublisher:
                 if seq >= first:
                     await self.replay.send_multipart([client, b"", b"", encode_seq(seq), payload])
             await self.replay.send_multipart([client, b"", b"", END_SEQ, b""])
+            self._answered.set()
 
     def close(self) -> None:
         if self._task is not None:
