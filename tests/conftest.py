@@ -20,13 +20,15 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import contextlib
 import sys
 import tempfile
-from collections.abc import Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+from aiohttp import web
 
 from kvroute.bench.runner import server_cache_config
 from kvroute.experiment import ExperimentPlan
@@ -185,3 +187,21 @@ def pytest_report_header(config: pytest.Config) -> str | None:
     return f"real vLLM tier: {why or f'{install.vllm} serving {install.model_dir}'}"
 
 
+
+
+@pytest.fixture
+def serve_app() -> Callable[[web.Application], contextlib.AbstractAsyncContextManager[str]]:
+    """``async with serve_app(app) as url``: serve an aiohttp app on 127.0.0.1 (an ephemeral
+    port) for the block's duration; ``url`` is its base URL."""
+
+    @contextlib.asynccontextmanager
+    async def serve(app: web.Application) -> AsyncIterator[str]:
+        runner = web.AppRunner(app, shutdown_timeout=0.1)
+        await runner.setup()
+        await web.TCPSite(runner, "127.0.0.1", 0).start()
+        try:
+            yield f"http://127.0.0.1:{runner.addresses[0][1]}"
+        finally:
+            await runner.cleanup()
+
+    return serve

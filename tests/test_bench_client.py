@@ -281,7 +281,7 @@ async def test_api_key_is_sent_as_a_bearer_token():
         BenchClient("http://127.0.0.1:1", api_key="a\r\nX-Injected: 1")
 
 
-async def test_model_discovery_says_when_a_key_is_wanted_or_refused():
+async def test_model_discovery_says_when_a_key_is_wanted_or_refused(serve_app):
     from aiohttp import web
 
     from kvroute.bench.runner import discover_model
@@ -293,19 +293,12 @@ async def test_model_discovery_says_when_a_key_is_wanted_or_refused():
 
     app = web.Application()
     app.router.add_get("/v1/models", models)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"
-    try:
+    async with serve_app(app) as url:
         assert await discover_model(url, api_key="right") == "tiny"
         with pytest.raises(UserError, match="wants an API key"):
             await discover_model(url)
         with pytest.raises(UserError, match="refused the API key"):
             await discover_model(url, api_key="wrong")
-    finally:
-        await runner.cleanup()
 
 
 # -- connections -------------------------------------------------------------------------------

@@ -32,7 +32,15 @@ async def test_expect_100_continue_is_answered_before_the_body() -> None:
         writer.close()
 
 
-async def test_streams_relay_every_event_however_the_worker_splits_them() -> None:
+def worker_app(handler) -> web.Application:
+    """A worker whose /v1/completions is ``handler`` (and whose /health answers)."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    app.router.add_get("/health", _ok)
+    return app
+
+
+async def test_streams_relay_every_event_however_the_worker_splits_them(serve_app) -> None:
     events = [b'data: {"n": %d}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
 
     async def handler(request: web.Request) -> web.StreamResponse:
@@ -47,29 +55,19 @@ async def test_streams_relay_every_event_however_the_worker_splits_them() -> Non
         await response.write_eof(events[-1])  # the last event with the end of the stream
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    app.router.add_get("/health", _ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    worker = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
-        body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
-        async with (
-            start_router(RouterConfig(workers=[worker], health_interval_s=0)) as router,
-            aiohttp.ClientSession() as session,
-            session.post(router.url + "/v1/completions", json=body) as response,
-        ):
-            assert response.status == 200
-            assert response.headers[WORKER_HEADER]
-            assert await response.read() == b"".join(events)
-    finally:
-        await runner.cleanup()
+    body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
+    async with (
+        serve_app(worker_app(handler)) as worker,
+        start_router(RouterConfig(workers=[worker], health_interval_s=0)) as router,
+        aiohttp.ClientSession() as session,
+        session.post(router.url + "/v1/completions", json=body) as response,
+    ):
+        assert response.status == 200
+        assert response.headers[WORKER_HEADER]
+        assert await response.read() == b"".join(events)
 
 
-async def test_a_client_leaving_mid_stream_is_counted_not_logged_as_an_error(caplog) -> None:
+async def test_a_client_leaving_mid_stream_is_counted_not_logged_as_an_error(caplog, serve_app) -> None:
     """A bench closes once it has read ``[DONE]``, a user closes a tab: the router's next
     write finds the connection gone. It must end the relay quietly (no 'Error handling
     request' traceback), count it, and drop the worker's stream."""
@@ -87,15 +85,7 @@ async def test_a_client_leaving_mid_stream_is_counted_not_logged_as_an_error(cap
             worker_cut.set()
         return response
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    app.router.add_get("/health", _ok)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    worker = f"http://127.0.0.1:{runner.addresses[0][1]}"
-    try:
+    async with serve_app(worker_app(handler)) as worker:
         async with start_router(RouterConfig(workers=[worker], health_interval_s=0)) as router:
             host, port = router.url.removeprefix("http://").split(":")
             reader, writer = await asyncio.open_connection(host, int(port))
@@ -110,8 +100,6 @@ async def test_a_client_leaving_mid_stream_is_counted_not_logged_as_an_error(cap
             writer.close()  # gone after the first event
             await asyncio.wait_for(worker_cut.wait(), 5)
             assert router.metrics.client_disconnects.labels(name)._value.get() == 1
-    finally:
-        await runner.cleanup()
     # (Only the router's and aiohttp's own records: an earlier test's client may be collected
     # here and log its own complaint.)
     errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name.startswith(("aiohttp", "kvroute"))]
