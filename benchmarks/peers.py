@@ -93,7 +93,7 @@ from kvroute.bench.runner import (
     TrialSink,
 )
 from kvroute.errors import UserError
-from kvroute.fleet import Fleet, free_ports, launch_emulated
+from kvroute.fleet import Fleet, cpu_seconds, free_ports, launch_emulated
 from kvroute.records import RequestRecord, TrialStats
 from kvroute.tokens import load_tokenizer, safe_vocabulary
 from kvroute.workload import LengthDist, WorkloadSpec
@@ -326,31 +326,6 @@ class Process:
         # Helpers that left the group are not ours to chase; ones still in it are killed.
         with contextlib.suppress(ProcessLookupError):
             os.killpg(self.proc.pid, signal.SIGKILL)
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of ``pid`` and its live descendants (all threads), from /proc."""
-    tick = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, tuple[int, float]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as f:
-                raw = f.read()
-        except OSError:
-            continue
-        fields = raw[raw.rfind(b")") + 2:].split()
-        # fields[0] is state (stat field 3): ppid is field 4, utime 14, stime 15.
-        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        for child, (ppid, _) in stats.items():
-            if ppid == parent and child not in tree:
-                tree.add(child)
-                frontier.append(child)
-    return sum(stats[p][1] for p in tree if p in stats)
 
 
 async def wait_ready(url: str, proc: Process, timeout_s: float = STARTUP_TIMEOUT_S) -> None:

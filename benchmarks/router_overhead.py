@@ -27,7 +27,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import re
 import sys
 import tempfile
@@ -37,20 +36,12 @@ import aiohttp
 import numpy as np
 
 from kvroute.bench.prompts import PromptEncoder, reference_workload
-from kvroute.fleet import launch_emulated
+from kvroute.fleet import cpu_seconds, launch_emulated
 from kvroute.tinymodel import build_tiny_model
 from kvroute.tokens import HFTokenizer, safe_vocabulary
 from kvroute.workload import WorkloadSpec
 
 _EVENTS_LINE = re.compile(r"worker (\d+): (http://\S+?)/v1\s+kv-events (\S+) \(replay (\S+)\)")
-_CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-
-
-def process_cpu_s(pid: int) -> float:
-    """User + system CPU seconds of process ``pid`` so far (Linux /proc)."""
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / _CLOCK_TICKS
 
 
 async def start_router(args, urls_events: list[tuple[str, str, str]], tokenizer_dir: str):
@@ -105,7 +96,7 @@ async def measure(args, fmt: str, tokenizer: HFTokenizer, urls: list[str], route
         # Phase 2: throughput through the router, its CPU time measured around it.
         queue = list(requests)
         sum0, count0 = await scrape_routing_seconds(router_url)
-        cpu0, t0 = process_cpu_s(router_pid), time.perf_counter()
+        cpu0, t0 = cpu_seconds(router_pid), time.perf_counter()
 
         async def user() -> None:
             while queue:
@@ -113,7 +104,7 @@ async def measure(args, fmt: str, tokenizer: HFTokenizer, urls: list[str], route
                 await one(s, router_url, r.path, r.body)
 
         await asyncio.gather(*(user() for _ in range(args.concurrency)))
-        elapsed, cpu = time.perf_counter() - t0, process_cpu_s(router_pid) - cpu0
+        elapsed, cpu = time.perf_counter() - t0, cpu_seconds(router_pid) - cpu0
         sum1, count1 = await scrape_routing_seconds(router_url)
     n = len(requests)
     added = np.array(routed) - np.array(direct)

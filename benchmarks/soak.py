@@ -49,7 +49,7 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from kvroute import aio
-from kvroute.fleet import launch_emulated
+from kvroute.fleet import cpu_seconds, launch_emulated
 from kvroute.proxy import (
     WORKER_HEADER,
     EventsSettings,
@@ -441,7 +441,7 @@ async def run_soak(
             warmup = min(max(requests // 20, 2000), requests)
             await batch(session, warmup)
             rss0, fds0 = proc_rss_bytes(router.pid), proc_fds(router.pid)
-            cpu0 = _cpu_seconds(router.pid)
+            cpu0 = cpu_seconds(router.pid)
             pred0, blocks0 = await router_index(session, url)
             mode = "KV events" if events else "predicted mode"
             print(f"soak: {requests} requests, concurrency {concurrency}, {workers} instant workers, {mode}")
@@ -466,7 +466,7 @@ async def run_soak(
                 print(f"  {done:>9} {rate:>7.0f} {rss / 2**20:>8.1f} {fds:>5} {pred:>10} {blocks:>7} "
                       f"{sum(errors.values()):>7}", flush=True)
             seconds = time.monotonic() - started
-            cpu = _cpu_seconds(router.pid) - cpu0
+            cpu = cpu_seconds(router.pid) - cpu0
             rss1, fds1 = proc_rss_bytes(router.pid), proc_fds(router.pid)
         growth = rss1 / rss0 - 1
         # Each worker's cache holds 585 blocks: the event-backed entries can never exceed
@@ -496,12 +496,6 @@ async def run_soak(
 async def _discard(stream: asyncio.StreamReader) -> None:
     while await stream.readline():
         pass
-
-
-def _cpu_seconds(pid: int) -> float:
-    with open(f"/proc/{pid}/stat") as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

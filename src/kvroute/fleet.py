@@ -248,6 +248,32 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
             s.close()
 
 
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds so far of ``pid`` and its live descendants (all threads), from
+    Linux /proc: what a server costs, helpers it forked included (benchmarks)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    stats: dict[int, tuple[int, float]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as f:
+                raw = f.read()
+        except OSError:
+            continue
+        fields = raw[raw.rfind(b")") + 2:].split()
+        # fields[0] is state (stat field 3): ppid is field 4, utime 14, stime 15.
+        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        for child, (ppid, _) in stats.items():
+            if ppid == parent and child not in tree:
+                tree.add(child)
+                frontier.append(child)
+    return sum(stats[p][1] for p in tree if p in stats)
+
+
 def cpu_binding(index: int, workers: int, cpus: Sequence[int]) -> str:
     """The cores server ``index`` of ``workers`` runs its OpenMP threads on.
 
