@@ -17,8 +17,10 @@ set of workers for every router so each starts with cold caches:
     same requests one at a time straight to a worker and through the router; the added
     latency is router minus direct (TTFT and end-to-end, p50 and p99; direct and routed calls
     alternate, so both see the same machine state). Then a closed loop at
-    concurrency 16 through the router measures its CPU time per request: user + system time of
-    the router's process tree (``/proc/<pid>/stat``) over the window ÷ requests.
+    concurrency 16 through the router, over as many other requests (prompts the router has not
+    seen: a router that caches tokenization pays for new text as it would in service), measures
+    its CPU time per request: user + system time of the router's process tree
+    (``/proc/<pid>/stat``) over the window ÷ requests.
 
 Routers (``--routers``):
 
@@ -744,7 +746,8 @@ async def run_overhead(router: str, env: Env, workload: BenchWorkload, loaded_co
         return row
     row.note = _note(run, env, router)
     try:
-        warm, measured = workload.warmup, workload.requests
+        half = len(workload.requests) // 2
+        warm, measured, loaded_requests = workload.warmup, workload.requests[:half], workload.requests[half:]
         urls = run.backends.urls
         async with contextlib.AsyncExitStack() as stack:
             via = await stack.enter_async_context(BenchClient(run.url, timeout_s=timeout_s))
@@ -765,11 +768,11 @@ async def run_overhead(router: str, env: Env, workload: BenchWorkload, loaded_co
             row.router_ttft_ms = _p50_p99([r.ttft_s for r in ok if r.ttft_s is not None])
             row.router_e2e_ms = _p50_p99([r.e2e_s for r in ok if r.e2e_s is not None])
             cpu0, t0 = run.cpu_seconds(), time.perf_counter()
-            loaded = await _collect(via, measured, loaded_concurrency)
+            loaded = await _collect(via, loaded_requests, loaded_concurrency)
             cpu1, t1 = run.cpu_seconds(), time.perf_counter()
         row.machine_load = os.getloadavg()[0]
         done = [r for r in loaded if r.ok]
-        row.requests = len(measured)
+        row.requests = len(loaded_requests)
         row.failed = len(routed) - len(ok) + len(loaded) - len(done)
         if done:
             row.cpu_us_per_request = (cpu1 - cpu0) / len(done) * 1e6
@@ -869,7 +872,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
     o = p.add_argument_group("overhead")
     o.add_argument("--overhead-requests", type=int, default=200,
-                   help="requests per latency pass and per loaded pass (default %(default)s)")
+                   help="requests in the latency pass, and as many other ones in the loaded pass "
+                        "(default %(default)s)")
     o.add_argument("--overhead-concurrency", type=int, default=16,
                    help="closed-loop clients of the CPU-per-request pass (default %(default)s)")
     o.add_argument("--overhead-output-tokens", type=int, default=64,
@@ -969,9 +973,11 @@ async def main(args: argparse.Namespace) -> int:
                 print_table(f"compare (K={args.prefixes}, W={args.workers}, reference-gpu timing)",
                             compare_table(rows))
             if args.mode in ("overhead", "both"):
-                workload = make_workload(tokenizer, 24, args.overhead_requests,
+                # Twice the requests: the loaded pass gets prompts the latency pass did not send,
+                # so a router that caches tokenization is charged for new text, as in service.
+                workload = make_workload(tokenizer, 24, 2 * args.overhead_requests,
                                          args.overhead_output_tokens, args.seed)
-                print(f"\noverhead: {len(workload.requests)} requests of "
+                print(f"\noverhead: {args.overhead_requests} + {args.overhead_requests} requests of "
                       f"{workload.prefix_tokens + workload.suffix_tokens:.0f} tokens, "
                       f"instant workers", flush=True)
                 rounds: dict[str, list[OverheadRow]] = {r: [] for r in args.router_list}
