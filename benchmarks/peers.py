@@ -32,7 +32,11 @@ Routers (``--routers``):
                    ``/v1/completions/render`` or ``/tokenize`` for every request);
 * ``dynamo``       Dynamo 1.6.1 frontend, ``--router-mode kv``. It cannot front HTTP workers:
                    it runs its own ``dynamo.mocker`` workers (same block size, block count and
-                   W, but Dynamo's own timing model), so its row is compared as-is.
+                   W, but Dynamo's own timing model), so its row is compared as-is;
+* ``floor``        not a router and not in the default list: ``peers/aiohttp_floor.py``, an
+                   aiohttp + uvloop proxy that only passes requests to a random worker and
+                   relays the answers. Its CPU per request is what the stack ``kvroute serve``
+                   is built on costs before any routing work.
 
 Peers are installed from PyPI, each into its own virtual environment under
 ``${KVROUTE_CACHE:-~/.cache/kvroute}/peers/<name>`` (reused when present; ``--reinstall``
@@ -100,7 +104,11 @@ from kvroute.records import RequestRecord, TrialStats
 from kvroute.tokens import load_tokenizer, safe_vocabulary
 from kvroute.workload import LengthDist, WorkloadSpec
 
-ROUTERS = ("service", "kvroute", "sglang", "vllm-router", "dynamo")
+ROUTERS = ("service", "kvroute", "sglang", "vllm-router", "dynamo", "floor")
+#: ``floor`` is a reference for the overhead mode, not a router: only on request.
+DEFAULT_ROUTERS = ROUTERS[:-1]
+#: The bare aiohttp + uvloop pass-through proxy that ``floor`` runs.
+FLOOR_PROXY = Path(__file__).resolve().parent / "peers" / "aiohttp_floor.py"
 MODES = ("compare", "overhead", "both")
 #: Served model name of every worker (emulated or Dynamo's mocker).
 MODEL = "kvroute-tiny"
@@ -493,7 +501,7 @@ async def launch(router: str, env: Env, timing: str, tag: str) -> RouterRun:
     url = f"http://127.0.0.1:{port}"
     log = env.logs / f"{router}-{tag}.log"
     proc: Process | None = None
-    metrics_url = None if router == "service" else url + "/metrics"
+    metrics_url = None if router in ("service", "floor") else url + "/metrics"
     try:
         if router == "service":
             cmd = [sys.executable, "-m", "kvroute", "service", "--listen", f"127.0.0.1:{port}", "--seed", "0"]
@@ -505,6 +513,10 @@ async def launch(router: str, env: Env, timing: str, tag: str) -> RouterRun:
                    "--block-size", str(BLOCK_SIZE), "--seed", "0"]
             for u, events in zip(backends.urls, backends.kv_events, strict=True):
                 cmd += ["--worker", u, "--kv-events", f"{u}={events}"]
+        elif router == "floor":
+            cmd = [sys.executable, str(FLOOR_PROXY), "--port", str(port)]
+            for u in backends.urls:
+                cmd += ["--worker", u]
         elif router == "sglang":
             peer = _peer(env, router)
             # Both hosts and a local tokenizer, or it resolves one from a model hub (ROUTERS.md).
@@ -856,8 +868,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default="both",
                    help="compare (hit rate, TTFT, load), overhead (added latency, CPU), or both "
                         "(default %(default)s)")
-    p.add_argument("--routers", default=",".join(ROUTERS), metavar="NAME[,NAME...]",
-                   help="which routers, in order (default %(default)s)")
+    p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), metavar="NAME[,NAME...]",
+                   help="which routers, in order (default %(default)s; also: floor, the bare "
+                        "aiohttp + uvloop proxy kvroute serve is built on)")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default ./kvroute-results/peers-<timestamp>)")
     p.add_argument("--quick", action="store_true",

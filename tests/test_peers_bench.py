@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import importlib.util
 import json
 import os
@@ -10,9 +11,11 @@ import sys
 import time
 from pathlib import Path
 
+import aiohttp
 import pytest
+from aiohttp import web
 
-from kvroute.fleet import cpu_seconds
+from kvroute.fleet import cpu_seconds, free_ports
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
 _spec = importlib.util.spec_from_file_location("peers_bench", _PATH)
@@ -23,7 +26,9 @@ _spec.loader.exec_module(peers)
 
 def test_arguments_default_to_the_reference_comparison():
     args = peers.parse_args([])
-    assert args.router_list == list(peers.ROUTERS)
+    assert args.router_list == list(peers.DEFAULT_ROUTERS)
+    assert "floor" not in args.router_list  # a reference, measured only on request
+    assert peers.parse_args(["--routers", "floor,kvroute"]).router_list == ["floor", "kvroute"]
     assert (args.prefixes, args.workers, args.levels, args.mode) == (24, 6, [8, 16], "both")
 
 
@@ -111,3 +116,43 @@ def test_dynamo_borrows_the_emulated_direct_baseline():
     peers._direct_baseline_for_dynamo(rows)
     assert rows[2].added("e2e") == (4.0, 15.0)
     assert "direct = emulated worker" in rows[2].note
+
+
+async def test_the_floor_proxy_relays_a_stream_chunk_by_chunk(serve_app):
+    events = [b"data: %d\n\n" % i for i in range(3)] + [b"data: [DONE]\n\n"]
+    seen = []
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        seen.append(await request.json())
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+            await asyncio.sleep(0.01)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serve_app(app) as worker:
+        port = free_ports(1)[0]
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, str(peers.FLOOR_PROXY), "--port", str(port), "--worker", worker)
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(100):  # until it listens
+                    try:
+                        async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                                json={"prompt": "hi", "stream": True}) as resp:
+                            assert resp.status == 200
+                            assert resp.content_type == "text/event-stream"
+                            body = await resp.read()
+                        break
+                    except aiohttp.ClientConnectorError:
+                        await asyncio.sleep(0.1)
+                else:
+                    pytest.fail("the floor proxy did not start")
+        finally:
+            proc.terminate()
+            await proc.wait()
+    assert body == b"".join(events)
+    assert seen == [{"prompt": "hi", "stream": True}]
