@@ -7,6 +7,7 @@ bind themselves, so the file can run next to other tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from typing import Any
 
@@ -506,7 +507,8 @@ def test_unknown_wire_format_is_rejected():
 # --- (5) KVEventSubscriber ----------------------------------------------------------------------
 
 
-async def take(sub: KVEventSubscriber, n: int, timeout: float = 5.0) -> list[Any]:
+async def take_iterating(sub: KVEventSubscriber, n: int, timeout: float = 5.0) -> list[Any]:
+    """The next ``n`` items, by ``async for``."""
     items = []
 
     async def collect() -> None:
@@ -517,6 +519,50 @@ async def take(sub: KVEventSubscriber, n: int, timeout: float = 5.0) -> list[Any
 
     await asyncio.wait_for(collect(), timeout)
     return items
+
+
+class RunTaker:
+    """The next ``n`` items, from ``sub.run(callback)`` (started at the first call, running
+    until the subscriber is closed): the same items in the same order as iterating."""
+
+    def __init__(self) -> None:
+        self.runs: dict[KVEventSubscriber, tuple[asyncio.Task, list[Any], list[int]]] = {}
+
+    async def __call__(self, sub: KVEventSubscriber, n: int, timeout: float = 5.0) -> list[Any]:
+        if sub not in self.runs:
+            items: list[Any] = []
+            self.runs[sub] = (asyncio.ensure_future(sub.run(items.append)), items, [0])
+        task, items, taken = self.runs[sub]
+        deadline = asyncio.get_running_loop().time() + timeout
+        while len(items) < taken[0] + n:
+            if task.done():
+                task.result()  # raises what run() raised
+                raise AssertionError(f"run() ended after {len(items)} items")
+            if asyncio.get_running_loop().time() > deadline:
+                raise asyncio.TimeoutError(f"{len(items) - taken[0]} of {n} items")
+            await asyncio.sleep(0.002)
+        got = items[taken[0] : taken[0] + n]
+        taken[0] += n
+        return got
+
+    async def finish(self) -> None:
+        for task, _, _ in self.runs.values():
+            # close() ends run(); a test that did not close gets it cancelled.
+            if not task.done():
+                task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+
+
+@pytest.fixture(params=["iterate", "run"])
+async def take(request):
+    """Both ways of consuming a subscriber, for every test of its semantics."""
+    if request.param == "iterate":
+        yield take_iterating
+        return
+    taker = RunTaker()
+    yield taker
+    await taker.finish()
 
 
 class FakeEngine:
@@ -575,7 +621,7 @@ def received(items: list[Any]) -> list[tuple[int, bool]]:
 
 
 @pytest.mark.parametrize("topic_frame", [True, False], ids=["current-replay", "older-replay"])
-async def test_gap_is_filled_by_replay_and_duplicates_are_skipped(topic_frame):
+async def test_gap_is_filled_by_replay_and_duplicates_are_skipped(topic_frame, take):
     engine = FakeEngine(topic_frame=topic_frame)
     sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint)
     try:
@@ -598,7 +644,7 @@ async def test_gap_is_filled_by_replay_and_duplicates_are_skipped(topic_frame):
     assert [i.batch.ts for i in items if isinstance(i, EventsReceived)] == [0, 1, 2, 3, 4, 5]
 
 
-async def test_a_long_replay_lets_the_event_loop_run_other_work():
+async def test_a_long_replay_lets_the_event_loop_run_other_work(take):
     """A router started beside a busy engine replays thousands of batches; taking them all
     without a pause would hold the loop (and every request it relays) for 100 ms or more."""
     engine = FakeEngine()
@@ -633,7 +679,7 @@ async def test_a_long_replay_lets_the_event_loop_run_other_work():
     assert turns_during >= n // 100  # the loop got a turn at least every ~100 batches
 
 
-async def test_catch_up_replays_the_buffer_before_any_live_batch():
+async def test_catch_up_replays_the_buffer_before_any_live_batch(take):
     """A router restarted beside an idle engine learns its cache at once."""
     engine = FakeEngine()
     for seq in range(3):  # published before the subscriber existed
@@ -652,7 +698,7 @@ async def test_catch_up_replays_the_buffer_before_any_live_batch():
     assert received(items) == [(0, True), (1, True), (2, True), (3, False)]
 
 
-async def test_catch_up_from_a_wrapped_buffer_reports_the_loss_then_delivers_the_rest():
+async def test_catch_up_from_a_wrapped_buffer_reports_the_loss_then_delivers_the_rest(take):
     engine = FakeEngine()
     for seq in (5, 6):  # 0..4 rotated out
         engine.buffer[seq] = encode_batch(EventBatch(ts=float(seq)))
@@ -667,7 +713,7 @@ async def test_catch_up_from_a_wrapped_buffer_reports_the_loss_then_delivers_the
     assert received(items) == [(5, True), (6, True)]
 
 
-async def test_catch_up_without_an_answer_leaves_it_to_the_live_stream():
+async def test_catch_up_without_an_answer_leaves_it_to_the_live_stream(take):
     engine = FakeEngine(answer_replay=False)
     sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint, replay_timeout=0.2, catch_up=True)
     try:
@@ -680,7 +726,7 @@ async def test_catch_up_without_an_answer_leaves_it_to_the_live_stream():
     assert received(items) == [(0, False)]
 
 
-async def test_late_subscriber_replays_from_zero_with_real_publisher():
+async def test_late_subscriber_replays_from_zero_with_real_publisher(take):
     config = KVEventsConfig(
         enable_kv_cache_events=True, endpoint=LOOPBACK_ANY_PORT, replay_endpoint=LOOPBACK_ANY_PORT
     )
@@ -712,7 +758,7 @@ async def test_late_subscriber_replays_from_zero_with_real_publisher():
     assert all(i.replayed for i in items[1:4])
 
 
-async def test_gap_without_replay_endpoint_reports_replay_failed():
+async def test_gap_without_replay_endpoint_reports_replay_failed(take):
     engine = FakeEngine(with_replay=False)
     sub = KVEventSubscriber(engine.endpoint, replay_endpoint=None)
     try:
@@ -727,7 +773,7 @@ async def test_gap_without_replay_endpoint_reports_replay_failed():
     assert received(items) == [(0, False), (2, False)]
 
 
-async def test_unresponsive_replay_endpoint_times_out_into_replay_failed():
+async def test_unresponsive_replay_endpoint_times_out_into_replay_failed(take):
     engine = FakeEngine(answer_replay=False)
     sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint, replay_timeout=0.2)
     try:
@@ -747,7 +793,7 @@ async def test_unresponsive_replay_endpoint_times_out_into_replay_failed():
     assert received(items) == [(0, False), (5, False)]
 
 
-async def test_partial_replay_buffer_reports_replay_failed():
+async def test_partial_replay_buffer_reports_replay_failed(take):
     engine = FakeEngine()
     sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint)
     try:
@@ -764,7 +810,7 @@ async def test_partial_replay_buffer_reports_replay_failed():
     assert received(items) == [(0, False), (4, False)]
 
 
-async def test_malformed_payload_is_reported_and_stream_continues():
+async def test_malformed_payload_is_reported_and_stream_continues(take):
     engine = FakeEngine(with_replay=False)
     sub = KVEventSubscriber(engine.endpoint, replay_endpoint=None)
     try:
@@ -781,7 +827,7 @@ async def test_malformed_payload_is_reported_and_stream_continues():
     assert received(items) == [(1, False)]
 
 
-async def test_new_publisher_on_same_endpoint_is_an_engine_restart():
+async def test_new_publisher_on_same_endpoint_is_an_engine_restart(take):
     # Explicit-host endpoint: the engines connect, the subscriber binds and outlives them.
     sub = KVEventSubscriber(LOOPBACK_ANY_PORT, replay_endpoint=None, bind=True)
     config = KVEventsConfig(enable_kv_cache_events=True, endpoint=sub.endpoint)
@@ -836,6 +882,62 @@ async def test_close_ends_a_pending_iteration():
     finally:
         engine.close()
 
+
+
+async def test_run_takes_a_backlog_beyond_one_reader_callback():
+    """Batches queued before reading starts: the descriptor signals once, so the reader
+    callback must schedule its own continuation after PAUSE_EVERY of them."""
+    engine = FakeEngine(with_replay=False)
+    sub = KVEventSubscriber(engine.endpoint, replay_endpoint=None)
+    n = 5 * KVEventSubscriber.PAUSE_EVERY + 3
+    try:
+        await engine.wait_subscribed()
+        for seq in range(n):
+            await engine.send(seq)
+        await asyncio.sleep(0.2)  # all queued on the SUB socket
+        items = await RunTaker()(sub, n)
+    finally:
+        await sub.close()
+        engine.close()
+    assert received(items) == [(seq, False) for seq in range(n)]
+
+
+async def test_run_ends_with_what_the_callback_raised_and_refuses_a_second_consumer():
+    engine = FakeEngine(with_replay=False)
+    sub = KVEventSubscriber(engine.endpoint, replay_endpoint=None)
+    seen = []
+
+    def on_item(item: Any) -> None:
+        seen.append(item.seq)
+        if item.seq == 1:
+            raise ValueError("index broke")
+
+    try:
+        await engine.wait_subscribed()
+        running = asyncio.ensure_future(sub.run(on_item))
+        await asyncio.sleep(0.05)
+        with pytest.raises(RuntimeError, match="already consuming"):
+            await sub.run(on_item)
+        for seq in range(3):
+            await engine.send(seq)
+        with pytest.raises(ValueError, match="index broke"):
+            await asyncio.wait_for(running, 5.0)
+    finally:
+        await sub.close()
+        engine.close()
+    assert seen == [0, 1]
+
+
+async def test_close_ends_run():
+    engine = FakeEngine(with_replay=False)
+    sub = KVEventSubscriber(engine.endpoint, replay_endpoint=None)
+    try:
+        running = asyncio.ensure_future(sub.run(lambda item: None))
+        await asyncio.sleep(0.05)
+        await sub.close()
+        await asyncio.wait_for(running, 1.0)
+    finally:
+        engine.close()
 
 # --- (6) KVEventsConfig -------------------------------------------------------------------------
 

@@ -324,8 +324,7 @@ class WorkerPool:
             self.index.reset_worker(name)
             try:
                 async with subscriber:
-                    async for item in subscriber:
-                        self._on_event_item(worker, item)
+                    await subscriber.run(lambda item: self._on_event_item(worker, item))
             except asyncio.CancelledError:
                 raise
             except Exception:
