@@ -1,0 +1,141 @@
+"""CPU per KV event batch in the router's consumer: ``async for`` over the subscriber versus
+``KVEventSubscriber.run(callback)``.
+
+A child process publishes vLLM-format batches (one engine step each: a ``BlockStored`` of
+``--blocks`` blocks with their tokens and as many one-block ``BlockRemoved``, like a step that
+prefills a new request's suffix into a full cache) on a ZeroMQ PUB socket on 127.0.0.1, paced
+at ``--rate`` batches per second, as a busy engine publishes them. This process subscribes
+under uvloop, applies every batch to a ``KvIndex``, and measures its own CPU time (all of its
+threads, ZeroMQ's I/O thread included) from the first batch to the last, divided by the
+batches. The two ways alternate over ``--rounds`` rounds (each with a fresh publisher and
+subscriber), since only figures from one run compare on a shared machine.
+
+At a paced rate the event loop is idle between batches, so every batch pays a full wake-up:
+the case where the per-batch machinery matters most.
+
+    python benchmarks/kv_events_consume.py [--rate 1500] [--batches 6000] [--rounds 2]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import subprocess
+import sys
+import time
+
+import numpy as np
+import uvloop
+import zmq
+
+from kvroute.blocks import BlockHasher
+from kvroute.engine.events import BlockRemoved, BlockStored, EventBatch
+from kvroute.fleet import free_ports
+from kvroute.kvevents import EventsReceived, KVEventSubscriber
+from kvroute.kvevents.wire import encode_batch
+from kvroute.routing.index import KvIndex
+
+BLOCK = 16
+
+
+def payloads(blocks: int, count: int = 64) -> list[bytes]:
+    """``count`` distinct engine steps, each storing ``blocks`` new blocks and evicting as many."""
+    rng = np.random.default_rng(0)
+    hasher = BlockHasher(BLOCK, seed=12345)
+    out = []
+    previous: list[int] = []
+    for _ in range(count):
+        tokens = rng.integers(1000, 30000, size=blocks * BLOCK).astype(np.uint32)
+        hashes = hasher.hash_blocks(tokens)
+        events = [BlockStored(block_hashes=hashes, parent_block_hash=None, token_ids=tokens.tolist(),
+                              block_size=BLOCK)]
+        events += [BlockRemoved(block_hashes=[h]) for h in previous]
+        out.append(encode_batch(EventBatch(ts=time.time(), events=events)))
+        previous = hashes
+    return out
+
+
+def publish(port: int, rate: float, batches: int, blocks: int) -> None:
+    """The child: bind, give the subscriber a second to connect, then publish paced batches."""
+    steps = payloads(blocks)
+    pub = zmq.Context.instance().socket(zmq.PUB)
+    pub.bind(f"tcp://127.0.0.1:{port}")
+    time.sleep(1.0)
+    start = time.perf_counter()
+    for seq in range(batches):
+        pub.send_multipart([b"kv", seq.to_bytes(8, "big"), steps[seq % len(steps)]])
+        delay = start + (seq + 1) / rate - time.perf_counter()
+        if delay > 0:
+            time.sleep(delay)
+    time.sleep(1.0)
+    pub.close(linger=1000)
+
+
+async def consume(port: int, way: str, batches: int) -> float:
+    """CPU seconds of this process per batch, from the first batch to the last."""
+    index = KvIndex(BlockHasher(BLOCK))
+    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=None)
+    got = 0
+    started = 0.0
+    done = asyncio.Event()
+
+    def on_item(item: object) -> None:
+        nonlocal got, started
+        if isinstance(item, EventsReceived):
+            index.apply("worker", item.batch.events)
+        got += 1
+        if got == 1:
+            started = time.process_time()
+        elif got == batches:
+            done.set()
+
+    try:
+        if way == "run":
+            running = asyncio.ensure_future(subscriber.run(on_item))
+            await asyncio.wait_for(done.wait(), batches)
+            running.cancel()
+        else:
+            async def iterate() -> None:
+                async for item in subscriber:
+                    on_item(item)
+                    if done.is_set():
+                        return
+
+            await asyncio.wait_for(iterate(), batches)
+        return (time.process_time() - started) / (batches - 1)
+    finally:
+        await subscriber.close()
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rate", type=float, default=1500.0, help="batches per second (default %(default)s)")
+    parser.add_argument("--batches", type=int, default=6000, help="batches per measurement (default %(default)s)")
+    parser.add_argument("--blocks", type=int, default=4, help="blocks stored (and evicted) per batch (default %(default)s)")
+    parser.add_argument("--rounds", type=int, default=2, help="alternations of the two ways (default %(default)s)")
+    parser.add_argument("--publish", type=int, default=None, help=argparse.SUPPRESS)  # the child's port
+    args = parser.parse_args()
+    if args.publish is not None:
+        publish(args.publish, args.rate, args.batches, args.blocks)
+        return
+    figures: dict[str, list[float]] = {"iterate": [], "run": []}
+    for round_ in range(args.rounds):
+        for way in ("iterate", "run") if round_ % 2 == 0 else ("run", "iterate"):
+            port = free_ports(1)[0]
+            child = subprocess.Popen([sys.executable, __file__, "--publish", str(port), "--rate", str(args.rate),
+                                      "--batches", str(args.batches), "--blocks", str(args.blocks)])
+            try:
+                per_batch = uvloop.run(consume(port, way, args.batches))
+            finally:
+                child.wait(timeout=60)
+            figures[way].append(per_batch * 1e6)
+            print(f"round {round_}: {way:7s} {per_batch * 1e6:6.1f} µs CPU per batch", flush=True)
+    print(f"\n{args.batches} batches of {args.blocks} stored + {args.blocks} removed blocks at {args.rate:g}/s, "
+          f"median of {args.rounds}:")
+    for way, values in figures.items():
+        print(f"  {way:7s} {statistics.median(values):6.1f} µs CPU per batch")
+
+
+if __name__ == "__main__":
+    main()
