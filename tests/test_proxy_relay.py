@@ -104,3 +104,67 @@ async def test_a_client_leaving_mid_stream_is_counted_not_logged_as_an_error(cap
     # here and log its own complaint.)
     errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name.startswith(("aiohttp", "kvroute"))]
     assert not errors, caplog.text
+
+
+async def test_a_worker_silent_mid_stream_ends_it_with_an_error_event_and_a_strike(serve_app) -> None:
+    """Past ``stream_idle_timeout_s`` without a byte, the client gets what was relayed, then an
+    error event instead of a hang, and the worker a strike towards ejection."""
+    release = asyncio.Event()
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"n": 0}\n\n')
+        await release.wait()  # then nothing: a wedged engine
+        return response
+
+    body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
+    config = RouterConfig(workers=[], health_interval_s=0, stream_idle_timeout_s=0.3)
+    async with serve_app(worker_app(handler)) as worker:
+        config.workers = [worker]
+        async with (
+            start_router(config) as router,
+            aiohttp.ClientSession() as session,
+        ):
+            started = asyncio.get_running_loop().time()
+            async with session.post(router.url + "/v1/completions", json=body) as response:
+                text = (await asyncio.wait_for(response.read(), 5.0)).decode()
+            waited = asyncio.get_running_loop().time() - started
+            release.set()
+            name = response.headers[WORKER_HEADER]
+            assert router.metrics.upstream_errors.labels(name, "stream")._value.get() == 1
+            assert router.pool.workers[name].consecutive_failures == 1
+    assert text.startswith('data: {"n": 0}\n\n')
+    error = json.loads(text.split("\n\n")[1].removeprefix("data: "))["error"]
+    assert "silent for 0.3s" in error["message"] and error["type"] == "UpstreamError"
+    assert text.count("\n\n") == 2  # the relayed event, then the error event
+    assert 0.3 <= waited < 2.0
+
+
+async def test_a_client_slow_to_read_is_not_a_silent_worker(serve_app) -> None:
+    """Only waits for the worker count towards the idle timeout: while the client leaves the
+    relayed bytes unread (the router blocked writing them), the stream must not time out."""
+    chunk = b"data: " + b"x" * (64 * 1024) + b"\n\n"
+    chunks = 400  # ~26 MB: more than the loopback socket buffers hold
+
+    async def handler(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for _ in range(chunks):
+            await response.write(chunk)
+        await response.write_eof(b"data: [DONE]\n\n")
+        return response
+
+    body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
+    config = RouterConfig(workers=[], health_interval_s=0, stream_idle_timeout_s=0.2)
+    async with serve_app(worker_app(handler)) as worker:
+        config.workers = [worker]
+        async with (
+            start_router(config) as router,
+            aiohttp.ClientSession() as session,
+            session.post(router.url + "/v1/completions", json=body) as response,
+        ):
+            await asyncio.sleep(1.0)  # read nothing: the buffers fill, the router's writes wait
+            data = await response.read()
+    assert len(data) == chunks * len(chunk) + len(b"data: [DONE]\n\n")
+    assert b"failed mid-stream" not in data
