@@ -4,7 +4,9 @@ answered before the body is sent, and a streamed answer relays whole whatever it
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
+from collections.abc import AsyncIterator
 
 import aiohttp
 from aiohttp import web
@@ -40,6 +42,19 @@ def worker_app(handler) -> web.Application:
     return app
 
 
+#: A streamed completion request, by token ids (no tokenizer needed).
+STREAM_BODY = {"model": "m", "prompt": [1, 2, 3], "stream": True}
+
+
+@contextlib.asynccontextmanager
+async def router_in_front_of(serve_app, handler, **config) -> AsyncIterator:
+    """A router (health checks off, ``config`` on top) in front of one worker whose
+    /v1/completions is ``handler``."""
+    async with serve_app(worker_app(handler)) as worker:
+        async with start_router(RouterConfig(workers=[worker], health_interval_s=0, **config)) as router:
+            yield router
+
+
 async def test_streams_relay_every_event_however_the_worker_splits_them(serve_app) -> None:
     events = [b'data: {"n": %d}\n\n' % i for i in range(5)] + [b"data: [DONE]\n\n"]
 
@@ -55,12 +70,10 @@ async def test_streams_relay_every_event_however_the_worker_splits_them(serve_ap
         await response.write_eof(events[-1])  # the last event with the end of the stream
         return response
 
-    body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
     async with (
-        serve_app(worker_app(handler)) as worker,
-        start_router(RouterConfig(workers=[worker], health_interval_s=0)) as router,
+        router_in_front_of(serve_app, handler) as router,
         aiohttp.ClientSession() as session,
-        session.post(router.url + "/v1/completions", json=body) as response,
+        session.post(router.url + "/v1/completions", json=STREAM_BODY) as response,
     ):
         assert response.status == 200
         assert response.headers[WORKER_HEADER]
@@ -118,22 +131,18 @@ async def test_a_worker_silent_mid_stream_ends_it_with_an_error_event_and_a_stri
         await release.wait()  # then nothing: a wedged engine
         return response
 
-    body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
-    config = RouterConfig(workers=[], health_interval_s=0, stream_idle_timeout_s=0.3)
-    async with serve_app(worker_app(handler)) as worker:
-        config.workers = [worker]
-        async with (
-            start_router(config) as router,
-            aiohttp.ClientSession() as session,
-        ):
-            started = asyncio.get_running_loop().time()
-            async with session.post(router.url + "/v1/completions", json=body) as response:
-                text = (await asyncio.wait_for(response.read(), 5.0)).decode()
-            waited = asyncio.get_running_loop().time() - started
-            release.set()
-            name = response.headers[WORKER_HEADER]
-            assert router.metrics.upstream_errors.labels(name, "stream")._value.get() == 1
-            assert router.pool.workers[name].consecutive_failures == 1
+    async with (
+        router_in_front_of(serve_app, handler, stream_idle_timeout_s=0.3) as router,
+        aiohttp.ClientSession() as session,
+    ):
+        started = asyncio.get_running_loop().time()
+        async with session.post(router.url + "/v1/completions", json=STREAM_BODY) as response:
+            text = (await asyncio.wait_for(response.read(), 5.0)).decode()
+        waited = asyncio.get_running_loop().time() - started
+        release.set()
+        name = response.headers[WORKER_HEADER]
+        assert router.metrics.upstream_errors.labels(name, "stream")._value.get() == 1
+        assert router.pool.workers[name].consecutive_failures == 1
     assert text.startswith('data: {"n": 0}\n\n')
     error = json.loads(text.split("\n\n")[1].removeprefix("data: "))["error"]
     assert "silent for 0.3s" in error["message"] and error["type"] == "UpstreamError"
@@ -155,16 +164,12 @@ async def test_a_client_slow_to_read_is_not_a_silent_worker(serve_app) -> None:
         await response.write_eof(b"data: [DONE]\n\n")
         return response
 
-    body = {"model": "m", "prompt": [1, 2, 3], "stream": True}
-    config = RouterConfig(workers=[], health_interval_s=0, stream_idle_timeout_s=0.2)
-    async with serve_app(worker_app(handler)) as worker:
-        config.workers = [worker]
-        async with (
-            start_router(config) as router,
-            aiohttp.ClientSession() as session,
-            session.post(router.url + "/v1/completions", json=body) as response,
-        ):
-            await asyncio.sleep(1.0)  # read nothing: the buffers fill, the router's writes wait
-            data = await response.read()
+    async with (
+        router_in_front_of(serve_app, handler, stream_idle_timeout_s=0.2) as router,
+        aiohttp.ClientSession() as session,
+        session.post(router.url + "/v1/completions", json=STREAM_BODY) as response,
+    ):
+        await asyncio.sleep(1.0)  # read nothing: the buffers fill, the router's writes wait
+        data = await response.read()
     assert len(data) == chunks * len(chunk) + len(b"data: [DONE]\n\n")
     assert b"failed mid-stream" not in data
