@@ -191,6 +191,8 @@ def test_options_are_checked():
         make_policy("kv-aware", share_factor=-0.1)
     with pytest.raises(UserError, match="share window"):
         make_policy("kv-aware", share_window=0)
+    with pytest.raises(UserError, match="wrong type"):
+        make_policy("kv-aware", share_factor="abc")  # --policy-option share_factor=abc
 
 
 # -- in the simulator ---------------------------------------------------------------------------
@@ -328,3 +330,30 @@ def test_sim_cli_runs_kv_aware(tmp_path):
     assert rc == 0
     points = {p["policy"]: p for p in json.loads(out.read_text())["points"]}
     assert points["kv-aware"]["request_hit_rate"] > points["random"]["request_hit_rate"] + 0.3
+
+
+def test_sim_cli_gives_each_policy_option_to_the_policies_that_take_it(tmp_path):
+    """``--policy-option`` as ``kvroute serve`` takes it: overlap_weight=0 makes kv-aware
+    blind to the cache (it then balances load only), and random, which takes no such option,
+    runs as before."""
+    def hit_rates(*flags: str) -> dict[str, float]:
+        out = tmp_path / "points.json"
+        assert main(["sim", "-W", "6", "-K", "7", "-c", "8", "--trials", "1", "--policy", "random,kv-aware",
+                     *flags, "--json", str(out)]) == 0
+        return {p["policy"]: p["request_hit_rate"] for p in json.loads(out.read_text())["points"]}
+
+    default, blind = hit_rates(), hit_rates("--policy-option", "overlap-weight=0")
+    assert blind["random"] == default["random"]
+    assert default["kv-aware"] > 0.9 and blind["kv-aware"] < default["kv-aware"] - 0.3
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--policy", "random", "--policy-option", "share_factor=0.5"], "no swept policy takes share_factor"),
+    (["--policy", "kv-aware", "--policy-option", "share_factor"], "expected KEY=VALUE"),
+    (["--policy", "kv-aware", "--policy-option", "share_factor=1", "--policy-option", "share-factor=2"], "twice"),
+    (["--policy", "kv-aware", "--load-factor", "1", "--policy-option", "load_factor=2"], "once"),
+    (["--policy", "kv-aware", "--policy-option", "share_factor=abc"], "wrong type"),
+])
+def test_sim_cli_refuses_bad_policy_options(flags, message, capsys):
+    assert main(["sim", "-W", "2", "-K", "2", "-c", "2", "--trials", "1", *flags]) == 2
+    assert message in capsys.readouterr().err

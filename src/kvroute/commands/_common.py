@@ -107,3 +107,40 @@ def name_list(text: str, choices: list[str], what: str) -> list[str]:
     if not names or bad:
         raise UserError(f"bad {what} {text!r}: choose from {', '.join(choices)}")
     return names
+
+
+def add_policy_option_argument(parser: argparse.ArgumentParser | argparse._ArgumentGroup, help_text: str) -> None:
+    parser.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE", help=help_text)
+
+
+def parse_policy_options(specs: list[str]) -> dict[str, object]:
+    """``--policy-option KEY=VALUE`` flags as keyword options for ``make_policy``: keys with
+    dashes or underscores; values as None, booleans, integers, floats or else text.
+
+    Raises:
+        UserError: a flag without ``=`` or a key, or a key given twice.
+    """
+    options: dict[str, object] = {}
+    for spec in specs:
+        key, sep, value = spec.partition("=")
+        key = key.strip().replace("-", "_")
+        if not sep or not key:
+            raise UserError(f"bad --policy-option {spec!r}: expected KEY=VALUE")
+        if key in options:
+            raise UserError(f"--policy-option {key} is given twice")
+        options[key] = _option_value(value.strip())
+    return options
+
+
+def _option_value(text: str) -> object:
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text

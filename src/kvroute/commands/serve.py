@@ -11,6 +11,7 @@ import sys
 
 from kvroute import aio
 from kvroute.blocks import GPU_BLOCK_SIZE
+from kvroute.commands._common import add_policy_option_argument, parse_policy_options
 from kvroute.errors import UserError
 from kvroute.proxy.app import (
     DEFAULT_PREDICTED_CAPACITY_BLOCKS,
@@ -106,8 +107,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     routing = parser.add_argument_group("routing")
     routing.add_argument("--policy", default="kv-aware", choices=sorted(POLICIES),
                          help="how to choose a worker (default: %(default)s)")
-    routing.add_argument("--policy-option", action="append", default=[], metavar="KEY=VALUE",
-                         help="a policy parameter, e.g. load_factor=0.25 or request_weight=64; repeatable")
+    add_policy_option_argument(
+        routing, "a policy parameter, e.g. load_factor=0.25 or request_weight=64; repeatable"
+    )
     routing.add_argument("--seed", type=int, default=None, help="seed the policy's random choices")
     routing.add_argument("--tokenizer", metavar="DIR",
                          help="the engines' Hugging Face tokenizer directory, for exact matching "
@@ -167,20 +169,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                           "(default: $KVROUTE_WORKER_API_KEY, else none)")
 
 
-def _option_value(text: str) -> object:
-    lowered = text.lower()
-    if lowered in ("none", "null"):
-        return None
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
-
-
 #: ZeroMQ transports a worker's KV event sockets may use (ipc: workers on the router's host).
 _ZMQ_SCHEMES = ("tcp://", "ipc://")
 
@@ -218,12 +206,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
                 "tcp://HOST:PORT or ipc://PATH endpoints"
             )
         per_worker[normalize_worker_url(worker)] = EventsSource(endpoint, replay or None)
-    options = {}
-    for spec in args.policy_option:
-        key, sep, value = spec.partition("=")
-        if not sep or not key:
-            raise UserError(f"bad --policy-option {spec!r}: expected KEY=VALUE")
-        options[key.strip().replace("-", "_")] = _option_value(value.strip())
+    options = parse_policy_options(args.policy_option)
     if args.block_size < 1:
         raise UserError(f"--block-size must be >= 1, got {args.block_size}")
     if args.max_attempts < 1:

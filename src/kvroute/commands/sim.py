@@ -15,10 +15,12 @@ from rich.progress import (
 )
 
 from kvroute.commands._common import (
+    add_policy_option_argument,
     add_worker_arguments,
     add_workload_arguments,
     kv_geometry,
     name_list,
+    parse_policy_options,
     workload_spec,
 )
 from kvroute.engine import PRESETS, get_preset
@@ -26,7 +28,7 @@ from kvroute.errors import UserError
 from kvroute.model import capacity_for_mean_lengths
 from kvroute.records import Point
 from kvroute.report import output_console, print_tables
-from kvroute.routing.policies import POLICIES
+from kvroute.routing.policies import POLICIES, policy_parameters
 from kvroute.sim import WorkerConfig, run_point, sweep_points
 from kvroute.workload import generate, parse_int_list
 
@@ -49,9 +51,6 @@ examples:
   kvroute sim --kv-cache-memory-bytes 2GiB --prefix-tokens 1000:4000
 """
 
-#: Policies that take ``--load-factor``.
-LOAD_FACTOR_POLICIES = ("prefix-hash", "kv-aware")
-
 PRESET_VALUES = {
     "reference": {"workers": "6,3", "prefixes": "2,7,12,24", "concurrency": "4,8,16", "trials": 3, "policy": "random"},
 }
@@ -70,6 +69,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--load-factor", type=float, default=None, metavar="EPS",
                         help="prefix-hash and kv-aware: spill when the owner exceeds (1+EPS)·mean "
                              "in-flight requests (default: prefix-hash never spills, kv-aware 1.5)")
+    add_policy_option_argument(
+        parser, "a policy parameter, as kvroute serve takes it (e.g. share_factor=0.5); each "
+        "goes to the swept policies that take it; repeatable"
+    )
     parser.add_argument("--timing", default="reference-gpu", choices=sorted(PRESETS),
                         help="cost-model preset for step times (default %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
@@ -89,9 +92,9 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--trials must be >= 1")
     if args.load_factor is not None and args.load_factor < 0:
         raise UserError("--load-factor must be >= 0")
+    options = sweep_policy_options(args, policies)
     num_blocks, block_size, _ = kv_geometry(args)
     config = WorkerConfig(num_blocks, block_size, get_preset(args.timing))
-    load_options = {"load_factor": args.load_factor} if args.load_factor is not None else {}
 
     workloads = {k: generate(workload_spec(args, k)) for k in prefixes}
     for wl in workloads.values():
@@ -106,9 +109,8 @@ def run(args: argparse.Namespace) -> int:
         task = progress.add_task("", total=len(points) * trials)
         for point in points:
             progress.update(task, description=f"W={point.workers} K={point.prefixes} c={point.concurrency} {point.policy}")
-            options = load_options if point.policy in LOAD_FACTOR_POLICIES else {}
             results.append(
-                run_point(point, workloads[point.prefixes], config, trials, args.seed, options,
+                run_point(point, workloads[point.prefixes], config, trials, args.seed, options[point.policy],
                           on_trial=lambda: progress.advance(task))
             )
     spec = workloads[prefixes[0]].spec
@@ -122,6 +124,28 @@ def run(args: argparse.Namespace) -> int:
                                                "timing": args.timing, "seed": args.seed})
         console.print(f"wrote {args.json}")
     return 0
+
+
+def sweep_policy_options(args: argparse.Namespace, policies: list[str]) -> dict[str, dict[str, object]]:
+    """Each swept policy's options: ``--load-factor`` and every ``--policy-option`` it takes.
+
+    Raises:
+        UserError: an option no swept policy takes, or load_factor given both ways.
+    """
+    given = parse_policy_options(args.policy_option)
+    if args.load_factor is not None:
+        if "load_factor" in given:
+            raise UserError("give the load factor once: --load-factor or --policy-option load_factor=...")
+        given["load_factor"] = args.load_factor
+    per_policy = {p: {k: v for k, v in given.items() if k in policy_parameters(p)} for p in policies}
+    unused = sorted(set(given) - {k for options in per_policy.values() for k in options})
+    if unused:
+        takes = {p: sorted(policy_parameters(p)) for p in policies}
+        raise UserError(
+            f"no swept policy takes {', '.join(unused)} ("
+            + "; ".join(f"{p}: {', '.join(t) or 'nothing'}" for p, t in takes.items()) + ")"
+        )
+    return per_policy
 
 
 def write_points_json(path: Path, points: list[Point], meta: dict) -> None:

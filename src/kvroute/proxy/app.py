@@ -42,7 +42,6 @@ from __future__ import annotations
 import asyncio
 import gc
 import hmac
-import inspect
 import logging
 import random
 import time
@@ -62,7 +61,7 @@ from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import EventsSettings, Worker, WorkerPool
 from kvroute.proxy.prompts import BadRequest, PromptHasher, PromptInfo
 from kvroute.routing.index import KvIndex
-from kvroute.routing.policies import POLICIES, RequestView, make_policy
+from kvroute.routing.policies import RequestView, make_policy, policy_parameters
 from kvroute.tokens import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -207,11 +206,6 @@ def tune_gc_for_serving() -> None:
     gc.set_threshold(GC_YOUNG_THRESHOLD, *older)
 
 
-def _policy_parameters(name: str) -> set[str]:
-    cls = POLICIES.get(name)
-    return set(inspect.signature(cls).parameters) if cls is not None else set()
-
-
 def _error(status: int, message: str, err_type: str, param: str | None = None, **headers: str) -> web.Response:
     body = {"error": {"message": message, "type": err_type, "param": param, "code": status}}
     return web.Response(status=status, body=_encode_json(body), content_type=_JSON, headers=headers)
@@ -267,7 +261,7 @@ class Router:
             capacity = config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
         self.index = KvIndex(block_hasher, predicted_ttl=ttl, predicted_capacity_blocks=capacity)
         options = dict(config.policy_options)
-        if "block_size" in _policy_parameters(config.policy):
+        if "block_size" in policy_parameters(config.policy):
             options.setdefault("block_size", config.block_size)
         self.policy = make_policy(config.policy, rng=random.Random(config.seed), **options)
         self._needs_overlap = bool(self.policy.needs_overlap)

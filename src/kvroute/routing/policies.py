@@ -408,6 +408,13 @@ POLICIES: dict[str, type] = {
 }
 
 
+def policy_parameters(name: str) -> set[str]:
+    """The options policy ``name`` takes (its class's keyword arguments but ``rng``); empty
+    for an unknown name."""
+    cls = POLICIES.get(name)
+    return set(inspect.signature(cls).parameters) - {"rng"} if cls is not None else set()
+
+
 def make_policy(name: str, rng: random.Random | None = None, **options) -> Policy:
     """A fresh policy object by name (``kvroute sim --policy`` / ``kvroute serve --policy``);
     ``options`` are the policy class's keyword arguments (e.g. ``load_factor``)."""
@@ -415,11 +422,14 @@ def make_policy(name: str, rng: random.Random | None = None, **options) -> Polic
         cls = POLICIES[name]
     except KeyError:
         raise UserError(f"unknown policy {name!r}; choose one of: {', '.join(POLICIES)}") from None
-    accepted = set(inspect.signature(cls).parameters) - {"rng"}
+    accepted = policy_parameters(name)
     unknown = sorted(set(options) - accepted)
     if unknown:
         raise UserError(
             f"policy {name!r} takes no option {', '.join(unknown)}"
             f" (it takes: {', '.join(sorted(accepted)) or 'none'})"
         )
-    return cls(rng=rng, **options)
+    try:
+        return cls(rng=rng, **options)
+    except TypeError as exc:  # a text where a number belongs, and the like
+        raise UserError(f"policy {name!r}: an option value has the wrong type ({exc})") from None
