@@ -594,9 +594,11 @@ class FakeEngine:
         assert (await asyncio.wait_for(self.pub.recv(), 5.0))[0] == 1
 
     async def send(self, seq: int) -> None:
-        """Publish batch ``seq`` (ts = seq) live and keep it for replay."""
-        payload = encode_batch(EventBatch(ts=float(seq), events=[BlockRemoved([seq])]))
-        self.buffer[seq] = payload
+        """Publish batch ``seq`` live (ts = seq) and keep it for replay; a batch the test put
+        in the buffer beforehand goes out as it is (an engine replays the bytes it sent)."""
+        payload = self.buffer.setdefault(
+            seq, encode_batch(EventBatch(ts=float(seq), events=[BlockRemoved([seq])]))
+        )
         await self.pub.send_multipart([b"", seq.to_bytes(8, "big"), payload])
 
     async def serve_replay(self) -> None:
@@ -696,6 +698,30 @@ async def test_catch_up_replays_the_buffer_before_any_live_batch(take):
         engine.close()
     assert engine.replay_requests == [0]
     assert received(items) == [(0, True), (1, True), (2, True), (3, False)]
+
+
+async def test_an_engine_restarted_after_the_catch_up_is_not_taken_for_duplicates(take):
+    """The router replays engine A's buffer (0..2); A restarts before its next batch, and the
+    new engine's live batch 0 has a seq the replay already gave. It is not the same batch, so
+    it is a restart (the index must reset), not a duplicate to skip."""
+    engine = FakeEngine()
+    for seq in range(3):
+        engine.buffer[seq] = encode_batch(EventBatch(ts=100.0 + seq, events=[BlockRemoved([100 + seq])]))
+    sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint, catch_up=True)
+    try:
+        await engine.wait_subscribed()
+        items = await take(sub, 3)
+        engine.buffer.clear()  # the new engine's buffer
+        await engine.send(0)
+        await engine.send(1)
+        items += await take(sub, 3)
+    finally:
+        await sub.close()
+        engine.close()
+    assert received(items[:3]) == [(0, True), (1, True), (2, True)]
+    assert items[3] == EngineRestarted(last_seq=2, new_seq=0)
+    assert received(items[4:]) == [(0, False), (1, False)]
+    assert [i.batch.ts for i in items[4:]] == [0.0, 1.0]
 
 
 async def test_catch_up_from_a_wrapped_buffer_reports_the_loss_then_delivers_the_rest(take):

@@ -11,7 +11,9 @@ stream. Besides the batches themselves it reports the three conditions an index 
   empty; the index should drop the worker's state.
 * a **malformed payload**: the batch is lost; treat it like a failed replay.
 
-Batches delivered both by replay and live are yielded once. vLLM's protocol has no publisher
+Batches delivered both by replay and live are yielded once: a live batch at a seq the replay
+already gave is skipped if it is the same bytes, and is a restart if not (an engine that
+restarted between a catch-up replay and its next batch). vLLM's protocol has no publisher
 identity, so a restarted engine whose first seen ``seq`` is still above the old one's looks like a
 gap; nothing can tell those apart.
 """
@@ -170,6 +172,9 @@ class KVEventSubscriber:
         self._catch_up = catch_up and replay_endpoint is not None
         self._last: int | None = None  # last seq yielded (batch or malformed)
         self._last_live: int | None = None  # highest seq seen on the live socket
+        #: seq -> hash of the payload, for replayed batches whose live copy may still come: a
+        #: live batch at such a seq is a duplicate only if it is the same batch.
+        self._replayed: dict[int, int] = {}
         self._closed = False
         # Reading the live socket (see ``_drain``). ZMQ_FD is the socket's notification
         # descriptor: readable when its state may have changed, fixed for the socket's life.
@@ -365,6 +370,8 @@ class KVEventSubscriber:
         last = self._last
         if seq != (0 if last is None else last + 1) or (self._last_live is not None and seq <= self._last_live):
             return False
+        if self._replayed:
+            self._forget_replayed_through(seq)
         self._last_live = seq
         self._deliver(seq, frames[2], replayed=False)
         return True
@@ -393,13 +400,19 @@ class KVEventSubscriber:
             return
         _, seq_frame, payload = frames
         seq = int.from_bytes(seq_frame, "big")
+        replayed_copy = self._replayed.get(seq)
+        if self._replayed:
+            self._forget_replayed_through(seq)
         if self._last_live is not None and seq <= self._last_live:
-            self._pending.append(EngineRestarted(self._last, seq))
-            self._last = self._last_live = None
+            self._restarted(seq)
         elif self._last is not None and seq <= self._last:
-            # Already yielded from a replay that ran ahead of the live stream.
-            self._last_live = seq
-            return
+            if replayed_copy == hash(payload):
+                # Already yielded from a replay that ran ahead of the live stream.
+                self._last_live = seq
+                return
+            # Not the batch the replay gave for this seq: a new engine counting from 0 again
+            # (it restarted after the catch-up replay, before its first live batch came).
+            self._restarted(seq)
         self._last_live = seq
         expected = 0 if self._last is None else self._last + 1
         if seq == expected:
@@ -423,8 +436,25 @@ class KVEventSubscriber:
                 self._deliver(s, p, replayed=True)
 
     def _deliver(self, seq: int, payload: bytes, replayed: bool) -> None:
-        self._pending.append((seq, payload, replayed))  # decoded by __anext__
+        self._pending.append((seq, payload, replayed))  # decoded when taken
         self._last = seq
+        if replayed:
+            self._replayed[seq] = hash(payload)
+
+    def _restarted(self, seq: int) -> None:
+        self._pending.append(EngineRestarted(self._last, seq))
+        self._last = self._last_live = None
+        self._replayed.clear()
+
+    def _forget_replayed_through(self, seq: int) -> None:
+        """The live stream is at ``seq``: replayed batches up to it will not come live again
+        (they are kept in seq order, so the oldest go first)."""
+        replayed = self._replayed
+        while replayed:
+            oldest = next(iter(replayed))
+            if oldest > seq:
+                break
+            del replayed[oldest]
 
     # --- replay ----------------------------------------------------------------------------
 
