@@ -62,6 +62,8 @@ def test_unreachable_url_and_bad_flags_give_one_line_errors(capsys, tmp_path):
     assert "twice" in _one_line_error(
         capsys, ["bench", "--url", "http://127.0.0.1:9", "--metrics-url", "http://a:1,http://a:1"]
     )
+    # Before any connection: credentials in the URL would not be sent.
+    assert "--api-key" in _one_line_error(capsys, ["bench", "--url", "http://me:pw@127.0.0.1:9"])
 
 
 def test_cli_writes_every_report(instant_workers, tmp_path, capsys):

@@ -269,6 +269,8 @@ def test_url_must_be_http():
         BenchClient("ftp://127.0.0.1:1")
     with pytest.raises(UserError):
         BenchClient("127.0.0.1:8000")
+    with pytest.raises(UserError, match="--api-key"):  # refused, not silently dropped
+        BenchClient("http://user:secret@127.0.0.1:8000")
 
 
 async def test_api_key_is_sent_as_a_bearer_token():

@@ -29,7 +29,7 @@ import ssl
 import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from urllib.parse import urlsplit
+from urllib.parse import SplitResult, urlsplit
 
 import msgspec
 
@@ -197,6 +197,22 @@ class _Deadline:
             uncancel()
 
 
+def check_bench_url(url: str) -> SplitResult:
+    """``url`` split, once it is one the bench can send to.
+
+    Raises:
+        UserError: not http(s), no host, or credentials in it.
+    """
+    parts = urlsplit(url)
+    if parts.scheme not in ("http", "https") or not parts.hostname:
+        raise UserError(f"bench URL must be http://HOST[:PORT][/PREFIX] or https://..., got {url!r}")
+    if parts.username is not None or parts.password is not None:
+        # Not sent (an OpenAI-compatible server takes a bearer key): refused rather than dropped.
+        raise UserError("the bench URL carries credentials (USER:PASSWORD@), which are not sent; "
+                        "give the server's API key with --api-key (or $OPENAI_API_KEY)")
+    return parts
+
+
 class BenchClient:
     """Sends requests to one OpenAI-compatible base URL.
 
@@ -213,7 +229,7 @@ class BenchClient:
     for a lookup.
 
     Raises:
-        UserError: the URL is not http(s) or has no host.
+        UserError: the URL is not http(s), has no host, or carries credentials.
     """
 
     def __init__(
@@ -222,14 +238,12 @@ class BenchClient:
         self.url = url.rstrip("/")
         self.keep_alive = keep_alive
         self.timeout_s = timeout_s
-        parts = urlsplit(self.url)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise UserError(f"bench URL must be http://HOST[:PORT][/PREFIX] or https://..., got {url!r}")
+        parts = check_bench_url(self.url)
         self._host = parts.hostname
         self._port = parts.port or (443 if parts.scheme == "https" else 80)
         self._ssl = ssl.create_default_context() if parts.scheme == "https" else None
         self._prefix = parts.path.encode()
-        authority = parts.netloc.rpartition("@")[2]
+        authority = parts.netloc
         if api_key is not None and (not api_key or any(c in api_key for c in "\r\n")):
             raise UserError("the API key must be one non-empty line")
         auth = f"Authorization: Bearer {api_key}\r\n" if api_key else ""

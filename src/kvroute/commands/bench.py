@@ -11,6 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvroute import aio
+from kvroute.bench.client import check_bench_url
 from kvroute.bench.files import ResultsWriter, tables_as_html
 from kvroute.bench.progress import ProgressHooks, sweep_progress
 from kvroute.bench.prompts import (
@@ -181,6 +182,7 @@ def _geometry(args: Namespace, configs: list[tuple[int, int]], console: Console)
 
 
 def run(args: Namespace) -> int:
+    check_bench_url(args.url)
     metrics_urls = _metrics_urls(args.metrics_url)
     options = _options(args)
     if args.workers is not None and args.workers < 1:
