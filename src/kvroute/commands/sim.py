@@ -47,6 +47,7 @@ examples:
   kvroute sim                                   # the reference sweep, four tables
   kvroute sim --workers 6 --prefixes 24 --concurrency 8 --policy random,prefix-hash
   kvroute sim -W 6 -K 24 -c 8,16 --policy random,kv-aware   # the KV-aware router vs a Service
+  kvroute sim -W 6 -K 2 -c 8 --policy kv-aware --policy-option share_factor=0.5   # tune its guard
   kvroute sim --prefixes 64 --zipf 1.2 --json zipf.json
   kvroute sim --kv-cache-memory-bytes 2GiB --prefix-tokens 1000:4000
 """
