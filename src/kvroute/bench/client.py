@@ -191,10 +191,8 @@ class _Deadline:
 
     def absorb(self) -> None:
         """The expiry's cancellation was handled: undo it, so a later ``await`` of the task's
-        own (or an enclosing ``asyncio.timeout``) does not see it again (3.11+)."""
-        uncancel = getattr(self.task, "uncancel", None)
-        if uncancel is not None:
-            uncancel()
+        own (or an enclosing ``asyncio.timeout``) does not see it again."""
+        self.task.uncancel()
 
 
 def check_bench_url(url: str) -> SplitResult:
