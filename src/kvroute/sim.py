@@ -31,7 +31,7 @@ from kvroute.engine import CostModel, Engine, EngineRequest, PrefixCacheStats
 from kvroute.errors import UserError
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
 from kvroute.routing.index import KvIndex
-from kvroute.routing.policies import POLICIES, Policy, RequestView, WorkerState, make_policy
+from kvroute.routing.policies import Policy, RequestView, WorkerState, make_policy, policy_parameters
 from kvroute.workload import RequestSpec, Workload
 
 
@@ -323,10 +323,11 @@ def run_point(
 ) -> Point:
     """All trials of one point. The request order is the same in every trial; the policy's
     random choices are seeded per trial (``seed`` + trial), so trials differ only there. A
-    policy that reads the index gets the workers' block size unless ``policy_options`` set it."""
+    policy that takes a block size gets the workers' unless ``policy_options`` set it (as
+    ``kvroute serve`` does)."""
     result = Point(point.workers, point.prefixes, point.concurrency, point.policy, source="sim")
     options = dict(policy_options or {})
-    if point.policy in POLICIES and POLICIES[point.policy].needs_overlap:
+    if "block_size" in policy_parameters(point.policy):
         options.setdefault("block_size", config.block_size)
     for trial in range(trials):
         rng = random.Random(trial_seed(seed, trial))
