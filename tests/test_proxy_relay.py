@@ -50,9 +50,11 @@ STREAM_BODY = {"model": "m", "prompt": [1, 2, 3], "stream": True}
 async def router_in_front_of(serve_app, handler, **config) -> AsyncIterator:
     """A router (health checks off, ``config`` on top) in front of one worker whose
     /v1/completions is ``handler``."""
-    async with serve_app(worker_app(handler)) as worker:
-        async with start_router(RouterConfig(workers=[worker], health_interval_s=0, **config)) as router:
-            yield router
+    async with (
+        serve_app(worker_app(handler)) as worker,
+        start_router(RouterConfig(workers=[worker], health_interval_s=0, **config)) as router,
+    ):
+        yield router
 
 
 async def test_streams_relay_every_event_however_the_worker_splits_them(serve_app) -> None:

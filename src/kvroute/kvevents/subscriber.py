@@ -385,7 +385,7 @@ class KVEventSubscriber:
         try:
             while pending:
                 on_item(_materialize(pending.popleft()))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 (any error of the callback's ends run with it)
             self._failure = exc
             self._disarm()
 

@@ -762,7 +762,7 @@ class _IdleWatch:
     (aiohttp's, when the client left), which must propagate.
     """
 
-    __slots__ = ("_idle_s", "_loop", "_task", "_cancelling", "_since", "_reading", "_fired", "_handle")
+    __slots__ = ("_cancelling", "_fired", "_handle", "_idle_s", "_loop", "_reading", "_since", "_task")
 
     def __init__(self, idle_s: float) -> None:
         self._idle_s = idle_s
