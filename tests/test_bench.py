@@ -309,6 +309,9 @@ async def test_trace_replay_keeps_timestamps_and_session_order(one_worker, tmp_p
     bad.write_text('{"timestamp": 1, "prompt": "x"}\n{"prompt": "no time"}\n')
     with pytest.raises(UserError, match="bad.jsonl:2"):
         trace_workload(bad, PromptEncoder("ids", MODEL))
+    bad.write_bytes(b'{"timestamp": 1, "prompt": "\x80"}\n')  # text that is not UTF-8
+    with pytest.raises(UserError, match="bad.jsonl:1"):
+        trace_workload(bad, PromptEncoder("ids", MODEL))
 
 
 async def test_open_loop_follows_the_poisson_schedule(one_worker):

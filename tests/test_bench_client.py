@@ -184,6 +184,20 @@ async def test_error_event_inside_the_stream():
     assert record.status == 200 and not record.ok and record.error == "boom"
 
 
+async def test_text_that_is_not_utf8_is_a_failed_record_not_a_crash():
+    async with ScriptedServer(chunked_sse([b'data: {"choices":[{"index":0,"text":"\x80"}]}\n\n'])) as server:
+        record = await send(server.url)
+    assert not record.ok and record.error.startswith("unparsable stream chunk")
+
+    async def script(writer):
+        body = b'{"error":{"message":"\x80"}}'
+        writer.write(b"HTTP/1.1 400 Bad Request\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+
+    async with ScriptedServer(script) as server:
+        record = await send(server.url)
+    assert record.status == 400 and record.error.startswith("HTTP 400: ")
+
+
 async def test_stream_that_ends_without_done():
     async with ScriptedServer(chunked_sse([event("a")])) as server:
         record = await send(server.url)

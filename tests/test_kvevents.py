@@ -490,6 +490,9 @@ def test_batch_encoded_as_a_map_is_accepted():
         msgspec.msgpack.encode([1.0, [{"type": "BlockStored", "block_hashes": [1]}]]),  # fields missing
         msgspec.msgpack.encode([1.0, [["BlockRemoved", "not-a-list"]]]),
         msgspec.msgpack.encode([1.0, []]) + b"\x00",  # trailing bytes
+        # an event's type tag that is not UTF-8
+        msgspec.msgpack.encode([1.0, [{"type": "AllBlocksCleared"}]]).replace(b"AllBlocks", b"\x80llBlocks"),
+        msgspec.msgpack.encode([1.0, [["AllBlocksCleared"]]]).replace(b"AllBlocks", b"\x80llBlocks"),
     ],
 )
 def test_malformed_payload_raises_decode_error(payload):

@@ -243,6 +243,7 @@ async def test_drain_finishes_in_flight_streams_and_refuses_new_requests():
         (b'{"prompt": 5}', "application/json", 400),
         (b'{"prompt": [1, "x"]}', "application/json", 400),
         (b'{"prompt": [-1, 2]}', "application/json", 400),
+        (b'{"prompt": "\x80"}', "application/json", 400),  # a string that is not UTF-8
         (b'{"prompt": "hi"}', "text/plain", 400),
         (b'{"prompt": "' + b"x" * 5000 + b'"}', "application/json", 413),
     ],

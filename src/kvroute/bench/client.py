@@ -35,7 +35,7 @@ import msgspec
 
 from kvroute.bench.prompts import BenchRequest
 from kvroute.bench.wire import ERROR_BODY_KEEP, BenchConnection, ExchangeError
-from kvroute.errors import UserError
+from kvroute.errors import UNDECODABLE, UserError
 from kvroute.records import RequestRecord
 
 #: Response header naming the worker that served a request (set by kvroute's router).
@@ -129,7 +129,7 @@ class StreamResult:
             return
         try:
             chunk = _decode_chunk(payload)
-        except msgspec.DecodeError:
+        except UNDECODABLE:
             self.error = f"unparsable stream chunk: {payload[:80]!r}"
             return
         if chunk.error is not None:
@@ -383,7 +383,7 @@ def _error_message(body: bytes) -> str:
             err = obj.get("error", obj)
             message = err.get("message", err) if isinstance(err, dict) else err
             return str(message)[:_ERROR_BODY_LIMIT]
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         pass
     return body[:_ERROR_BODY_LIMIT].decode("utf-8", "replace")
 

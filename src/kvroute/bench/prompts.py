@@ -29,7 +29,7 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from kvroute.errors import UserError
+from kvroute.errors import UNDECODABLE, UserError
 from kvroute.tokens import Tokenizer
 from kvroute.workload import LengthDist, Workload, WorkloadSpec, generate
 
@@ -301,7 +301,7 @@ def trace_workload(path: Path, encoder: PromptEncoder, default_output_tokens: in
                     continue
                 try:
                     lines.append(decoder.decode(raw))
-                except msgspec.DecodeError as exc:
+                except UNDECODABLE as exc:
                     raise UserError(f"{path}:{number}: bad trace line: {exc}") from None
     except OSError as exc:
         raise UserError(f"cannot read trace {path}: {exc.strerror or exc}") from None

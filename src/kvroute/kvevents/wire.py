@@ -34,6 +34,7 @@ from kvroute.engine.events import (
     EventBatch,
     KVCacheEvent,
 )
+from kvroute.errors import UNDECODABLE
 
 #: Accepted values of ``wire_format``.
 WIRE_FORMATS = ("map", "array")
@@ -345,7 +346,7 @@ def _event_tag(raw: msgspec.Raw) -> Any:
     """The type tag of an event that failed typed decoding, or None if it has none."""
     try:
         generic = msgspec.msgpack.decode(raw)
-    except msgspec.DecodeError:
+    except UNDECODABLE:
         return None
     if isinstance(generic, dict):
         return generic.get("type")
@@ -375,6 +376,8 @@ def _decode_event(raw: msgspec.Raw, index: int) -> KVCacheEvent | None:
         # A tag we have never heard of: a newer vLLM's event type. Skipping it keeps the router
         # running; the caller sees the count.
         return None
+    except UNDECODABLE as exc:  # broken msgpack or text inside one event
+        raise KVEventDecodeError(f"event {index} is malformed: {exc}") from exc
 
 
 def decode_batch(payload: bytes) -> DecodedBatch:
@@ -390,7 +393,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     for typed_decoder in _typed_batch_decoders[not is_map]:
         try:
             typed = typed_decoder.decode(payload)
-        except msgspec.DecodeError:  # ValidationError included: the careful path says why
+        except UNDECODABLE:  # ValidationError included: the careful path says why
             continue
         return DecodedBatch(
             ts=typed.ts,
@@ -401,7 +404,7 @@ def decode_batch(payload: bytes) -> DecodedBatch:
     decoder = _batch_map_decoder if is_map else _batch_array_decoder
     try:
         envelope = decoder.decode(payload)
-    except msgspec.DecodeError as exc:
+    except UNDECODABLE as exc:
         raise KVEventDecodeError(f"not a KV event batch: {exc}") from exc
     events: list[KVCacheEvent] = []
     unknown = 0

@@ -55,7 +55,7 @@ from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
 from kvroute.blocks import DEFAULT_HASH_SEED, GPU_BLOCK_SIZE, BlockHasher
-from kvroute.errors import UserError
+from kvroute.errors import UNDECODABLE, UserError
 from kvroute.proxy.discovery import Discovery, StaticDiscovery
 from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import EventsSettings, Worker, WorkerPool
@@ -536,7 +536,7 @@ class Router:
         raw = await request.read()
         try:
             body = _decode_json(raw)
-        except msgspec.DecodeError as exc:
+        except UNDECODABLE as exc:
             return _error(400, f"JSON decode error: {exc}", "BadRequestError")
         if not isinstance(body, dict):
             return _error(400, "the body must be a JSON object", "BadRequestError")
