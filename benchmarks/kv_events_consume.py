@@ -72,7 +72,7 @@ def publish(port: int, rate: float, batches: int, blocks: int) -> None:
     pub.close(linger=1000)
 
 
-async def consume(port: int, way: str, batches: int) -> float:
+async def consume(port: int, way: str, batches: int, timeout_s: float) -> float:
     """CPU seconds of this process per batch, from the first batch to the last."""
     index = KvIndex(BlockHasher(BLOCK))
     subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=None)
@@ -90,22 +90,19 @@ async def consume(port: int, way: str, batches: int) -> float:
         elif got == batches:
             done.set()
 
-    try:
-        if way == "run":
-            running = asyncio.ensure_future(subscriber.run(on_item))
-            await asyncio.wait_for(done.wait(), batches)
-            running.cancel()
-        else:
-            async def iterate() -> None:
-                async for item in subscriber:
-                    on_item(item)
-                    if done.is_set():
-                        return
+    async def iterate() -> None:
+        async for item in subscriber:
+            on_item(item)
+            if done.is_set():
+                return
 
-            await asyncio.wait_for(iterate(), batches)
+    consumer = asyncio.ensure_future(subscriber.run(on_item) if way == "run" else iterate())
+    try:
+        await asyncio.wait_for(done.wait(), timeout_s)
         return (time.process_time() - started) / (batches - 1)
     finally:
-        await subscriber.close()
+        await subscriber.close()  # ends run() and the iteration alike
+        await consumer
 
 
 def main() -> None:
@@ -126,7 +123,9 @@ def main() -> None:
             child = subprocess.Popen([sys.executable, __file__, "--publish", str(port), "--rate", str(args.rate),
                                       "--batches", str(args.batches), "--blocks", str(args.blocks)])
             try:
-                per_batch = uvloop.run(consume(port, way, args.batches))
+                # The publisher's pace plus its start-up, with room to spare.
+                timeout_s = args.batches / args.rate + 30.0
+                per_batch = uvloop.run(consume(port, way, args.batches, timeout_s))
             finally:
                 child.wait(timeout=60)
             figures[way].append(per_batch * 1e6)
