@@ -1,4 +1,4 @@
-"""Running kvroute's asyncio entry points."""
+"""Running kvroute's asyncio entry points, and a cheap timeout for the hot paths."""
 
 from __future__ import annotations
 
@@ -17,3 +17,65 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+class WaitTimeout:
+    """Cancels the task that creates it once one wait lasts ``limit_s`` seconds: what
+    ``asyncio.timeout(limit_s)`` around each wait does, for a fraction of its cost.
+
+    One timer for the task's whole life, re-armed only when it fires early; a wait is marked
+    with :meth:`waiting` and :meth:`done_waiting` (a float and a flag each). Time outside the
+    marked waits never counts. Created with ``waiting=True``, everything until the first
+    :meth:`done_waiting` is one wait: a plain deadline.
+
+    On CancelledError, :meth:`expired` tells whether the cancel was this timeout's (it is then
+    taken back, and the task goes on to report the timeout) or someone else's (Ctrl-C, a
+    client that left), which must propagate. Call :meth:`stop` when done.
+
+    Used where a timeout scope per wait shows in the CPU profile: ``asyncio.timeout`` costs
+    ~4 µs per use under uvloop, and the router's relay waits once per streamed token.
+    """
+
+    __slots__ = ("_cancelling", "_fired", "_handle", "_limit_s", "_loop", "_since", "_task", "_waiting")
+
+    def __init__(self, limit_s: float, waiting: bool = False) -> None:
+        self._limit_s = limit_s
+        self._loop = asyncio.get_running_loop()
+        self._task = asyncio.current_task()
+        self._cancelling = self._task.cancelling()
+        self._since = self._loop.time()
+        self._waiting = waiting
+        self._fired = False
+        self._handle = self._loop.call_at(self._since + limit_s, self._check)
+
+    def waiting(self) -> None:
+        """A wait begins."""
+        self._since = self._loop.time()
+        self._waiting = True
+
+    def done_waiting(self) -> None:
+        """The wait is over."""
+        self._waiting = False
+
+    def _check(self) -> None:
+        now = self._loop.time()
+        if not self._waiting:
+            self._handle = self._loop.call_at(now + self._limit_s, self._check)
+        elif now >= self._since + self._limit_s:
+            self._fired = True
+            self._task.cancel()
+        else:
+            self._handle = self._loop.call_at(self._since + self._limit_s, self._check)
+
+    def expired(self) -> bool:
+        """After a CancelledError: True if it came from this timeout alone (it is then taken
+        back), False if it must propagate."""
+        if not self._fired:
+            return False
+        self._fired = False
+        # As asyncio.timeout does: only a cancel count back at its level means nobody else
+        # asked for the task to stop meanwhile.
+        return self._task.uncancel() <= self._cancelling
+
+    def stop(self) -> None:
+        self._handle.cancel()

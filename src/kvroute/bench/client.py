@@ -33,6 +33,7 @@ from urllib.parse import SplitResult, urlsplit
 
 import msgspec
 
+from kvroute.aio import WaitTimeout
 from kvroute.bench.prompts import BenchRequest
 from kvroute.bench.wire import ERROR_BODY_KEEP, BenchConnection, ExchangeError
 from kvroute.errors import UNDECODABLE, UserError
@@ -173,28 +174,6 @@ class _ErrorBody:
         pass
 
 
-class _Deadline:
-    """Cancels the current task after ``delay`` seconds and remembers that it did, so the
-    cancellation can be told apart from one that comes from outside (Ctrl-C, a failed
-    gather). One timer handle per request: cheaper than ``asyncio.wait_for``'s extra task."""
-
-    __slots__ = ("task", "expired", "handle")
-
-    def __init__(self, loop: asyncio.AbstractEventLoop, delay: float) -> None:
-        self.task = asyncio.current_task()
-        self.expired = False
-        self.handle = loop.call_later(delay, self._expire)
-
-    def _expire(self) -> None:
-        self.expired = True
-        self.task.cancel()
-
-    def absorb(self) -> None:
-        """The expiry's cancellation was handled: undo it, so a later ``await`` of the task's
-        own (or an enclosing ``asyncio.timeout``) does not see it again."""
-        self.task.uncancel()
-
-
 def check_bench_url(url: str) -> SplitResult:
     """``url`` split, once it is one the bench can send to.
 
@@ -284,7 +263,7 @@ class BenchClient:
             error_body = _ErrorBody()
             return error_body
 
-        deadline = _Deadline(loop, self.timeout_s)
+        deadline = WaitTimeout(self.timeout_s, waiting=True)  # the whole request is one wait
         conn = None
         finished = False
         # Keep-alive reads each response to the end of its framing (the chunked terminator may
@@ -299,9 +278,8 @@ class BenchClient:
                 await conn.start(*exchange)
             finished = True
         except asyncio.CancelledError:
-            if not deadline.expired:
+            if not deadline.expired():
                 raise
-            deadline.absorb()
             result.error = f"timed out after {self.timeout_s:g} s"
         except ExchangeError as exc:
             result.error = str(exc)[:_ERROR_BODY_LIMIT]
@@ -310,7 +288,7 @@ class BenchClient:
                 :_ERROR_BODY_LIMIT
             ]
         finally:
-            deadline.handle.cancel()
+            deadline.stop()
             if conn is not None:
                 self._release(conn, finished)
         # The end is the read that completed the answer, not this task's wake-up after it.

@@ -54,6 +54,7 @@ import msgspec
 from aiohttp import web
 from aiohttp.http_exceptions import HttpProcessingError
 
+from kvroute.aio import WaitTimeout
 from kvroute.blocks import DEFAULT_HASH_SEED, GPU_BLOCK_SIZE, BlockHasher
 from kvroute.errors import UNDECODABLE, UserError
 from kvroute.proxy.discovery import Discovery, StaticDiscovery
@@ -672,14 +673,15 @@ class Router:
         )
         await response.prepare(request)
         idle = self.config.stream_idle_timeout_s
-        watch = None if idle is None else _IdleWatch(idle)
+        # Silence from the worker is timed per wait; a client slow to read never counts.
+        watch = None if idle is None else WaitTimeout(idle)
         # Events are passed on whole (each chunk up to its last event boundary), so a worker
         # dying mid-event never leaves the client a half event to choke on.
         pending = b""
         try:
             while True:
                 if watch is not None:
-                    watch.reading()
+                    watch.waiting()
                 try:
                     chunk = await content.readany()
                 except asyncio.CancelledError:
@@ -697,7 +699,7 @@ class Router:
                     tail = _sse_error(f"worker {worker.name} failed mid-stream: {problem}")
                     break
                 if watch is not None:
-                    watch.read()
+                    watch.done_waiting()
                 if chunk:
                     load.prefill_done()
                     data = pending + chunk if pending else chunk
@@ -748,63 +750,6 @@ class _RelayedStream(web.StreamResponse):
     (aiohttp >= 3.12 reads this flag; older versions send the headers at ``prepare``.)"""
 
     _send_headers_immediately = False
-
-
-class _IdleWatch:
-    """The stream idle timeout: cancels the relaying task when one wait for the worker's next
-    chunk lasts ``idle_s`` seconds (what ``asyncio.timeout(idle_s)`` around every read did).
-
-    One timer per stream, re-armed only when it fires early; each read just notes when it
-    began and ended. A timeout scope per read costs ~4 µs of CPU, and a streamed answer is a
-    read per token. Only waits for the worker count: a client slow to take the relayed bytes
-    never trips it. Create it inside the relaying task; on CancelledError, :meth:`expired`
-    tells whether the cancel was this watch's (and takes it back) or someone else's
-    (aiohttp's, when the client left), which must propagate.
-    """
-
-    __slots__ = ("_cancelling", "_fired", "_handle", "_idle_s", "_loop", "_reading", "_since", "_task")
-
-    def __init__(self, idle_s: float) -> None:
-        self._idle_s = idle_s
-        self._loop = asyncio.get_running_loop()
-        self._task = asyncio.current_task()
-        self._cancelling = self._task.cancelling()
-        self._since = self._loop.time()
-        self._reading = False
-        self._fired = False
-        self._handle = self._loop.call_at(self._since + idle_s, self._check)
-
-    def reading(self) -> None:
-        """A wait for the worker begins."""
-        self._since = self._loop.time()
-        self._reading = True
-
-    def read(self) -> None:
-        """The wait is over (bytes, the end, or an error)."""
-        self._reading = False
-
-    def _check(self) -> None:
-        now = self._loop.time()
-        if not self._reading:
-            self._handle = self._loop.call_at(now + self._idle_s, self._check)
-        elif now >= self._since + self._idle_s:
-            self._fired = True
-            self._task.cancel()
-        else:
-            self._handle = self._loop.call_at(self._since + self._idle_s, self._check)
-
-    def expired(self) -> bool:
-        """After a CancelledError: True if it came from this watch alone (it is then taken
-        back, so the task goes on to report the timeout), False if it must propagate."""
-        if not self._fired:
-            return False
-        self._fired = False
-        # As asyncio.timeout does: only a cancel count back at its level means nobody else
-        # asked for the task to stop meanwhile.
-        return self._task.uncancel() <= self._cancelling
-
-    def stop(self) -> None:
-        self._handle.cancel()
 
 
 class _Load:
