@@ -3,21 +3,17 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable
 
 import pytest
 
 from kvroute.aio import WaitTimeout
 
 
-async def _wait_under(limit_s: float, sleeps: list[tuple[bool, float]]) -> str:
-    """Sleep through ``sleeps`` ((counted as a wait?, seconds) each) under one WaitTimeout."""
-    timeout = WaitTimeout(limit_s)
+async def _under(timeout: WaitTimeout, work: Awaitable[None]) -> str:
+    """Run ``work`` the way the relay and the bench do under ``timeout``."""
     try:
-        for counted, seconds in sleeps:
-            if counted:
-                timeout.waiting()
-            await asyncio.sleep(seconds)
-            timeout.done_waiting()
+        await work
         return "finished"
     except asyncio.CancelledError:
         if timeout.expired():
@@ -25,6 +21,20 @@ async def _wait_under(limit_s: float, sleeps: list[tuple[bool, float]]) -> str:
         raise
     finally:
         timeout.stop()
+
+
+async def _wait_under(limit_s: float, sleeps: list[tuple[bool, float]]) -> str:
+    """Sleep through ``sleeps`` ((counted as a wait?, seconds) each) under one WaitTimeout."""
+    timeout = WaitTimeout(limit_s)
+
+    async def work() -> None:
+        for counted, seconds in sleeps:
+            if counted:
+                timeout.waiting()
+            await asyncio.sleep(seconds)
+            timeout.done_waiting()
+
+    return await _under(timeout, work())
 
 
 async def test_only_marked_waits_count_each_on_its_own():
@@ -44,15 +54,7 @@ async def test_a_cancel_from_outside_at_the_same_moment_still_propagates():
         timeout = WaitTimeout(0.05, waiting=True)  # a plain deadline
         loop = asyncio.get_running_loop()
         loop.call_at(loop.time() + 0.05, asyncio.current_task().cancel)  # Ctrl-C, say
-        try:
-            await asyncio.sleep(1.0)
-            return "finished"
-        except asyncio.CancelledError:
-            if timeout.expired():
-                return "timed out"
-            raise
-        finally:
-            timeout.stop()
+        return await _under(timeout, asyncio.sleep(1.0))
 
     with pytest.raises(asyncio.CancelledError):
         await asyncio.ensure_future(waiter())
