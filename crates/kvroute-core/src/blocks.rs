@@ -1,0 +1,156 @@
+//! Chained per-block hashing of token ids.
+//!
+//! Every part of kvroute that needs to say "these tokens are the same cached block" uses this
+//! module: the engine model (as its block identity), the router's index (over the token ids
+//! that vLLM's KV events carry) and the router's prompt matcher. vLLM's own hashes depend on
+//! its `--prefix-caching-hash-algo` and a seed, so kvroute never tries to reproduce them; it
+//! hashes token ids itself, the same way everywhere.
+//!
+//! A block's hash chains its parent's: `h[i] = xxh3_64(tokens[i] as little-endian u32,
+//! seed = h[i-1])` with `h[-1] = root seed`. Only full blocks are hashed (vLLM caches only
+//! full blocks). The bytes hashed are exactly those the earlier Python implementation hashed
+//! (`xxhash.xxh3_64_intdigest` over a little-endian `uint32` buffer), so recorded hashes stay
+//! valid.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+/// Root of every chain ("kvroute" in ASCII); any fixed value works, it only has to be shared.
+pub const DEFAULT_HASH_SEED: u64 = 0x006B_7672_6F75_7465;
+
+/// vLLM's KV block size on GPU.
+pub const GPU_BLOCK_SIZE: usize = 16;
+
+/// Hashes token sequences into chained per-block hashes.
+///
+/// Two hashers agree only if their block size and seed agree.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct BlockHasher {
+    block_size: usize,
+    seed: u64,
+}
+
+/// A block size of zero cannot chunk anything.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ZeroBlockSize;
+
+impl std::fmt::Display for ZeroBlockSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("block size must be positive, got 0")
+    }
+}
+
+impl std::error::Error for ZeroBlockSize {}
+
+impl BlockHasher {
+    /// A hasher for `block_size`-token blocks whose chains start at `seed`.
+    pub fn new(block_size: usize, seed: u64) -> Result<Self, ZeroBlockSize> {
+        if block_size == 0 {
+            return Err(ZeroBlockSize);
+        }
+        Ok(Self { block_size, seed })
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// The root of every chain.
+    pub fn seed(&self) -> u64 {
+        self.seed
+    }
+
+    /// Hashes of the full blocks `[start_block, stop_block)` of `tokens` (the whole sequence
+    /// from the start of the prompt); `parent` is the hash of block `start_block - 1` (None at
+    /// the start of a chain). `stop_block` None means every full block.
+    pub fn hash_blocks(
+        &self,
+        tokens: &[u32],
+        parent: Option<u64>,
+        start_block: usize,
+        stop_block: Option<usize>,
+    ) -> Vec<u64> {
+        let full = tokens.len() / self.block_size;
+        let stop = stop_block.map_or(full, |s| s.min(full));
+        let mut out = Vec::with_capacity(stop.saturating_sub(start_block));
+        self.extend_chain(
+            &tokens[start_block.min(stop) * self.block_size..stop * self.block_size],
+            parent,
+            &mut out,
+        );
+        out
+    }
+
+    /// Append to `out` the chained hashes of the full blocks of `window`, a run of whole
+    /// blocks whose first block follows the block hashed `parent` (None: the chain's start).
+    /// A trailing partial block is ignored.
+    pub fn extend_chain(&self, window: &[u32], parent: Option<u64>, out: &mut Vec<u64>) {
+        let mut h = parent.unwrap_or(self.seed);
+        let mut buf = Vec::with_capacity(self.block_size * 4);
+        for block in window.chunks_exact(self.block_size) {
+            buf.clear();
+            for t in block {
+                buf.extend_from_slice(&t.to_le_bytes());
+            }
+            h = xxh3_64_with_seed(&buf, h);
+            out.push(h);
+        }
+    }
+
+    /// Extend `hashes` (the chain of the first `hashes.len()` blocks of `tokens`) with the
+    /// hashes of the full blocks of `tokens` it lacks.
+    pub fn extend(&self, hashes: &mut Vec<u64>, tokens: &[u32]) {
+        let have = hashes.len();
+        let full = tokens.len() / self.block_size;
+        if full > have {
+            let parent = hashes.last().copied();
+            self.extend_chain(
+                &tokens[have * self.block_size..full * self.block_size],
+                parent,
+                hashes,
+            );
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn chains_and_ignores_the_partial_block() {
+        let h = BlockHasher::new(4, DEFAULT_HASH_SEED).unwrap();
+        let tokens: Vec<u32> = (0..10).collect();
+        let all = h.hash_blocks(&tokens, None, 0, None);
+        assert_eq!(all.len(), 2);
+        let first = xxh3_64_with_seed(
+            &[0u32, 1, 2, 3]
+                .iter()
+                .flat_map(|t| t.to_le_bytes())
+                .collect::<Vec<u8>>(),
+            DEFAULT_HASH_SEED,
+        );
+        assert_eq!(all[0], first);
+        assert_eq!(h.hash_blocks(&tokens, Some(all[0]), 1, None), vec![all[1]]);
+        let mut grown = vec![all[0]];
+        h.extend(&mut grown, &tokens);
+        assert_eq!(grown, all);
+    }
+
+    #[test]
+    fn the_seed_and_block_size_matter() {
+        let tokens: Vec<u32> = (0..16).collect();
+        let a = BlockHasher::new(4, 1)
+            .unwrap()
+            .hash_blocks(&tokens, None, 0, None);
+        let b = BlockHasher::new(4, 2)
+            .unwrap()
+            .hash_blocks(&tokens, None, 0, None);
+        let c = BlockHasher::new(8, 1)
+            .unwrap()
+            .hash_blocks(&tokens, None, 0, None);
+        assert_ne!(a[0], b[0]);
+        assert_ne!(a[1], c[0]);
+        assert!(BlockHasher::new(0, 1).is_err());
+    }
+}

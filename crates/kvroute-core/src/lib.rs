@@ -1,0 +1,22 @@
+//! kvroute's pure core: everything that decides what a vLLM prefix cache holds and where a
+//! request should go, with no clock, no sockets and no async runtime (the sans-I/O style of
+//! h11). Time is passed in; effects are returned as data.
+//!
+//! * [`blocks`]: chained per-block hashes of token ids (kvroute's own block identity).
+//! * [`engine`]: the vLLM v1 worker model: `BlockPool`, scheduler, cost model, KV events.
+//! * [`index`]: the router's index of which worker holds which block.
+//! * [`policies`] and [`routing`]: the balancing policies and the one routing step around
+//!   them, shared by the simulator and the live router.
+//! * [`kvevents`]: vLLM's KV-event wire codec and the subscriber's sequence tracker.
+//! * [`pyrandom`]: CPython's `random.Random`, so seeded draws match the Python side.
+//!
+//! The Python package (`kvroute._native`, crate `kvroute-py`) wraps these types; the Python
+//! tests therefore guard this code.
+
+pub mod blocks;
+pub mod engine;
+pub mod index;
+pub mod kvevents;
+pub mod policies;
+pub mod pyrandom;
+pub mod routing;

@@ -1,0 +1,106 @@
+//! `BlockHasher` for Python: the chained block hashes of `kvroute_core::blocks`.
+
+use kvroute_core::blocks::{self, DEFAULT_HASH_SEED};
+use pyo3::exceptions::PyValueError;
+use pyo3::prelude::*;
+
+use crate::tokens::extract_tokens;
+
+/// Hashes token sequences into chained per-block hashes.
+///
+/// Args:
+///     block_size: tokens per KV block (vLLM: 16 on GPU, 128 on CPU).
+///     seed: root of the chain; two hashers agree only if block size and seed agree.
+#[pyclass(module = "kvroute._native", frozen, eq)]
+#[derive(Clone, PartialEq)]
+pub struct BlockHasher {
+    pub inner: blocks::BlockHasher,
+}
+
+#[pymethods]
+impl BlockHasher {
+    #[new]
+    #[pyo3(signature = (block_size, seed = DEFAULT_HASH_SEED as i128))]
+    fn new(block_size: i64, seed: i128) -> PyResult<Self> {
+        if block_size <= 0 {
+            return Err(PyValueError::new_err(format!(
+                "block size must be positive, got {block_size}"
+            )));
+        }
+        let inner =
+            blocks::BlockHasher::new(block_size as usize, (seed & 0xFFFF_FFFF_FFFF_FFFF) as u64)
+                .map_err(|e| PyValueError::new_err(e.to_string()))?;
+        Ok(Self { inner })
+    }
+
+    #[getter]
+    fn block_size(&self) -> usize {
+        self.inner.block_size()
+    }
+
+    #[getter]
+    fn seed(&self) -> u64 {
+        self.inner.seed()
+    }
+
+    /// Hash the full blocks of ``token_ids``.
+    ///
+    /// Args:
+    ///     token_ids: the whole token sequence (from the start of the prompt).
+    ///     parent_hash: hash of block ``start_block - 1`` (None at the start of a chain).
+    ///     start_block: first block to hash; lets callers extend a chain they already have.
+    ///     stop_block: one past the last block to hash (default: every full block).
+    ///
+    /// Returns:
+    ///     One hash per full block in ``[start_block, stop_block)``.
+    #[pyo3(signature = (token_ids, parent_hash = None, start_block = 0, stop_block = None))]
+    fn hash_blocks(
+        &self,
+        py: Python<'_>,
+        token_ids: &Bound<'_, PyAny>,
+        parent_hash: Option<u64>,
+        start_block: usize,
+        stop_block: Option<usize>,
+    ) -> PyResult<Vec<u64>> {
+        let tokens = extract_tokens(py, token_ids)?;
+        Ok(self
+            .inner
+            .hash_blocks(&tokens, parent_hash, start_block, stop_block))
+    }
+
+    /// Append to ``hashes`` the hashes of the full blocks of ``token_ids`` it lacks; returns
+    /// ``hashes``.
+    fn extend<'py>(
+        &self,
+        py: Python<'py>,
+        hashes: Bound<'py, pyo3::types::PyList>,
+        token_ids: &Bound<'py, PyAny>,
+    ) -> PyResult<Bound<'py, pyo3::types::PyList>> {
+        let tokens = extract_tokens(py, token_ids)?;
+        let have = hashes.len();
+        let parent = if have > 0 {
+            Some(hashes.get_item(have - 1)?.extract::<u64>()?)
+        } else {
+            None
+        };
+        for h in self.inner.hash_blocks(&tokens, parent, have, None) {
+            hashes.append(h)?;
+        }
+        Ok(hashes)
+    }
+
+    fn __repr__(&self) -> String {
+        format!(
+            "BlockHasher(block_size={}, seed={:#x})",
+            self.inner.block_size(),
+            self.inner.seed()
+        )
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<BlockHasher>()?;
+    m.add("DEFAULT_HASH_SEED", DEFAULT_HASH_SEED)?;
+    m.add("GPU_BLOCK_SIZE", blocks::GPU_BLOCK_SIZE)?;
+    Ok(())
+}

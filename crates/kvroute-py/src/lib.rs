@@ -1,0 +1,23 @@
+//! `kvroute._native`: the Python face of `kvroute-core`.
+//!
+//! One file per area of the core, each with a `register` function adding its classes to the
+//! module. The Python package re-exports them from the modules that always held those names
+//! (`kvroute.blocks.BlockHasher`, `kvroute.engine.BlockPool`, …), so the tests written
+//! against the Python API keep guarding the native code.
+
+use pyo3::prelude::*;
+
+mod blocks;
+mod engine;
+mod kvevents;
+mod routing;
+mod tokens;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    blocks::register(m)?;
+    engine::register(m)?;
+    routing::register(m)?;
+    kvevents::register(m)?;
+    Ok(())
+}
