@@ -8,6 +8,8 @@
 //! * [`policies`] and [`routing`]: the balancing policies and the one routing step around
 //!   them, shared by the simulator and the live router.
 //! * [`kvevents`]: vLLM's KV-event wire codec and the subscriber's sequence tracker.
+//! * [`placement`] and [`sim`]: the seam between engines and routing, and the simulator's
+//!   event loop on virtual time.
 //! * [`pyrandom`]: CPython's `random.Random`, so seeded draws match the Python side.
 //!
 //! The Python package (`kvroute._native`, crate `kvroute-py`) wraps these types; the Python
@@ -17,6 +19,8 @@ pub mod blocks;
 pub mod engine;
 pub mod index;
 pub mod kvevents;
+pub mod placement;
 pub mod policies;
 pub mod pyrandom;
 pub mod routing;
+pub mod sim;

@@ -1,0 +1,31 @@
+//! The seam between a driver that runs engines (the simulator) and whatever decides which
+//! worker gets each request (`crate::routing::RoutingStep`, the step the live router runs
+//! too). The driver tells it about the life of each request, it answers where to send it.
+
+use crate::engine::events::KvCacheEvent;
+
+/// Where a request was placed, and what the placement charged to that worker's load.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Placed {
+    /// Index of the chosen worker.
+    pub worker: usize,
+    /// Prompt tokens the worker still has to prefill after the overlap the index credits it
+    /// with (at least 1): carried in its load until the request's first token.
+    pub prefill_tokens: usize,
+}
+
+/// Decides where requests go and keeps the load accounting that decision needs.
+pub trait Placement {
+    /// Whether it wants the workers' KV events (the engines then emit them, which costs
+    /// the simulator its coalesced decode runs).
+    fn wants_events(&self) -> bool;
+    /// Choose a worker for a prompt with these block hashes and length, at time `now`
+    /// (seconds, never decreasing), and count it in flight there.
+    fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed;
+    /// The request placed as `placed` produced its first token (its prefill is done).
+    fn first_token(&mut self, placed: Placed);
+    /// The request placed as `placed` finished.
+    fn finished(&mut self, placed: Placed);
+    /// KV events worker `worker` published at the end of a step ending at `now`.
+    fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64);
+}
