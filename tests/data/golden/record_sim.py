@@ -1,7 +1,10 @@
 """Record the simulator's golden traces (tests/data/golden/sim_*.json.gz).
 
 Recorded once from the Python simulator (src/kvroute/sim.py with the Python engine, index and
-policies, before the native core replaced them); tests/test_sim_golden.py requires today's
+policies, before the native core replaced them), stepping every engine step singly: its
+coalesced decode runs, an optimization meant to give the same results, admitted a waiting
+request one step late in two of these trials (tight-prefix-hash-s1 and -s2, a small cache with
+preemption). tests/test_sim_golden.py requires today's
 simulator to reproduce every request exactly: worker, cached tokens, TTFT and end-to-end
 latency (as float reprs), and each worker's prefix-cache counters over the measured window.
 
@@ -11,6 +14,7 @@ latency (as float reprs), and each worker's prefix-cache counters over the measu
 from __future__ import annotations
 
 import gzip
+import inspect
 import json
 import random
 from pathlib import Path
@@ -22,6 +26,9 @@ from kvroute.workload import LengthDist, WorkloadSpec, generate
 
 HERE = Path(__file__).parent
 REFERENCE = dict(num_blocks=585, block_size=16)
+#: How the traces were recorded: the Python simulator's single steps (see the docstring).
+#: Today's simulator steps singly and takes no such option.
+SINGLE_STEPS = {"coalesce": False} if "coalesce" in inspect.signature(run_trial).parameters else {}
 
 
 def cases():
@@ -48,7 +55,8 @@ def record(name, spec_kwargs, workers, concurrency, policy, config_kwargs, seed,
     cost = get_preset(timing)
     config = WorkerConfig(config_kwargs["num_blocks"], config_kwargs["block_size"], cost)
     options = {"block_size": config.block_size} if "block_size" in policy_parameters(policy) else {}
-    result = run_trial(workload, workers, concurrency, config, make_policy(policy, rng=random.Random(trial_seed(seed, 0)), **options))
+    result = run_trial(workload, workers, concurrency, config,
+                       make_policy(policy, rng=random.Random(trial_seed(seed, 0)), **options), **SINGLE_STEPS)
     return {
         "name": name, "spec": {k: str(v) for k, v in spec_kwargs.items()}, "workers": workers,
         "concurrency": concurrency, "policy": policy, "config": config_kwargs, "seed": seed, "timing": timing,
