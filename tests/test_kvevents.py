@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -36,6 +38,7 @@ from kvroute.kvevents import (
     encode_batch,
     publisher_binds,
 )
+from kvroute.kvevents.wire import decode_native
 
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:*"
 TOP_HASH = 2**64 - 1  # uint64 extremes must survive msgpack
@@ -498,6 +501,64 @@ def test_batch_encoded_as_a_map_is_accepted():
 def test_malformed_payload_raises_decode_error(payload):
     with pytest.raises(KVEventDecodeError):
         decode_batch(payload)
+
+
+GOLDEN = json.loads((Path(__file__).parent / "data" / "golden" / "kvevents_payloads.json").read_text())
+
+
+def event_from_json(fields: dict[str, Any]) -> Any:
+    fields = dict(fields)
+    kind = fields.pop("type")
+    if kind == "BlockStored" and fields["extra_keys"] is not None:
+        fields["extra_keys"] = [None if k is None else tuple(k) for k in fields["extra_keys"]]
+    return {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}[
+        kind
+    ](**fields)
+
+
+@pytest.mark.parametrize("case", GOLDEN["encode"], ids=lambda c: f"{c['name']}-{c['wire_format']}")
+def test_payload_bytes_equal_the_recorded_msgspec_payloads(case):
+    batch = case["batch"]
+    events = [event_from_json(e) for e in batch["events"]]
+    payload = bytes.fromhex(case["payload"])
+    assert encode_batch(EventBatch(batch["ts"], events, batch["data_parallel_rank"]), case["wire_format"]) == payload
+    assert decode_batch(payload) == DecodedBatch(batch["ts"], events, batch["data_parallel_rank"], 0)
+
+
+@pytest.mark.parametrize("case", GOLDEN["decode"], ids=lambda c: c["name"])
+def test_hand_built_payloads_decode_as_recorded(case):
+    want = case["expected"]
+    expected = DecodedBatch(
+        want["ts"], [event_from_json(e) for e in want["events"]], want["data_parallel_rank"], want["unknown_events"]
+    )
+    assert decode_batch(bytes.fromhex(case["payload"])) == expected
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x91" * 10_000 + b"\xc0",
+        msgspec.msgpack.encode([1.0, [["Unknown", []]]]).replace(b"\x90", b"\x91" * 10_000 + b"\xc0"),
+        msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "new": []}]]).replace(
+            b"\x90", b"\x91" * 10_000 + b"\xc0"
+        ),
+    ],
+    ids=["batch", "unknown-event", "unknown-field"],
+)
+def test_msgpack_nested_ten_thousand_deep_is_malformed(payload):
+    with pytest.raises(KVEventDecodeError):
+        decode_batch(payload)
+
+
+def test_decode_native_keeps_the_events_in_rust_until_asked():
+    batch = sample_batch()
+    batch.data_parallel_rank = 2
+    native = decode_native(encode_batch(batch))
+    assert (native.ts, native.data_parallel_rank, native.unknown_events, len(native)) == (batch.ts, 2, 0, 4)
+    assert native.events == batch.events
+    assert native.to_python() == decode_batch(encode_batch(batch))
+    with pytest.raises(KVEventDecodeError, match="not a KV event batch"):
+        decode_native(b"\x92\xc0")
 
 
 def test_unknown_wire_format_is_rejected():
