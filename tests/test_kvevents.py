@@ -15,12 +15,17 @@ from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import zmq
 import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvroute.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvroute.engine.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 from kvroute.errors import UserError
 from kvroute.kvevents import (
     END_SEQ,
@@ -603,7 +608,7 @@ class RunTaker:
                 task.result()  # raises what run() raised
                 raise AssertionError(f"run() ended after {len(items)} items")
             if asyncio.get_running_loop().time() > deadline:
-                raise asyncio.TimeoutError(f"{len(items) - taken[0]} of {n} items")
+                raise TimeoutError(f"{len(items) - taken[0]} of {n} items")
             await asyncio.sleep(0.002)
         got = items[taken[0] : taken[0] + n]
         taken[0] += n
