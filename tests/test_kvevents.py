@@ -905,6 +905,27 @@ async def test_partial_replay_buffer_reports_replay_failed(take):
     assert received(items) == [(0, False), (4, False)]
 
 
+@pytest.mark.parametrize("jump", [10**9, 2**64 - 1])
+async def test_a_sequence_jump_of_any_size_costs_no_memory(take, jump):
+    """The old subscriber built list(range(expected, got)): 2 GB at a jump of 5e7."""
+    engine = FakeEngine()
+    sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint)
+    try:
+        await engine.wait_subscribed()
+        await engine.send(0)
+        await engine.send(jump)
+        items = await take(sub, 4)
+    finally:
+        await sub.close()
+        engine.close()
+    assert items[1:3] == [
+        GapDetected(1, jump),
+        ReplayFailed(1, jump, "replay returned nothing older than the live batch"),
+    ]
+    assert received(items) == [(0, False), (jump, False)]
+    assert sub.last_seq == jump
+
+
 async def test_malformed_payload_is_reported_and_stream_continues(take):
     engine = FakeEngine(with_replay=False)
     sub = KVEventSubscriber(engine.endpoint, replay_endpoint=None)

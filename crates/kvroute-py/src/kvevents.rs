@@ -386,9 +386,9 @@ pub struct SequenceTracker {
     actions: Vec<Action>,
 }
 
-fn frame<'a, 'py>(frames: &'a Bound<'py, PyList>, i: usize) -> PyResult<Bound<'py, PyAny>> {
-    frames.get_item(i)
-}
+/// A replay answer as the tracker takes it (`(seq, payload bytes)`), and its payloads as the
+/// Python objects to hand over.
+type Answer<'py> = (Vec<(u64, Vec<u8>)>, Vec<Bound<'py, PyAny>>);
 
 impl SequenceTracker {
     /// Turn the tracker's actions into tuples; `live` is the live payload just fed (or held),
@@ -429,9 +429,7 @@ impl SequenceTracker {
     }
 
     /// `(seq, payload)` pairs of a replay answer: the seqs, and the payloads as bytes.
-    fn answer<'py>(
-        replayed: &Bound<'py, PyList>,
-    ) -> PyResult<(Vec<(u64, Vec<u8>)>, Vec<Bound<'py, PyAny>>)> {
+    fn answer<'py>(replayed: &Bound<'py, PyList>) -> PyResult<Answer<'py>> {
         let mut pairs = Vec::with_capacity(replayed.len());
         let mut payloads = Vec::with_capacity(replayed.len());
         for item in replayed.iter() {
@@ -468,7 +466,7 @@ impl SequenceTracker {
         if frames.len() != 3 {
             return Ok(None);
         }
-        let seq_frame = frame(frames, 1)?;
+        let seq_frame = frames.get_item(1)?;
         let Ok(seq_bytes) = seq_frame.cast::<PyBytes>() else {
             return Ok(None);
         };

@@ -618,12 +618,24 @@ enum Tag {
     Cleared,
 }
 
-fn known_tag(tag: &str) -> Option<Tag> {
+fn known_tag(tag: &[u8]) -> Option<Tag> {
     match tag {
-        "BlockStored" => Some(Tag::Stored),
-        "BlockRemoved" => Some(Tag::Removed),
-        "AllBlocksCleared" => Some(Tag::Cleared),
+        b"BlockStored" => Some(Tag::Stored),
+        b"BlockRemoved" => Some(Tag::Removed),
+        b"AllBlocksCleared" => Some(Tag::Cleared),
         _ => None,
+    }
+}
+
+/// A type tag's bytes: a known one as is (ASCII), any other checked to be UTF-8 (a tag that
+/// is not text is a malformed payload, as for msgspec).
+fn tag_of(tag: &[u8]) -> Result<Option<Tag>> {
+    match known_tag(tag) {
+        Some(tag) => Ok(Some(tag)),
+        None => match std::str::from_utf8(tag) {
+            Ok(_) => Ok(None),
+            Err(_) => err("invalid UTF-8 in a string"),
+        },
     }
 }
 
@@ -641,8 +653,8 @@ fn array_event(r: &mut Reader<'_>, len: usize) -> Result<Option<KvCacheEvent>> {
     if len == 0 {
         return Ok(None);
     }
-    let (tag, rest) = match r.str()? {
-        Some(tag) => (known_tag(tag), len - 1),
+    let (tag, rest) = match r.str_bytes()? {
+        Some(tag) => (tag_of(tag)?, len - 1),
         None => (None, len), // a tag that is not a string: skip it too
     };
     let Some(tag) = tag else {
@@ -688,7 +700,7 @@ fn array_event(r: &mut Reader<'_>, len: usize) -> Result<Option<KvCacheEvent>> {
 
 /// The `"type"` of a map event of `pairs` pairs starting at the reader's position, which is
 /// left unchanged: `Ok(None)` if it has none or a non-string one.
-fn map_event_tag<'a>(r: &mut Reader<'a>, pairs: usize) -> Result<Option<&'a str>> {
+fn map_event_tag<'a>(r: &mut Reader<'a>, pairs: usize) -> Result<Option<&'a [u8]>> {
     let start = r.pos;
     let mut found = None;
     for _ in 0..pairs {
@@ -701,7 +713,7 @@ fn map_event_tag<'a>(r: &mut Reader<'a>, pairs: usize) -> Result<Option<&'a str>
             }
         };
         if is_type {
-            found = r.str()?;
+            found = r.str_bytes()?;
             break;
         }
         r.skip(FIELD_DEPTH)?;
@@ -713,7 +725,10 @@ fn map_event_tag<'a>(r: &mut Reader<'a>, pairs: usize) -> Result<Option<&'a str>
 /// A map event of `pairs` pairs (the header consumed); None for an unknown type.
 fn map_event(r: &mut Reader<'_>, pairs: usize) -> Result<Option<KvCacheEvent>> {
     let start = r.pos;
-    let tag = map_event_tag(r, pairs)?.and_then(known_tag);
+    let tag = match map_event_tag(r, pairs)? {
+        Some(tag) => tag_of(tag)?,
+        None => None,
+    };
     let Some(tag) = tag else {
         for _ in 0..pairs {
             r.skip(FIELD_DEPTH)?;
@@ -725,12 +740,13 @@ fn map_event(r: &mut Reader<'_>, pairs: usize) -> Result<Option<KvCacheEvent>> {
     let mut stored = StoredFields::default();
     let mut removed = RemovedFields::default();
     for _ in 0..pairs {
-        let Some(key) = r.str()? else {
+        // Names are compared as bytes: a name that is not UTF-8 matches none and is skipped.
+        let Some(key) = r.str_bytes()? else {
             return err("a field name that is not a string");
         };
         let field = match tag {
-            Tag::Stored => STORED_FIELDS.iter().position(|&f| f == key),
-            Tag::Removed => REMOVED_FIELDS.iter().position(|&f| f == key),
+            Tag::Stored => STORED_FIELDS.iter().position(|f| f.as_bytes() == key),
+            Tag::Removed => REMOVED_FIELDS.iter().position(|f| f.as_bytes() == key),
             Tag::Cleared => None,
         };
         match (tag, field) {
@@ -774,7 +790,7 @@ fn event(r: &mut Reader<'_>, index: usize) -> Result<Option<KvCacheEvent>> {
         let tag = match again.map_len() {
             Ok(Some(pairs)) => map_event_tag(&mut again, pairs).ok().flatten(),
             _ => match again.array_len() {
-                Ok(Some(len)) if len > 0 => again.str().ok().flatten(),
+                Ok(Some(len)) if len > 0 => again.str_bytes().ok().flatten(),
                 _ => None,
             },
         };
