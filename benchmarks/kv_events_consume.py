@@ -1,5 +1,5 @@
 """CPU per KV event batch in the router's consumer: ``async for`` over the subscriber versus
-``KVEventSubscriber.run(callback)``.
+``KVEventSubscriber.run(callback)``, and ``run`` on native batches.
 
 A child process publishes vLLM-format batches (one engine step each: a ``BlockStored`` of
 ``--blocks`` blocks with their tokens and as many one-block ``BlockRemoved``, like a step that
@@ -7,8 +7,19 @@ prefills a new request's suffix into a full cache) on a ZeroMQ PUB socket on 127
 at ``--rate`` batches per second, as a busy engine publishes them. This process subscribes
 under uvloop, applies every batch to a ``KvIndex``, and measures its own CPU time (all of its
 threads, ZeroMQ's I/O thread included) from the first batch to the last, divided by the
-batches. The two ways alternate over ``--rounds`` rounds (each with a fresh publisher and
-subscriber), since only figures from one run compare on a shared machine.
+batches. The ways alternate over ``--rounds`` rounds (each with a fresh publisher and subscriber),
+since only figures from one run compare on a shared machine:
+
+* ``iterate`` and ``run``: batches decoded into ``kvroute.engine.events`` objects and applied
+  to the Python ``KvIndex`` (today's router);
+* ``native``: ``run`` on a ``native=True`` subscriber, batches decoded into a
+  ``NativeEventBatch`` (events stay in Rust) and not applied: the native index's
+  ``apply_native`` is not in this build, so this is the cost of everything around it (socket,
+  event loop, sequence tracker, decoding).
+
+Then, without sockets, the native parts alone per batch: the sequence tracker's in-order
+check, ``decode_native`` and ``decode_batch`` (with the Python objects), so the Python I/O
+part of the figures above can be told from the native part.
 
 At a paced rate the event loop is idle between batches, so every batch pays a full wake-up:
 the case where the per-batch machinery matters most.
@@ -28,12 +39,13 @@ import time
 import numpy as np
 import uvloop
 import zmq
+from kvroute._native import SequenceTracker
 
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import BlockRemoved, BlockStored, EventBatch
 from kvroute.fleet import free_ports
 from kvroute.kvevents import EventsReceived, KVEventSubscriber
-from kvroute.kvevents.wire import encode_batch
+from kvroute.kvevents.wire import decode_batch, decode_native, encode_batch
 from kvroute.routing.index import KvIndex
 
 BLOCK = 16
@@ -75,14 +87,15 @@ def publish(port: int, rate: float, batches: int, blocks: int) -> None:
 async def consume(port: int, way: str, batches: int, timeout_s: float) -> float:
     """CPU seconds of this process per batch, from the first batch to the last."""
     index = KvIndex(BlockHasher(BLOCK))
-    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=None)
+    native = way == "native"
+    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=None, native=native)
     got = 0
     started = 0.0
     done = asyncio.Event()
 
     def on_item(item: object) -> None:
         nonlocal got, started
-        if isinstance(item, EventsReceived):
+        if isinstance(item, EventsReceived) and not native:
             index.apply("worker", item.batch.events)
         got += 1
         if got == 1:
@@ -96,7 +109,7 @@ async def consume(port: int, way: str, batches: int, timeout_s: float) -> float:
             if done.is_set():
                 return
 
-    consumer = asyncio.ensure_future(subscriber.run(on_item) if way == "run" else iterate())
+    consumer = asyncio.ensure_future(iterate() if way == "iterate" else subscriber.run(on_item))
     try:
         await asyncio.wait_for(done.wait(), timeout_s)
         return (time.process_time() - started) / (batches - 1)
@@ -116,9 +129,10 @@ def main() -> None:
     if args.publish is not None:
         publish(args.publish, args.rate, args.batches, args.blocks)
         return
-    figures: dict[str, list[float]] = {"iterate": [], "run": []}
+    ways = ("iterate", "run", "native")
+    figures: dict[str, list[float]] = {way: [] for way in ways}
     for round_ in range(args.rounds):
-        for way in ("iterate", "run") if round_ % 2 == 0 else ("run", "iterate"):
+        for way in ways if round_ % 2 == 0 else ways[::-1]:
             port = free_ports(1)[0]
             child = subprocess.Popen([sys.executable, __file__, "--publish", str(port), "--rate", str(args.rate),
                                       "--batches", str(args.batches), "--blocks", str(args.blocks)])
@@ -134,6 +148,29 @@ def main() -> None:
           f"median of {args.rounds}:")
     for way, values in figures.items():
         print(f"  {way:7s} {statistics.median(values):6.1f} µs CPU per batch")
+    native_parts(args.blocks)
+
+
+def per_call_us(fn, items: list, repeat: int = 5) -> float:
+    """Best of ``repeat`` passes of ``fn`` over ``items``, µs per call."""
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        for item in items:
+            fn(item)
+        best = min(best, time.perf_counter() - start)
+    return best / len(items) * 1e6
+
+
+def native_parts(blocks: int) -> None:
+    """The per-batch work of the native parts alone, without sockets or the event loop."""
+    steps = payloads(blocks) * 50
+    frames = [[b"kv", seq.to_bytes(8, "big"), p] for seq, p in enumerate(steps)]
+    tracker = SequenceTracker()
+    print(f"\nnative parts alone, per batch ({len(steps)} batches, best of 5):")
+    print(f"  tracker.in_order     {per_call_us(tracker.in_order, frames, repeat=1):6.2f} µs")
+    print(f"  decode_native        {per_call_us(decode_native, steps):6.2f} µs")
+    print(f"  decode_batch         {per_call_us(decode_batch, steps):6.2f} µs  (Python event objects)")
 
 
 if __name__ == "__main__":

@@ -8,17 +8,24 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
-from hypothesis import given, settings
-from hypothesis import strategies as st
 import zmq
 import zmq.asyncio
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from kvroute.engine.events import AllBlocksCleared, BlockRemoved, BlockStored, EventBatch
+from kvroute.engine.events import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+)
 from kvroute.errors import UserError
 from kvroute.kvevents import (
     END_SEQ,
@@ -36,6 +43,7 @@ from kvroute.kvevents import (
     encode_batch,
     publisher_binds,
 )
+from kvroute.kvevents.wire import decode_native
 
 LOOPBACK_ANY_PORT = "tcp://127.0.0.1:*"
 TOP_HASH = 2**64 - 1  # uint64 extremes must survive msgpack
@@ -500,6 +508,64 @@ def test_malformed_payload_raises_decode_error(payload):
         decode_batch(payload)
 
 
+GOLDEN = json.loads((Path(__file__).parent / "data" / "golden" / "kvevents_payloads.json").read_text())
+
+
+def event_from_json(fields: dict[str, Any]) -> Any:
+    fields = dict(fields)
+    kind = fields.pop("type")
+    if kind == "BlockStored" and fields["extra_keys"] is not None:
+        fields["extra_keys"] = [None if k is None else tuple(k) for k in fields["extra_keys"]]
+    return {"BlockStored": BlockStored, "BlockRemoved": BlockRemoved, "AllBlocksCleared": AllBlocksCleared}[
+        kind
+    ](**fields)
+
+
+@pytest.mark.parametrize("case", GOLDEN["encode"], ids=lambda c: f"{c['name']}-{c['wire_format']}")
+def test_payload_bytes_equal_the_recorded_msgspec_payloads(case):
+    batch = case["batch"]
+    events = [event_from_json(e) for e in batch["events"]]
+    payload = bytes.fromhex(case["payload"])
+    assert encode_batch(EventBatch(batch["ts"], events, batch["data_parallel_rank"]), case["wire_format"]) == payload
+    assert decode_batch(payload) == DecodedBatch(batch["ts"], events, batch["data_parallel_rank"], 0)
+
+
+@pytest.mark.parametrize("case", GOLDEN["decode"], ids=lambda c: c["name"])
+def test_hand_built_payloads_decode_as_recorded(case):
+    want = case["expected"]
+    expected = DecodedBatch(
+        want["ts"], [event_from_json(e) for e in want["events"]], want["data_parallel_rank"], want["unknown_events"]
+    )
+    assert decode_batch(bytes.fromhex(case["payload"])) == expected
+
+
+@pytest.mark.parametrize(
+    "payload",
+    [
+        b"\x91" * 10_000 + b"\xc0",
+        msgspec.msgpack.encode([1.0, [["Unknown", []]]]).replace(b"\x90", b"\x91" * 10_000 + b"\xc0"),
+        msgspec.msgpack.encode([1.0, [{"type": "BlockRemoved", "block_hashes": [1], "new": []}]]).replace(
+            b"\x90", b"\x91" * 10_000 + b"\xc0"
+        ),
+    ],
+    ids=["batch", "unknown-event", "unknown-field"],
+)
+def test_msgpack_nested_ten_thousand_deep_is_malformed(payload):
+    with pytest.raises(KVEventDecodeError):
+        decode_batch(payload)
+
+
+def test_decode_native_keeps_the_events_in_rust_until_asked():
+    batch = sample_batch()
+    batch.data_parallel_rank = 2
+    native = decode_native(encode_batch(batch))
+    assert (native.ts, native.data_parallel_rank, native.unknown_events, len(native)) == (batch.ts, 2, 0, 4)
+    assert native.events == batch.events
+    assert native.to_python() == decode_batch(encode_batch(batch))
+    with pytest.raises(KVEventDecodeError, match="not a KV event batch"):
+        decode_native(b"\x92\xc0")
+
+
 def test_unknown_wire_format_is_rejected():
     with pytest.raises(ValueError):
         encode_batch(sample_batch(), "json")
@@ -542,7 +608,7 @@ class RunTaker:
                 task.result()  # raises what run() raised
                 raise AssertionError(f"run() ended after {len(items)} items")
             if asyncio.get_running_loop().time() > deadline:
-                raise asyncio.TimeoutError(f"{len(items) - taken[0]} of {n} items")
+                raise TimeoutError(f"{len(items) - taken[0]} of {n} items")
             await asyncio.sleep(0.002)
         got = items[taken[0] : taken[0] + n]
         taken[0] += n
@@ -837,6 +903,27 @@ async def test_partial_replay_buffer_reports_replay_failed(take):
     assert items[2] == ReplayFailed(1, 4, "replay buffer starts at 3, not 1")
     # The consumer drops the worker's state; what follows the loss is still delivered.
     assert received(items) == [(0, False), (4, False)]
+
+
+@pytest.mark.parametrize("jump", [10**9, 2**64 - 1])
+async def test_a_sequence_jump_of_any_size_costs_no_memory(take, jump):
+    """The old subscriber built list(range(expected, got)): 2 GB at a jump of 5e7."""
+    engine = FakeEngine()
+    sub = KVEventSubscriber(engine.endpoint, engine.replay_endpoint)
+    try:
+        await engine.wait_subscribed()
+        await engine.send(0)
+        await engine.send(jump)
+        items = await take(sub, 4)
+    finally:
+        await sub.close()
+        engine.close()
+    assert items[1:3] == [
+        GapDetected(1, jump),
+        ReplayFailed(1, jump, "replay returned nothing older than the live batch"),
+    ]
+    assert received(items) == [(0, False), (jump, False)]
+    assert sub.last_seq == jump
 
 
 async def test_malformed_payload_is_reported_and_stream_continues(take):

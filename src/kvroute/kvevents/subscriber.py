@@ -16,6 +16,10 @@ already gave is skipped if it is the same bytes, and is a restart if not (an eng
 restarted between a catch-up replay and its next batch). vLLM's protocol has no publisher
 identity, so a restarted engine whose first seen ``seq`` is still above the old one's looks like a
 gap; nothing can tell those apart.
+
+Every one of those decisions is the native ``SequenceTracker`` 's (``kvroute-core``'s
+``kvevents::sequence``, a sans-I/O state machine with its own tests); this module does the
+ZeroMQ I/O around it and turns its answers into the items below.
 """
 
 from __future__ import annotations
@@ -24,20 +28,31 @@ import asyncio
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Union
+from typing import Self
 
 import zmq
 import zmq.asyncio
 
-from kvroute.kvevents.wire import END_SEQ, DecodedBatch, KVEventDecodeError, decode_batch, encode_seq
+from kvroute._native import SequenceTracker
+from kvroute.kvevents.wire import (
+    END_SEQ,
+    DecodedBatch,
+    KVEventDecodeError,
+    NativeEventBatch,
+    decode_batch,
+    decode_native,
+    encode_seq,
+)
 
 
 @dataclass(frozen=True, slots=True)
 class EventsReceived:
-    """A decoded batch; ``replayed`` tells it came from the replay socket, not the live one."""
+    """A decoded batch; ``replayed`` tells it came from the replay socket, not the live one.
+    ``batch`` is a :class:`~kvroute.kvevents.wire.NativeEventBatch` for a subscriber made with
+    ``native=True``."""
 
     seq: int
-    batch: DecodedBatch
+    batch: DecodedBatch | NativeEventBatch
     replayed: bool = False
 
 
@@ -76,30 +91,11 @@ class MalformedPayload:
     error: str
 
 
-SubscriberItem = Union[EventsReceived, GapDetected, ReplayFailed, EngineRestarted, MalformedPayload]
+SubscriberItem = EventsReceived | GapDetected | ReplayFailed | EngineRestarted | MalformedPayload
 
 
-def _coverage_problem(replayed_seqs: list[int], expected: int, got: int) -> str | None:
-    """Why the replayed sequence numbers do not exactly fill ``expected .. got - 1``, or None."""
-    if replayed_seqs == list(range(expected, got)):
-        return None
-    if not replayed_seqs:
-        return "replay returned nothing older than the live batch"
-    if replayed_seqs[0] != expected:
-        # The ring buffer already dropped the oldest missing batches.
-        return f"replay buffer starts at {replayed_seqs[0]}, not {expected}"
-    return "replay skipped sequence numbers"
-
-
-def _materialize(item: SubscriberItem | tuple[int, bytes, bool]) -> SubscriberItem:
-    """A queued item as yielded: batches wait undecoded as ``(seq, payload, replayed)``."""
-    if type(item) is tuple:
-        seq, payload, replayed = item
-        try:
-            return EventsReceived(seq, decode_batch(payload), replayed)
-        except KVEventDecodeError as exc:
-            return MalformedPayload(seq, str(exc))
-    return item
+def _malformed_frames(lengths: list[int]) -> MalformedPayload:
+    return MalformedPayload(None, f"expected [topic, 8-byte seq, payload], got frames of {lengths} bytes")
 
 
 class KVEventSubscriber:
@@ -116,6 +112,8 @@ class KVEventSubscriber:
         replay_timeout: seconds to wait for each message of a replay before giving up.
         catch_up: before waiting for live batches, replay everything the engine still buffers
             (see below).
+        native: yield batches as :class:`~kvroute.kvevents.wire.NativeEventBatch` (events kept
+            in Rust, for the native index) instead of :class:`DecodedBatch`.
 
     Sequence numbers are expected from 0, so a subscriber that starts after the engine first
     replays what the engine still buffers (or reports ReplayFailed when that is not everything).
@@ -145,6 +143,7 @@ class KVEventSubscriber:
         bind: bool = False,
         replay_timeout: float = 1.0,
         catch_up: bool = False,
+        native: bool = False,
     ) -> None:
         # The replay DEALERs are awaited; the live SUB socket is a plain one that the event loop
         # reads from a reader callback (see ``_drain``).
@@ -170,11 +169,9 @@ class KVEventSubscriber:
         self._pending: deque[SubscriberItem | tuple[int, bytes, bool]] = deque()
         self._taken_since_pause = 0
         self._catch_up = catch_up and replay_endpoint is not None
-        self._last: int | None = None  # last seq yielded (batch or malformed)
-        self._last_live: int | None = None  # highest seq seen on the live socket
-        #: seq -> hash of the payload, for replayed batches whose live copy may still come: a
-        #: live batch at such a seq is a duplicate only if it is the same batch.
-        self._replayed: dict[int, int] = {}
+        #: Every sequence decision: in order, gap, replay coverage, restart, duplicate.
+        self._tracker = SequenceTracker()
+        self._decode = decode_native if native else decode_batch
         self._closed = False
         # Reading the live socket (see ``_drain``). ZMQ_FD is the socket's notification
         # descriptor: readable when its state may have changed, fixed for the socket's life.
@@ -198,7 +195,7 @@ class KVEventSubscriber:
     @property
     def last_seq(self) -> int | None:
         """The sequence number of the last batch yielded, None before the first."""
-        return self._last
+        return self._tracker.last_seq
 
     def __aiter__(self) -> KVEventSubscriber:
         return self
@@ -220,7 +217,7 @@ class KVEventSubscriber:
             if self._closed:
                 raise StopAsyncIteration
             await self._next_live()
-        return _materialize(self._pending.popleft())
+        return self._materialize(self._pending.popleft())
 
     async def run(self, on_item: Callable[[SubscriberItem], None]) -> None:
         """Hand every item to ``on_item``, in order, until :meth:`close`.
@@ -228,8 +225,8 @@ class KVEventSubscriber:
         The fast way to consume: a live batch that simply follows the last one is decoded and
         handed over inside the socket's reader callback, with no task switch per message
         (iterating costs a future, a task wake-up and two ``epoll_ctl`` calls per batch:
-        ``benchmarks/kv_events_consume.py`` measured 73 µs of CPU per batch iterated, 52 with
-        ``run``). Catch-up, gaps (replay), restarts and malformed framing take the same async
+        on a loaded 2-core machine ``benchmarks/kv_events_consume.py`` measured 203 µs of CPU
+        per batch iterated, 96 with ``run``, both feeding the Python index). Catch-up, gaps (replay), restarts and malformed framing take the same async
         path as iteration, in this task.
         ``on_item`` must not block; an exception it raises ends ``run`` with that exception.
         """
@@ -264,7 +261,7 @@ class KVEventSubscriber:
         pending = self._pending
         while pending:
             for _ in range(min(len(pending), self.PAUSE_EVERY)):
-                on_item(_materialize(pending.popleft()))
+                on_item(self._materialize(pending.popleft()))
             if pending:
                 await asyncio.sleep(0)
 
@@ -279,7 +276,7 @@ class KVEventSubscriber:
         self._wake()
         self._sub.close(linger=0)
 
-    async def __aenter__(self) -> KVEventSubscriber:
+    async def __aenter__(self) -> Self:
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -365,17 +362,21 @@ class KVEventSubscriber:
 
     def _next_in_order(self, frames: list[bytes]) -> bool:
         """Queue a live message that is the batch after the last one; False for any other."""
-        if len(frames) != 3 or len(frames[1]) != 8:
+        seq = self._tracker.in_order(frames)
+        if seq is None:
             return False
-        seq = int.from_bytes(frames[1], "big")
-        last = self._last
-        if seq != (0 if last is None else last + 1) or (self._last_live is not None and seq <= self._last_live):
-            return False
-        if self._replayed:
-            self._forget_replayed_through(seq)
-        self._last_live = seq
-        self._deliver(seq, frames[2], replayed=False)
+        self._pending.append((seq, frames[2], False))
         return True
+
+    def _materialize(self, item: SubscriberItem | tuple[int, bytes, bool]) -> SubscriberItem:
+        """A queued item as yielded: batches wait undecoded as ``(seq, payload, replayed)``."""
+        if type(item) is tuple:
+            seq, payload, replayed = item
+            try:
+                return EventsReceived(seq, self._decode(payload), replayed)
+            except KVEventDecodeError as exc:
+                return MalformedPayload(seq, str(exc))
+        return item
 
     def _hand_over(self) -> None:
         """``run``: give the queued items to its callback now; what it raises stops the reading
@@ -384,78 +385,34 @@ class KVEventSubscriber:
         pending = self._pending
         try:
             while pending:
-                on_item(_materialize(pending.popleft()))
+                on_item(self._materialize(pending.popleft()))
         except Exception as exc:  # noqa: BLE001 (any error of the callback's ends run with it)
             self._failure = exc
             self._disarm()
 
     async def _on_live(self, frames: list[bytes]) -> None:
-        if len(frames) != 3 or len(frames[1]) != 8:
-            self._pending.append(
-                MalformedPayload(
-                    None,
-                    "expected [topic, 8-byte seq, payload], got frames of "
-                    f"{[len(f) for f in frames]} bytes",
-                )
-            )
-            return
-        _, seq_frame, payload = frames
-        seq = int.from_bytes(seq_frame, "big")
-        replayed_copy = self._replayed.get(seq)
-        if self._replayed:
-            self._forget_replayed_through(seq)
-        if self._last_live is not None and seq <= self._last_live:
-            self._restarted(seq)
-        elif self._last is not None and seq <= self._last:
-            if replayed_copy == hash(payload):
-                # Already yielded from a replay that ran ahead of the live stream.
-                self._last_live = seq
-                return
-            # Not the batch the replay gave for this seq: a new engine counting from 0 again
-            # (it restarted after the catch-up replay, before its first live batch came).
-            self._restarted(seq)
-        self._last_live = seq
-        expected = 0 if self._last is None else self._last + 1
-        if seq == expected:
-            self._deliver(seq, payload, replayed=False)
-            return
-        self._pending.append(GapDetected(expected, seq))
-        replayed, failure = await self._replay(expected)
-        missing = [(s, p) for s, p in replayed if s < seq]
-        if failure is None:
-            failure = _coverage_problem([s for s, _ in missing], expected, seq)
-        if failure is None:
-            for s, p in missing:
-                self._deliver(s, p, replayed=True)
-        else:
-            self._pending.append(ReplayFailed(expected, seq, failure))
-        self._deliver(seq, payload, replayed=False)
-        # Batches newer than the live one that the replay already brought: yield them now, in
-        # order, and their live copies will be skipped as duplicates.
-        for s, p in replayed:
-            if s == self._last + 1:
-                self._deliver(s, p, replayed=True)
+        await self._follow(self._tracker.live(frames))
 
-    def _deliver(self, seq: int, payload: bytes, replayed: bool) -> None:
-        self._pending.append((seq, payload, replayed))  # decoded when taken
-        self._last = seq
-        if replayed:
-            self._replayed[seq] = hash(payload)
-
-    def _restarted(self, seq: int) -> None:
-        self._pending.append(EngineRestarted(self._last, seq))
-        self._last = self._last_live = None
-        self._replayed.clear()
-
-    def _forget_replayed_through(self, seq: int) -> None:
-        """The live stream is at ``seq``: replayed batches up to it will not come live again
-        (they are kept in seq order, so the oldest go first)."""
-        replayed = self._replayed
-        while replayed:
-            oldest = next(iter(replayed))
-            if oldest > seq:
-                break
-            del replayed[oldest]
+    async def _follow(self, actions: list[tuple]) -> None:
+        """Queue what the tracker's answer says, running the replay it asks for."""
+        pending = self._pending
+        for action in actions:
+            kind = action[0]
+            if kind == "batch":
+                pending.append(action[1:])  # (seq, payload, replayed), decoded when taken
+            elif kind == "gap":
+                pending.append(GapDetected(action[1], action[2]))
+            elif kind == "replay":
+                replayed, failure = await self._replay(action[1])
+                await self._follow(self._tracker.replay_done(replayed, failure))
+            elif kind == "replay_failed":
+                pending.append(ReplayFailed(action[1], action[2], action[3]))
+            elif kind == "restarted":
+                pending.append(EngineRestarted(action[1], action[2]))
+            elif kind == "malformed":
+                pending.append(_malformed_frames(action[1]))
+            else:  # pragma: no cover (the tracker's vocabulary is closed)
+                raise AssertionError(f"unknown tracker action {action!r}")
 
     # --- replay ----------------------------------------------------------------------------
 
@@ -464,17 +421,7 @@ class KVEventSubscriber:
         already queued on the SUB socket that the replay covered are skipped as duplicates
         later; a failed or empty replay leaves everything to the live stream."""
         replayed, _ = await self._replay(0)
-        run = replayed[:1]
-        for seq, payload in replayed[1:]:
-            if seq != run[-1][0] + 1:
-                break  # a hole: the live stream's first gap asks again from there
-            run.append((seq, payload))
-        if not run:
-            return
-        if run[0][0] != 0:
-            self._pending.append(ReplayFailed(0, run[0][0], f"replay buffer starts at {run[0][0]}, not 0"))
-        for seq, payload in run:
-            self._deliver(seq, payload, replayed=True)
+        await self._follow(self._tracker.catch_up_done(replayed))
 
     async def _replay(self, start_seq: int) -> tuple[list[tuple[int, bytes]], str | None]:
         """Ask the replay socket for every buffered batch from ``start_seq`` on.
@@ -505,7 +452,7 @@ class KVEventSubscriber:
                 if seq_frame == END_SEQ:
                     return received, None
                 received.append((int.from_bytes(seq_frame, "big"), payload))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             return received, (
                 f"no reply from replay endpoint {self._replay_endpoint} "
                 f"within {self._replay_timeout:g}s"
