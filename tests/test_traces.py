@@ -12,8 +12,7 @@ from hypothesis import strategies as st
 
 from kvroute.blocks import BlockHasher
 from kvroute.errors import UserError
-from kvroute.trace import BLOCK_TOKENS, block_tokens, parse_trace
-from kvroute.trace import reuse
+from kvroute.trace import BLOCK_TOKENS, block_tokens, parse_trace, reuse
 
 
 def _lines(objs) -> list[bytes]:
@@ -218,3 +217,43 @@ def test_replay_scales_arrival_times_and_makes_prompts_on_demand():
     assert len(out[1].prompt()) == 512
     with pytest.raises(UserError, match="time-scale"):
         list(trace.replay(time_scale=-1))
+
+
+# --- the command line -----------------------------------------------------------------------
+
+
+def test_parse_tokens_takes_decimal_suffixes():
+    from kvroute.units import parse_tokens
+
+    assert [parse_tokens(t) for t in ("3M", "500k", "1.5G", "4096", 7)] == [3_000_000, 500_000, 1_500_000_000, 4096, 7]
+    for bad in ("3MiB", "x", "0", "1.5"):
+        with pytest.raises(UserError, match="kv-capacity-tokens"):
+            parse_tokens(bad)
+
+
+def test_predict_trace_prints_writes_json_and_plots(tmp_path, capsys):
+    from kvroute.cli import main
+
+    chains = [(0, 1, 2), (0, 1, 2, 3), (4, 5), (0, 1, 6), (4, 5, 7)]
+    path = tmp_path / "t.jsonl"
+    path.write_bytes(b"".join(_lines(
+        {"timestamp": i * 100, "input_length": 512 * len(c), "output_length": 3, "hash_ids": list(c)}
+        for i, c in enumerate(chains))))
+    out = tmp_path / "out"
+    assert main(["predict", "--trace", str(path), "--workers", "2", "--kv-capacity-tokens", "2k",
+                 "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "5 requests in 2 sessions" in text
+    summary = json.loads((out / "summary.json").read_text())
+    # 15 blocks, 7 seen before: 0,1,2 / 0,1 / 4,5 (the 2nd, 4th and 5th prompts).
+    assert summary["infinite_cache"]["block_hit_ratio"] == pytest.approx(7 / 15)
+    assert summary["lru"]["capacity_tokens"] == 2000
+    assert summary["fleets"][0]["workers"] == 2
+    assert {p.name for p in out.iterdir()} == {"summary.json", "lru_hit_vs_capacity.png", "fleet_hit_vs_capacity.png"}
+
+
+def test_predict_takes_capacity_in_tokens_without_a_trace(capsys):
+    from kvroute.cli import main
+
+    assert main(["predict", "--workers", "1", "--prefixes", "2", "--kv-capacity-tokens", "9344"]) == 0
+    assert "585 blocks of 16 tokens (584 usable" in capsys.readouterr().out  # the reference's 1 GiB

@@ -23,6 +23,7 @@ every block before it in the prompt hits too (a prefix cache cannot use block 5 
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import numpy as np
@@ -76,7 +77,7 @@ def infinite_cache(acc: BlockAccesses) -> dict[str, float]:
     hit = np.zeros(len(acc.ids), dtype=bool)
     ids = acc.ids.tolist()
     starts = acc.starts.tolist()
-    for s, e in zip(starts, starts[1:]):
+    for s, e in itertools.pairwise(starts):
         for j in range(s, e):
             if ids[j] not in seen:
                 break
@@ -129,8 +130,7 @@ def stack_distances(acc: BlockAccesses, requests: np.ndarray | None = None) -> n
                 below += tree[i]
                 i &= i - 1
             d = total - below
-            if d > run:
-                run = d
+            run = max(run, d)
             dist[j] = run
         for j in range(e - 1, s - 1, -1):  # touch last block first: earlier blocks end up more recent
             x = ids_all[j]
@@ -250,3 +250,87 @@ def fleet(trace: Trace, acc: BlockAccesses, single: np.ndarray, workers: int, se
         curves[policy] = HitCurve(fleet_distances(acc, assigned, workers), acc)
     curves["pooled"] = HitCurve(single, acc, capacity_factor=float(workers))
     return FleetCurves(workers, curves, load)
+
+
+def _fmt_tokens(n: float) -> str:
+    for unit, size in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if n >= size:
+            return f"{n / size:g}{unit}"
+    return f"{n:g}"
+
+
+@dataclass
+class TraceReuse:
+    """Everything ``kvroute predict --trace`` reports about one trace.
+
+    Attributes:
+        summary: the trace's counts and means (``Trace.summary``).
+        infinite: infinite-cache hit ratios.
+        single: the one-cache LRU curve.
+        capacity_tokens: the capacity X of the fleet points (per worker).
+        fleets: one ``FleetCurves`` per W.
+    """
+
+    summary: dict
+    infinite: dict[str, float]
+    single: HitCurve
+    capacity_tokens: int
+    fleets: list[FleetCurves]
+    seed: int = 0
+
+    def fraction_of_max(self, capacity: float) -> float:
+        """LRU token hit ratio at ``capacity`` over the infinite cache's."""
+        best = self.infinite["token_hit_ratio"]
+        return float(self.single.token_hit(capacity) / best) if best else 0.0
+
+    def to_json(self) -> dict:
+        grid = CURVE_CAPACITIES
+        fleets = []
+        for f in self.fleets:
+            fleets.append({
+                "workers": f.workers,
+                "capacity_tokens_per_worker": self.capacity_tokens,
+                "at_capacity": {p: f.curves[p].at(self.capacity_tokens) for p in POLICIES},
+                "busiest_worker_over_mean": {p: f.busiest_share(p) for p in f.load},
+                "requests_per_worker": {p: f.load[p].tolist() for p in f.load},
+                "curves_per_worker_capacity": {
+                    "capacity_tokens": grid.tolist(),
+                    **{p: f.curves[p].token_hit(grid).tolist() for p in POLICIES},
+                },
+            })
+        return {
+            "trace": self.summary,
+            "block_tokens": BLOCK_TOKENS,
+            "infinite_cache": self.infinite,
+            "lru": {
+                "capacity_tokens": self.capacity_tokens,
+                "at_capacity": self.single.at(self.capacity_tokens),
+                "fraction_of_max": self.fraction_of_max(self.capacity_tokens),
+                "curve": {
+                    "capacity_tokens": grid.tolist(),
+                    "token_hit_ratio": self.single.token_hit(grid).tolist(),
+                    "block_hit_ratio": self.single.block_hit(grid).tolist(),
+                    "full_block_hit_ratio": self.single.full_block_hit(grid).tolist(),
+                },
+            },
+            "fleets": fleets,
+            "seed": self.seed,
+            "notes": [
+                ("hit ratios count prompt blocks of 512 tokens; a block hits only after all "
+                "blocks before it in its prompt hit; output tokens are not cached"),
+                ("random: each request to a seeded uniform worker; prefix-affine: xxh3 of the "
+                "session key (first hash id after the common head) mod W; pooled: one LRU of W·X"),
+            ],
+        }
+
+
+def analyze(trace: Trace, workers: list[int], capacity_tokens: int, seed: int = 0) -> TraceReuse:
+    """The trace's reuse: infinite cache, the LRU curve, and each fleet size's three policies."""
+    acc = BlockAccesses.of(trace)
+    if not len(acc.ids):
+        from kvroute.errors import UserError
+
+        raise UserError(f"{trace.path}: no request has token ids or hash ids to analyze")
+    single = stack_distances(acc)
+    fleets = [fleet(trace, acc, single, w, seed) for w in workers]
+    return TraceReuse(trace.summary(), infinite_cache(acc), HitCurve(single, acc), capacity_tokens, fleets, seed)
