@@ -31,18 +31,18 @@ def _mooncake(chains, lengths=None, times=None, outputs=None):
 # --- an independent plain LRU replay -------------------------------------------------------
 
 
-def lru_replay(trace, capacity: int, assign=None) -> tuple[int, int, int]:
+def lru_replay(trace, capacity: int, assign=None, count_from: int = 0) -> tuple[int, int, int]:
     """(hit tokens, hit blocks, hit full blocks): per worker an OrderedDict of hash id -> size,
     a prompt's hits the leading run of cached blocks, then its blocks touched last to first,
     evicting least recently used blocks until each fits (a block bigger than the cache is not
-    kept)."""
+    kept). Requests before ``count_from`` fill the caches without being counted."""
     caches: dict[int, OrderedDict] = {}
     tokens = blocks = full = 0
     for i, r in enumerate(trace.requests):
         cache = caches.setdefault(0 if assign is None else int(assign[i]), OrderedDict())
         sizes = r.block_sizes()
         for h, size in zip(r.hash_ids, sizes):
-            if h not in cache:
+            if h not in cache or i < count_from:
                 break
             tokens += size
             blocks += 1
@@ -111,6 +111,21 @@ def test_stack_distances_match_a_plain_lru_replay(trace, capacity_blocks, worker
     pooled = reuse.HitCurve(single, acc, capacity_factor=workers)
     tokens, _, _ = lru_replay(trace, capacity * workers)
     assert pooled.token_hit(capacity) == pytest.approx(tokens / total_tokens)
+
+
+@settings(max_examples=60, deadline=None)
+@given(prefix_traces(), st.integers(1, 8), st.integers(0, 20))
+def test_a_warmup_fills_the_cache_without_being_counted(trace, capacity_blocks, skip):
+    skip = min(skip, len(trace.requests) - 1)
+    capacity = capacity_blocks * 400
+    warm = trace.requests[skip].arrival_s  # requests are 10 ms apart: the first `skip` warm up
+    result = reuse.analyze(trace, [2], capacity, warmup_s=warm)
+    acc = reuse.BlockAccesses.of(trace)
+    counted = int(acc.sizes[acc.starts[skip]:].sum())
+    tokens, _, _ = lru_replay(trace, capacity, count_from=skip)
+    assert result.single.token_hit(capacity) == pytest.approx(tokens / counted)
+    tokens, _, _ = lru_replay(trace, 10**12, count_from=skip)
+    assert result.infinite["token_hit_ratio"] == pytest.approx(tokens / counted)
 
 
 @settings(max_examples=60, deadline=None)

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="window length in seconds (sessions starting inside it come whole)")
     g.add_argument("--max-requests", type=int, default=None, metavar="N",
                    help="at most N requests, whole sessions in order of first arrival")
+    g.add_argument("--warmup", type=float, default=0.0, metavar="S",
+                   help="requests of the first S seconds fill the caches but are not counted")
     g.add_argument("--seed", type=int, default=0, help="random balancing's draws (default 0)")
     g.add_argument("--out", type=Path, default=None,
                    help="folder for summary.json and the plots (default ./kvroute-results/predict-<time>)")
@@ -51,7 +53,7 @@ def run(args: argparse.Namespace, capacity_of: Callable[[argparse.Namespace], tu
         raise UserError("--workers must be >= 1")
     capacity, capacity_from = capacity_of(args)
     trace = load_trace(args.trace).select(args.start, args.duration, args.max_requests)
-    reuse = analyze(trace, workers, capacity, args.seed)
+    reuse = analyze(trace, workers, capacity, args.seed, args.warmup)
     console = output_console()
     _print(console, reuse, capacity_from)
     out = args.out or Path("kvroute-results") / time.strftime("predict-%Y%m%d-%H%M%S")
@@ -81,6 +83,9 @@ def _print(console, reuse: TraceReuse, capacity_from: str) -> None:
         f"{s['mean_output_tokens']:,.0f}",
         highlight=False,
     )
+    if s.get("warmup_s"):
+        console.print(f"requests of the first {s['warmup_s']:g} s warm the caches and are not counted",
+                      highlight=False)
     head = s["common_head_blocks"]
     console.print(
         "sessions: requests sharing their first hash id"

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 import xxhash
 
+from kvroute.errors import UserError
 from kvroute.trace.format import BLOCK_TOKENS, Trace
 
 #: A distance no capacity reaches: the block was never seen before (or its prefix missed).
@@ -71,8 +72,9 @@ class BlockAccesses:
         return self.sizes == BLOCK_TOKENS
 
 
-def infinite_cache(acc: BlockAccesses) -> dict[str, float]:
-    """Hit ratios of a cache that never evicts: tokens, blocks, and full blocks only."""
+def infinite_cache(acc: BlockAccesses, counted: np.ndarray | None = None) -> dict[str, float]:
+    """Hit ratios of a cache that never evicts: tokens, blocks, and full blocks only, over the
+    ``counted`` touches (default all)."""
     seen: set[int] = set()
     hit = np.zeros(len(acc.ids), dtype=bool)
     ids = acc.ids.tolist()
@@ -83,13 +85,10 @@ def infinite_cache(acc: BlockAccesses) -> dict[str, float]:
                 break
             hit[j] = True
         seen.update(ids[s:e])
-    return _ratios(hit, acc)
-
-
-def _ratios(hit: np.ndarray, acc: BlockAccesses) -> dict[str, float]:
-    full = acc.full
+    keep = np.ones(len(hit), bool) if counted is None else counted
+    hit, sizes, full = hit[keep], acc.sizes[keep], acc.full[keep]
     return {
-        "token_hit_ratio": float(acc.sizes[hit].sum() / max(acc.sizes.sum(), 1)),
+        "token_hit_ratio": float(sizes[hit].sum() / max(sizes.sum(), 1)),
         "block_hit_ratio": float(hit.sum() / max(len(hit), 1)),
         "full_block_hit_ratio": float((hit & full).sum() / max(full.sum(), 1)),
     }
@@ -157,21 +156,26 @@ def stack_distances(acc: BlockAccesses, requests: np.ndarray | None = None) -> n
 class HitCurve:
     """Hit ratios at any capacity from the touches' stack distances (one pass, every capacity).
 
-    ``capacity_factor`` multiplies the capacity asked for before the lookup: a pooled cache of
+    ``counted`` selects the touches that count (default all; the others still fill the cache:
+    a warm-up). ``capacity_factor`` multiplies the capacity asked for before the lookup: a pooled cache of
     W workers of C tokens is the single cache at W·C, asked as ``HitCurve(d, acc, W)`` at C.
     """
 
-    def __init__(self, distances: np.ndarray, acc: BlockAccesses, capacity_factor: float = 1.0) -> None:
-        order = np.argsort(distances, kind="stable")
-        self._d = distances[order]
-        sizes = acc.sizes[order]
-        full = acc.full[order]
+    def __init__(
+        self, distances: np.ndarray, acc: BlockAccesses, capacity_factor: float = 1.0,
+        counted: np.ndarray | None = None,
+    ) -> None:
+        keep = np.ones(len(distances), bool) if counted is None else counted
+        order = np.argsort(distances[keep], kind="stable")
+        self._d = distances[keep][order]
+        sizes = acc.sizes[keep][order]
+        full = acc.full[keep][order]
         self._tokens = np.concatenate([[0], np.cumsum(sizes)])
         self._blocks = np.arange(len(order) + 1)
         self._full = np.concatenate([[0], np.cumsum(full)])
-        self._total_tokens = max(int(acc.sizes.sum()), 1)
+        self._total_tokens = max(int(sizes.sum()), 1)
         self._total_blocks = max(len(order), 1)
-        self._total_full = max(int(acc.full.sum()), 1)
+        self._total_full = max(int(full.sum()), 1)
         self._factor = capacity_factor
 
     def _count(self, capacity: np.ndarray | float) -> np.ndarray:
@@ -240,15 +244,18 @@ class FleetCurves:
         return float(load.max() / load.mean()) if load.sum() else 0.0
 
 
-def fleet(trace: Trace, acc: BlockAccesses, single: np.ndarray, workers: int, seed: int = 0) -> FleetCurves:
+def fleet(
+    trace: Trace, acc: BlockAccesses, single: np.ndarray, workers: int, seed: int = 0,
+    counted: np.ndarray | None = None,
+) -> FleetCurves:
     """The three policies' curves for W workers; ``single`` is the one-cache distances."""
     curves: dict[str, HitCurve] = {}
     load: dict[str, np.ndarray] = {}
     for policy in ("random", "prefix-affine"):
         assigned = assignments(trace, workers, policy, seed)
         load[policy] = np.bincount(assigned, minlength=workers)
-        curves[policy] = HitCurve(fleet_distances(acc, assigned, workers), acc)
-    curves["pooled"] = HitCurve(single, acc, capacity_factor=float(workers))
+        curves[policy] = HitCurve(fleet_distances(acc, assigned, workers), acc, counted=counted)
+    curves["pooled"] = HitCurve(single, acc, capacity_factor=float(workers), counted=counted)
     return FleetCurves(workers, curves, load)
 
 
@@ -324,13 +331,24 @@ class TraceReuse:
         }
 
 
-def analyze(trace: Trace, workers: list[int], capacity_tokens: int, seed: int = 0) -> TraceReuse:
-    """The trace's reuse: infinite cache, the LRU curve, and each fleet size's three policies."""
+def analyze(
+    trace: Trace, workers: list[int], capacity_tokens: int, seed: int = 0, warmup_s: float = 0.0
+) -> TraceReuse:
+    """The trace's reuse: infinite cache, the LRU curve, and each fleet size's three policies.
+
+    Requests arriving in the first ``warmup_s`` seconds fill the caches but are not counted.
+    """
     acc = BlockAccesses.of(trace)
     if not len(acc.ids):
-        from kvroute.errors import UserError
-
         raise UserError(f"{trace.path}: no request has token ids or hash ids to analyze")
+    counted = None
+    if warmup_s > 0:
+        arrivals = np.asarray([r.arrival_s for r in trace.requests])
+        counted = np.repeat(arrivals >= warmup_s, np.diff(acc.starts))
+        if not counted.any():
+            raise UserError(f"--warmup {warmup_s:g} s leaves no request of {trace.path} to count")
     single = stack_distances(acc)
-    fleets = [fleet(trace, acc, single, w, seed) for w in workers]
-    return TraceReuse(trace.summary(), infinite_cache(acc), HitCurve(single, acc), capacity_tokens, fleets, seed)
+    fleets = [fleet(trace, acc, single, w, seed, counted) for w in workers]
+    summary = {**trace.summary(), "warmup_s": warmup_s}
+    return TraceReuse(summary, infinite_cache(acc, counted), HitCurve(single, acc, counted=counted),
+                      capacity_tokens, fleets, seed)
