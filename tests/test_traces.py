@@ -227,11 +227,11 @@ def test_equal_hash_ids_give_equal_tokens_and_engine_blocks_at_any_block_size_di
 
 def test_replay_scales_arrival_times_and_makes_prompts_on_demand():
     trace = _mooncake([(0,), (1,)], lengths=[100, 600 - 88], times=[1000, 3000], outputs=[4, 5])
-    out = list(trace.replay(time_scale=0.5))
+    out = list(trace.replay(time_scale=2))
     assert [(r.at_s, r.prompt_tokens, r.output_tokens) for r in out] == [(0.0, 100, 4), (1.0, 512, 5)]
     assert len(out[1].prompt()) == 512
     with pytest.raises(UserError, match="time-scale"):
-        list(trace.replay(time_scale=-1))
+        list(trace.replay(time_scale=0))
 
 
 # --- the command line -----------------------------------------------------------------------
@@ -272,3 +272,59 @@ def test_predict_takes_capacity_in_tokens_without_a_trace(capsys):
 
     assert main(["predict", "--workers", "1", "--prefixes", "2", "--kv-capacity-tokens", "9344"]) == 0
     assert "585 blocks of 16 tokens (584 usable" in capsys.readouterr().out  # the reference's 1 GiB
+
+
+# --- kvroute bench --trace ------------------------------------------------------------------
+
+
+@pytest.fixture
+def emulated_worker():
+    import asyncio
+    import threading
+
+    from kvroute.emulator import EmulatorConfig, start_workers
+
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    cfg = EmulatorConfig.for_model("qwen3-0.6b", timing="instant", enable_prompt_tokens_details=True)
+    workers = asyncio.run_coroutine_threadsafe(start_workers(cfg, n=1), loop).result(30)
+    yield workers[0].url
+
+    async def stop():
+        for w in workers:
+            await w.close()
+
+    asyncio.run_coroutine_threadsafe(stop(), loop).result(30)
+    loop.call_soon_threadsafe(loop.stop)
+    thread.join(10)
+    loop.close()
+
+
+def test_bench_replays_a_mooncake_trace_and_counts_max_model_len_refusals(emulated_worker, tmp_path, capsys):
+    from kvroute.cli import main
+
+    # Request 3 (5,000 tokens) is past the emulator's max-model-len of 4,096; request 2 shares
+    # request 0's two first blocks (1,024 tokens); request 4 is in a session that starts late.
+    chains = [((0, 1, 2), 1300), ((3,), 400), ((0, 1, 4), 1100), (tuple(range(5, 15)), 5000), ((15,), 100)]
+    path = tmp_path / "mooncake.jsonl"
+    path.write_bytes(b"".join(_lines(
+        {"timestamp": 100 * i, "input_length": n, "output_length": 2, "hash_ids": list(ids)}
+        for i, (ids, n) in enumerate(chains))))
+    out = tmp_path / "out"
+    argv = ["bench", "--url", emulated_worker, "--metrics-url", emulated_worker, "--trace", str(path),
+            "--trials", "1", "--time-scale", "10", "--duration", "0.35", "--out", str(out)]
+    assert main(argv) == 0
+    text = capsys.readouterr().out
+    assert "1 of them refused by the server's max-model-len" in text
+    records = sorted((json.loads(line) for line in (out / "records.jsonl").open()), key=lambda r: r["index"])
+    assert len(records) == 4  # the window: sessions starting in the first 0.35 s
+    assert [r["status"] for r in records] == [200, 200, 200, 400]
+    assert "maximum context length" in records[3]["error"]
+    assert [r["prompt_tokens"] for r in records[:3]] == [1300, 400, 1100]
+    assert records[2]["cached_tokens"] == 1024
+    for r, at in zip(records, (0.0, 0.1, 0.2, 0.3)):  # sent 10x faster, reported in trace time
+        assert at - 0.02 <= r["send_time"] < at + 0.1  # asyncio may wake ~1 ms (x10) early
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["meta"]["refused_max_model_len"] == 1
+    assert summary["meta"]["trace"]["format"] == "mooncake"

@@ -29,7 +29,8 @@ block size dividing 512 (16 on GPU, 128 on CPU). Nothing is stored per request: 
 hash-id chains, and tokens are made when a request is sent.
 
 **Replay.** ``Trace.replay(time_scale)`` yields ``ReplayRequest`` objects in arrival order:
-``at_s`` (seconds from the first request, the trace's gaps times ``time_scale``), ``prompt()``
+``at_s`` (seconds from the first request, divided by ``time_scale``: kvroute's convention,
+as ``kvroute emulate --time-scale``, is "that many times faster than real time"), ``prompt()``
 (the token ids, made on demand), ``prompt_tokens``, ``output_tokens``, ``hash_ids`` and
 ``session``. That is what an open-loop simulator or client consumes.
 """
@@ -231,12 +232,13 @@ class Trace:
         return np.concatenate(blocks)[: request.input_length]
 
     def replay(self, time_scale: float = 1.0) -> Iterator[ReplayRequest]:
-        """Open-loop replay in arrival order: ``at_s`` = arrival × ``time_scale`` (0.5 plays the
-        trace twice as fast; 0 sends everything at once)."""
-        if time_scale < 0 or not math.isfinite(time_scale):
-            raise UserError(f"--time-scale must be a finite number >= 0, got {time_scale}")
+        """Open-loop replay in arrival order, ``time_scale`` times faster than recorded:
+        ``at_s = arrival_s / time_scale`` (10 plays an hour in 6 minutes, for workers started
+        with ``--time-scale 10``)."""
+        if not time_scale > 0 or not math.isfinite(time_scale):
+            raise UserError(f"--time-scale must be a finite number > 0, got {time_scale}")
         for i, r in enumerate(self.requests):
-            yield ReplayRequest(i, r.arrival_s * time_scale, r.input_length, r.output_length,
+            yield ReplayRequest(i, r.arrival_s / time_scale, r.input_length, r.output_length,
                                 r.hash_ids, r.session, r, self)
 
     def summary(self) -> dict:
