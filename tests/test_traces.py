@@ -202,6 +202,8 @@ def test_windows_keep_sessions_whole():
     assert [r.arrival_s for r in window.requests] == [0.0, 10.0, 20.0]
     sample = trace.select(max_requests=3)  # session 1 (2 requests), 2 (1); 3 does not fit
     assert [r.hash_ids for r in sample.requests] == [(1,), (2,), (1, 6)]
+    cut = trace.select(start_s=5, duration_s=30, max_requests=2, cut_sessions=True)
+    assert [r.hash_ids for r in cut.requests] == [(2,), (3,)]
     with pytest.raises(UserError, match="no session starts"):
         trace.select(start_s=100)
 

@@ -284,6 +284,7 @@ def trace_workload(
     start_s: float = 0.0,
     duration_s: float | None = None,
     max_requests: int | None = None,
+    cut_sessions: bool = False,
     closed_loop: bool = False,
     vocab: np.ndarray | None = None,
 ) -> BenchWorkload:
@@ -301,10 +302,11 @@ def trace_workload(
     Requests are sent at their recorded offsets from the window's first request divided by
     ``time_scale`` (workers that many times faster than real time), or, with ``closed_loop``,
     in trace order by the bench's closed-loop clients. ``start_s``, ``duration_s`` and
-    ``max_requests`` cut a window of whole sessions (``Trace.select``). No warmup: a trace is
+    ``max_requests`` cut a window of whole sessions, or with ``cut_sessions`` a plain time
+    window (``Trace.select``). No warmup: a trace is
     replayed as recorded.
     """
-    trace = load_trace(path, default_output_tokens).select(start_s, duration_s, max_requests)
+    trace = load_trace(path, default_output_tokens).select(start_s, duration_s, max_requests, cut_sessions)
     if vocab is not None:
         trace.vocab = np.asarray(vocab, dtype=np.uint32)
     hold_sessions = trace.format == "kvroute"

@@ -40,6 +40,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="window length in seconds (sessions starting inside it come whole)")
     g.add_argument("--max-requests", type=int, default=None, metavar="N",
                    help="at most N requests, whole sessions in order of first arrival")
+    g.add_argument("--cut-sessions", action="store_true",
+                   help="a plain time window: only the requests arriving in it, sessions cut")
     g.add_argument("--warmup", type=float, default=0.0, metavar="S",
                    help="requests of the first S seconds fill the caches but are not counted")
     g.add_argument("--seed", type=int, default=0, help="random balancing's draws (default 0)")
@@ -52,7 +54,7 @@ def run(args: argparse.Namespace, capacity_of: Callable[[argparse.Namespace], tu
     if min(workers) < 1:
         raise UserError("--workers must be >= 1")
     capacity, capacity_from = capacity_of(args)
-    trace = load_trace(args.trace).select(args.start, args.duration, args.max_requests)
+    trace = load_trace(args.trace).select(args.start, args.duration, args.max_requests, args.cut_sessions)
     reuse = analyze(trace, workers, capacity, args.seed, args.warmup)
     console = output_console()
     _print(console, reuse, capacity_from)

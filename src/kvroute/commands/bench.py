@@ -125,6 +125,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="with --trace: a window of S seconds; sessions starting in it are sent whole")
     w.add_argument("--max-requests", type=int, default=None, metavar="N",
                    help="with --trace: at most N requests, whole sessions in order of first arrival")
+    w.add_argument("--cut-sessions", action="store_true",
+                   help="with --trace: a plain time window, only the requests arriving in it")
 
     add_worker_arguments(
         parser,
@@ -170,6 +172,7 @@ def _workloads(args: Namespace, encoder: PromptEncoder, vocab) -> list[BenchWork
     if args.trace is not None:
         return [trace_workload(args.trace, encoder, args.output_tokens, time_scale=args.time_scale,
                                start_s=args.start, duration_s=args.duration, max_requests=args.max_requests,
+                               cut_sessions=args.cut_sessions,
                                closed_loop=args.closed_loop or args.rate is not None, vocab=vocab)]
     prefixes = parse_int_list(args.prefixes, "--prefixes")
     if args.sessions is not None:
@@ -186,8 +189,9 @@ def _check_workload_flags(args: Namespace) -> None:
         if not args.trace.is_file():
             raise UserError(f"trace {args.trace} does not exist")
         return
-    if args.closed_loop or args.start or args.duration is not None or args.max_requests is not None:
-        raise UserError("--closed-loop, --start, --duration and --max-requests are for --trace")
+    if (args.closed_loop or args.start or args.duration is not None or args.max_requests is not None
+            or args.cut_sessions):
+        raise UserError("--closed-loop, --start, --duration, --max-requests and --cut-sessions are for --trace")
     for k in parse_int_list(args.prefixes, "--prefixes"):
         workload_spec(args, k)
     if args.sessions is not None:
@@ -333,7 +337,8 @@ def _report(args, options: BenchOptions, setup: dict, points: list[Point], write
     trace = workloads[0].trace
     if trace is not None:
         meta["trace"] = {**trace.summary(), "start_s": args.start, "duration_s_window": args.duration,
-                         "max_requests": args.max_requests, "closed_loop": args.closed_loop}
+                         "max_requests": args.max_requests, "closed_loop": args.closed_loop,
+                         "cut_sessions": args.cut_sessions}
     if reference:
         meta["sim"] = {"timing": args.sim_timing, "points": [p.to_json() for p in reference]}
     paths = writer.write_reports(points, meta, capacity, tables_as_html(render), reference)

@@ -179,7 +179,8 @@ class Trace:
         return out
 
     def select(
-        self, start_s: float = 0.0, duration_s: float | None = None, max_requests: int | None = None
+        self, start_s: float = 0.0, duration_s: float | None = None, max_requests: int | None = None,
+        cut_sessions: bool = False,
     ) -> Trace:
         """A window or sample that keeps sessions whole, its clock restarted at its first request.
 
@@ -187,6 +188,8 @@ class Trace:
         (seconds from the trace's first request; no end when ``duration_s`` is None); all its
         requests come with it, later ones included. ``max_requests`` then keeps whole sessions
         in order of first arrival, skipping any that would not fit, up to that many requests.
+        With ``cut_sessions``, a plain time window instead: the requests arriving in it, the
+        first ``max_requests`` of them.
         """
         if start_s < 0 or not math.isfinite(start_s):
             raise UserError(f"--start must be a finite number of seconds >= 0, got {start_s}")
@@ -196,7 +199,9 @@ class Trace:
             raise UserError(f"--max-requests must be >= 1, got {max_requests}")
         end = math.inf if duration_s is None else start_s + duration_s
         keep: list[int] = []
-        for members in self.sessions().values():
+        if cut_sessions:
+            keep = [i for i, r in enumerate(self.requests) if start_s <= r.arrival_s < end][:max_requests]
+        for members in [] if cut_sessions else self.sessions().values():
             first = self.requests[members[0]].arrival_s
             if not start_s <= first < end:
                 continue
