@@ -232,6 +232,11 @@ def test_replay_scales_arrival_times_and_makes_prompts_on_demand():
     out = list(trace.replay(time_scale=2))
     assert [(r.at_s, r.prompt_tokens, r.output_tokens) for r in out] == [(0.0, 100, 4), (1.0, 512, 5)]
     assert len(out[1].prompt()) == 512
+    arrays = _mooncake([(0, 1), (2,), (0, 3)], lengths=[1000, 10, 600]).arrays()
+    assert arrays["hash_offsets"].tolist() == [0, 2, 3, 5]
+    assert arrays["hash_ids"].tolist() == [0, 1, 2, 0, 3]
+    assert arrays["session"].tolist() == [0, 1, 0]
+    assert arrays["input_length"].tolist() == [1000, 10, 600]
     with pytest.raises(UserError, match="time-scale"):
         list(trace.replay(time_scale=0))
 

@@ -32,7 +32,8 @@ hash-id chains, and tokens are made when a request is sent.
 ``at_s`` (seconds from the first request, divided by ``time_scale``: kvroute's convention,
 as ``kvroute emulate --time-scale``, is "that many times faster than real time"), ``prompt()``
 (the token ids, made on demand), ``prompt_tokens``, ``output_tokens``, ``hash_ids`` and
-``session``. That is what an open-loop simulator or client consumes.
+``session``. That is what an open-loop simulator or client consumes; ``Trace.arrays()`` gives
+the same as flat numpy arrays (hash-id chains with offsets) for a simulator in Rust.
 """
 
 from __future__ import annotations
@@ -245,6 +246,31 @@ class Trace:
         for i, r in enumerate(self.requests):
             yield ReplayRequest(i, r.arrival_s / time_scale, r.input_length, r.output_length,
                                 r.hash_ids, r.session, r, self)
+
+    def arrays(self) -> dict[str, np.ndarray]:
+        """The trace as flat arrays, for a simulator in another language (no per-request
+        objects, no tokens): ``arrival_s`` (float64), ``input_length``, ``output_length``,
+        ``hash_offsets`` (int64, requests + 1: request i's ids are
+        ``hash_ids[hash_offsets[i]:hash_offsets[i + 1]]``), ``hash_ids`` (int64, flat) and
+        ``session`` (int64: sessions numbered in order of first arrival). Tokens of id h are
+        ``block_tokens(h, vocab, seed)``; a text prompt has no ids (an empty range)."""
+        offsets = [0]
+        flat: list[int] = []
+        numbering: dict[str, int] = {}
+        sessions = []
+        for r in self.requests:
+            flat.extend(r.hash_ids or ())
+            offsets.append(len(flat))
+            key = r.session if r.session is not None else f"\0line{r.line}"
+            sessions.append(numbering.setdefault(key, len(numbering)))
+        return {
+            "arrival_s": np.asarray([r.arrival_s for r in self.requests], dtype=np.float64),
+            "input_length": np.asarray([r.input_length for r in self.requests], dtype=np.int64),
+            "output_length": np.asarray([r.output_length for r in self.requests], dtype=np.int64),
+            "hash_offsets": np.asarray(offsets, dtype=np.int64),
+            "hash_ids": np.asarray(flat, dtype=np.int64),
+            "session": np.asarray(sessions, dtype=np.int64),
+        }
 
     def summary(self) -> dict:
         """Counts and means for reports."""
