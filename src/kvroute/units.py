@@ -1,4 +1,5 @@
-"""Sizes given on the command line (``--kv-cache-memory-bytes``), parsed the way vLLM does."""
+"""Sizes given on the command line: bytes (``--kv-cache-memory-bytes``, parsed the way vLLM
+does) and tokens (``--kv-capacity-tokens``)."""
 
 from __future__ import annotations
 
@@ -39,3 +40,25 @@ def parse_bytes(text: str | int) -> int:
     if value != int(value):
         raise UserError(f"bad size {text!r}: not a whole number of bytes")
     return int(value)
+
+
+_TOKEN_UNITS = {"": 1, "K": 10**3, "M": 10**6, "G": 10**9}
+
+
+def parse_tokens(text: str | int, flag: str = "--kv-capacity-tokens") -> int:
+    """A token count with a decimal suffix, as the paper and operators of large models say it:
+    ``3M`` = 3,000,000 tokens, ``500k`` = 500,000, ``1.5G``; a plain integer as is."""
+    if isinstance(text, int):
+        value = text
+    else:
+        match = _SIZE.match(str(text).strip())
+        unit = match.group(2).upper() if match else None
+        if not match or unit not in _TOKEN_UNITS:
+            raise UserError(f"bad {flag} {text!r}: use a token count, e.g. 3000000, 3M, 500K, 1.5G")
+        value = float(match.group(1)) * _TOKEN_UNITS[unit]
+        if value != int(value):
+            raise UserError(f"bad {flag} {text!r}: not a whole number of tokens")
+        value = int(value)
+    if value < 1:
+        raise UserError(f"{flag} must be >= 1 token, got {text!r}")
+    return value

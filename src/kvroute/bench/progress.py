@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+)
 
 from kvroute.bench.runner import SweepHooks
 from kvroute.records import RequestRecord
@@ -15,6 +21,16 @@ def sweep_progress(console: Console) -> Progress:
                     console=console, transient=True)
 
 
+#: What vLLM (and the emulator) answer for a prompt past max-model-len, in its several versions.
+_TOO_LONG = ("maximum context length", "max_model_len", "maximum model length", "longer than the maximum")
+
+
+def refused_for_length(record: RequestRecord) -> bool:
+    """Whether a failed request was refused for the server's max-model-len (an HTTP 400)."""
+    error = (record.error or "").lower()
+    return record.status == 400 and any(marker in error for marker in _TOO_LONG)
+
+
 class ProgressHooks(SweepHooks):
     """Rich bars: the whole sweep, and the phase (warmup / measure) of the current trial."""
 
@@ -24,6 +40,7 @@ class ProgressHooks(SweepHooks):
         self.sweep = progress.add_task("sweep", total=total_trials)
         self.phase_task = progress.add_task("", total=1)
         self.failed = 0
+        self.refused_too_long = 0
         self._trials_started = 0
 
     def trial_started(self, target, workload, concurrency, trial) -> None:
@@ -39,6 +56,8 @@ class ProgressHooks(SweepHooks):
     def request_done(self, record: RequestRecord) -> None:
         if not record.ok:
             self.failed += 1
+            if refused_for_length(record):
+                self.refused_too_long += 1
         self.progress.advance(self.phase_task)
 
     def warning(self, message: str) -> None:

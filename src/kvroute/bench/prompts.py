@@ -8,7 +8,8 @@ exactly the same requests in exactly the same order (EXPERIMENT.md rule 2):
   turns and assistant replies) and adds a new user turn, so turn t reuses turn t-1's blocks.
   The assistant replies written into the history are seeded tokens, not the server's actual
   output: the requests must not depend on what one topology answered;
-* trace replay from JSONL: one request per line with its send time.
+* trace replay from JSONL (``kvroute.trace``: Mooncake's format or kvroute's): one request per
+  line with its send time.
 
 A prompt is a list of ``(role, token ids)`` segments. ``PromptEncoder`` renders it for the wire,
 once, before the measured window (so the hot path only sends pre-encoded bytes):
@@ -29,8 +30,9 @@ from pathlib import Path
 import msgspec
 import numpy as np
 
-from kvroute.errors import UNDECODABLE, UserError
+from kvroute.errors import UserError
 from kvroute.tokens import Tokenizer
+from kvroute.trace import Trace, load_trace
 from kvroute.workload import LengthDist, Workload, WorkloadSpec, generate
 
 COMPLETIONS_PATH = "/v1/completions"
@@ -83,6 +85,7 @@ class BenchWorkload:
         spec: the generator spec when the workload is the reference one (so the simulator can
             predict the same configuration); None for sessions and traces.
         prefix_tokens, suffix_tokens, output_tokens: mean lengths, for the capacity formula.
+        trace: the replayed window when the workload is a trace (``kvroute.trace.Trace``).
     """
 
     prefixes: int
@@ -93,6 +96,7 @@ class BenchWorkload:
     suffix_tokens: float = 0.0
     output_tokens: float = 0.0
     source: Workload | None = field(default=None, repr=False)
+    trace: Trace | None = field(default=None, repr=False)
 
 
 class PromptEncoder:
@@ -210,7 +214,7 @@ class SessionSpec:
 
     sessions: int
     turns: int
-    turn_tokens: LengthDist = LengthDist.fixed(64)
+    turn_tokens: LengthDist = field(default_factory=lambda: LengthDist.fixed(64))
 
     def __post_init__(self) -> None:
         if self.sessions < 1 or self.turns < 1:
@@ -239,7 +243,7 @@ def session_workload(
     suffix_lens = spec.suffix_tokens.sample(rng, sessions.sessions)
     for s in order:
         s = int(s)
-        draw = lambda n: vocab[rng.integers(0, len(vocab), size=int(n))]  # noqa: E731
+        draw = lambda n: vocab[rng.integers(0, len(vocab), size=int(n))]
         prefix_id = int(starts[s])
         if history[s] is None:
             segments = _segments(wl.prefixes[prefix_id], draw(suffix_lens[s]))
@@ -271,72 +275,70 @@ def session_workload(
     )
 
 
-class _TraceLine(msgspec.Struct, forbid_unknown_fields=False):
-    timestamp: float
-    output_tokens: int | None = None
-    max_tokens: int | None = None
-    prompt: str | list[int] | None = None
-    prompt_token_ids: list[int] | None = None
-    token_ids: list[int] | None = None
-    session_id: str | int | None = None
-    prefix_id: int | None = None
+def trace_workload(
+    path: Path,
+    encoder: PromptEncoder,
+    default_output_tokens: int = 64,
+    *,
+    time_scale: float = 1.0,
+    start_s: float = 0.0,
+    duration_s: float | None = None,
+    max_requests: int | None = None,
+    cut_sessions: bool = False,
+    closed_loop: bool = False,
+    vocab: np.ndarray | None = None,
+) -> BenchWorkload:
+    """Replay a JSONL trace (``kvroute.trace``: Mooncake's format or kvroute's, auto-detected).
 
-
-def trace_workload(path: Path, encoder: PromptEncoder, default_output_tokens: int = 64) -> BenchWorkload:
-    """Replay a JSONL trace: one object per line with ``timestamp`` (seconds; only
-    differences matter), the prompt as ``prompt`` (text or token ids), ``prompt_token_ids`` or
+    kvroute's format: one object per line with ``timestamp`` (seconds; only differences
+    matter), the prompt as ``prompt`` (text or token ids), ``prompt_token_ids`` or
     ``token_ids``, ``output_tokens`` (or ``max_tokens``; default ``default_output_tokens``),
-    and optionally ``session_id`` and ``prefix_id``.
+    and optionally ``session_id`` and ``prefix_id``; a line with a session id is held until
+    that session's previous line has been answered. Mooncake's: ``timestamp`` (ms),
+    ``input_length``, ``output_length``, ``hash_ids``; prompts are synthesized as token ids per
+    hash id (``kvroute.trace.format``), from ``vocab`` when given (a tokenizer's safe
+    vocabulary), and sent as open-loop arrivals with no session hold.
 
-    Requests are sent at their recorded offsets from the first line's timestamp; a line with a
-    session id is also held until that session's previous line has been answered. No warmup:
-    a trace is replayed as recorded.
+    Requests are sent at their recorded offsets from the window's first request divided by
+    ``time_scale`` (workers that many times faster than real time), or, with ``closed_loop``,
+    in trace order by the bench's closed-loop clients. ``start_s``, ``duration_s`` and
+    ``max_requests`` cut a window of whole sessions, or with ``cut_sessions`` a plain time
+    window (``Trace.select``). No warmup: a trace is
+    replayed as recorded.
     """
-    decoder = msgspec.json.Decoder(_TraceLine)
-    lines: list[_TraceLine] = []
-    try:
-        with open(path, "rb") as f:
-            for number, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    lines.append(decoder.decode(raw))
-                except UNDECODABLE as exc:
-                    raise UserError(f"{path}:{number}: bad trace line: {exc}") from None
-    except OSError as exc:
-        raise UserError(f"cannot read trace {path}: {exc.strerror or exc}") from None
-    if not lines:
-        raise UserError(f"trace {path} has no requests")
-    t0 = min(line.timestamp for line in lines)
-    lines.sort(key=lambda line: line.timestamp)  # stable: equal times keep file order
+    trace = load_trace(path, default_output_tokens).select(start_s, duration_s, max_requests, cut_sessions)
+    if vocab is not None:
+        trace.vocab = np.asarray(vocab, dtype=np.uint32)
+    hold_sessions = trace.format == "kvroute"
     requests: list[BenchRequest] = []
     last_of_session: dict[str, int] = {}
-    for number, line in enumerate(lines):
-        ids = line.prompt_token_ids or line.token_ids or (line.prompt if isinstance(line.prompt, list) else None)
-        output = line.output_tokens or line.max_tokens or default_output_tokens
-        if ids is not None:
-            body, n = encoder.encode([("user", np.asarray(ids, dtype=np.int64))], output)
-        elif isinstance(line.prompt, str):
-            body, n = encoder.encode_text(line.prompt, output)
+    for r in trace.replay(time_scale):
+        line = r.source
+        if line.prompt_text is not None and line.prompt_ids is None:
+            body, n = encoder.encode_text(line.prompt_text, r.output_tokens)
         else:
-            raise UserError(f"{path}: trace line {number + 1} has no prompt, prompt_token_ids or token_ids")
-        session = None if line.session_id is None else str(line.session_id)
-        index = len(requests)
+            body, n = encoder.encode([("user", trace.prompt_tokens(line))], r.output_tokens)
+        session = r.session if hold_sessions else None
         requests.append(
             BenchRequest(
-                index, line.prefix_id, session, n, output, encoder.path, body,
+                r.index, line.prefix_id, r.session, n, r.output_tokens, encoder.path, body,
                 after=last_of_session.get(session) if session is not None else None,
-                at_s=line.timestamp - t0,
+                at_s=None if closed_loop else r.at_s,
             )
         )
         if session is not None:
-            last_of_session[session] = index
-    prefixes = len({r.prefix_id for r in requests if r.prefix_id is not None}) or len(last_of_session) or 1
+            last_of_session[session] = r.index
+    sessions = {r.session_id for r in requests if r.session_id is not None}
+    prefixes = len({r.prefix_id for r in requests if r.prefix_id is not None}) or len(sessions) or 1
     return BenchWorkload(
         prefixes=prefixes,
         warmup=[],
         requests=requests,
+        # The formula's C counts a whole prompt's blocks per request (no known shared prefix);
+        # at least 1 token so that text prompts of unknown length still give a C.
+        suffix_tokens=max(float(np.mean([r.prompt_tokens for r in requests])), 1.0),
         output_tokens=float(np.mean([r.output_tokens for r in requests])),
+        trace=trace,
     )
 
 

@@ -16,16 +16,25 @@ same order (the workload is built once per K, from the seed).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvroute.bench.client import BenchClient, run_closed_loop, run_open_loop, run_sequential
+from kvroute.bench.client import (
+    BenchClient,
+    run_closed_loop,
+    run_open_loop,
+    run_sequential,
+)
 from kvroute.bench.prompts import BenchRequest, BenchWorkload, poisson_schedule
-from kvroute.bench.scrape import CacheDelta, MetricsScraper, deltas, window_token_hit_rate
+from kvroute.bench.scrape import (
+    CacheDelta,
+    MetricsScraper,
+    deltas,
+    window_token_hit_rate,
+)
 from kvroute.errors import UserError
 from kvroute.model import capacity_for_mean_lengths
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
@@ -88,6 +97,8 @@ class BenchOptions:
         warmup: send the workload's warmup requests before each trial's window.
         time_scale: the workers run this many times faster than real time (a time-scaled
             emulator); every measured time is multiplied by it, so results read in model time.
+        open_loop: send each request at its own ``at_s`` (a trace's timestamps) in one open-loop
+            point instead of one closed-loop point per ``concurrency``.
     """
 
     concurrency: tuple[int, ...] = (8,)
@@ -100,11 +111,12 @@ class BenchOptions:
     allow_missing_cached_tokens: bool = False
     warmup: bool = True
     time_scale: float = 1.0
+    open_loop: bool = False
 
     def __post_init__(self) -> None:
         if self.trials < 1:
             raise UserError("--trials must be >= 1")
-        if self.rate is None and (not self.concurrency or min(self.concurrency) < 1):
+        if self.rate is None and not self.open_loop and (not self.concurrency or min(self.concurrency) < 1):
             raise UserError("--concurrency must be >= 1")
         if self.rate is not None and self.rate <= 0:
             raise UserError(f"--rate must be > 0, got {self.rate}")
@@ -116,7 +128,7 @@ class BenchOptions:
     @property
     def load_levels(self) -> tuple[int, ...]:
         """Point concurrency values: the closed-loop levels, or 0 for the open loop."""
-        return (0,) if self.rate is not None else self.concurrency
+        return (0,) if self.rate is not None or self.open_loop else self.concurrency
 
 
 class SweepHooks:
@@ -180,16 +192,18 @@ async def discover_model(url: str, timeout_s: float = 10.0, api_key: str | None 
     target = url.rstrip("/") + "/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
-            async with session.get(target, headers=headers) as resp:
-                if resp.status == 401:
-                    what = "refused the API key" if api_key else "wants an API key"
-                    raise UserError(f"GET {target} answered HTTP 401: the server {what} "
-                                    "(--api-key, or the OPENAI_API_KEY environment variable)")
-                if resp.status != 200:
-                    raise UserError(f"GET {target} answered HTTP {resp.status}: is this an OpenAI-compatible server?")
-                body = await resp.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        async with (
+            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
+            session.get(target, headers=headers) as resp,
+        ):
+            if resp.status == 401:
+                what = "refused the API key" if api_key else "wants an API key"
+                raise UserError(f"GET {target} answered HTTP 401: the server {what} "
+                                "(--api-key, or the OPENAI_API_KEY environment variable)")
+            if resp.status != 200:
+                raise UserError(f"GET {target} answered HTTP {resp.status}: is this an OpenAI-compatible server?")
+            body = await resp.json(content_type=None)
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         reason = str(exc) or type(exc).__name__
         raise UserError(f"cannot reach {url}: {reason}") from None
     except ValueError:

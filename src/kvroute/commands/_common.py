@@ -12,7 +12,7 @@ from kvroute.model import (
     kv_bytes_per_token,
     num_kv_blocks,
 )
-from kvroute.units import parse_bytes
+from kvroute.units import parse_bytes, parse_tokens
 from kvroute.workload import LengthDist, WorkloadSpec
 
 
@@ -52,8 +52,12 @@ def add_worker_arguments(
     """KV memory, model geometry and block size of a worker. ``model_flag`` names the preset
     flag (``kvroute bench`` uses ``--kv-model``: its ``--model`` is the served model name)."""
     g = parser.add_argument_group(title)
-    g.add_argument("--kv-cache-memory-bytes", default="1GiB", metavar="SIZE",
-                   help="KV memory per worker, as vLLM's flag (default %(default)s)")
+    size = g.add_mutually_exclusive_group()
+    size.add_argument("--kv-cache-memory-bytes", default="1GiB", metavar="SIZE",
+                      help="KV memory per worker, as vLLM's flag (default %(default)s)")
+    size.add_argument("--kv-capacity-tokens", default=None, metavar="N",
+                      help="KV capacity per worker in tokens instead: 3M, 500k (decimal); "
+                           "blocks = N / block size, plus vLLM's null block")
     g.add_argument(model_flag, dest="kv_model", default="qwen3-0.6b", choices=sorted(MODEL_PRESETS),
                    help="model preset giving KV bytes per token (default %(default)s)")
     g.add_argument("--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]",
@@ -74,7 +78,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
     try:
         layers, heads, dim = (int(p) for p in parts[:3])
         shape = ModelShape(text, layers, heads, dim, parts[3] if len(parts) == 4 else "bfloat16")
-        shape.kv_bytes_per_token  # checks sizes and the dtype name
+        _ = shape.kv_bytes_per_token  # checks sizes and the dtype name
     except ValueError as exc:
         raise UserError(f"bad --model-shape {text!r}: {exc}") from None
     return shape
@@ -92,7 +96,10 @@ def kv_geometry(args: argparse.Namespace) -> tuple[int, int, int]:
     block_size = args.block_size or shape.block_size
     if block_size < 1 or per_token < 1:
         raise UserError("block size and KV bytes per token must be >= 1")
-    blocks = num_kv_blocks(parse_bytes(args.kv_cache_memory_bytes), per_token, block_size)
+    if getattr(args, "kv_capacity_tokens", None) is not None:
+        blocks = parse_tokens(args.kv_capacity_tokens) // block_size + 1  # the null block holds none
+    else:
+        blocks = num_kv_blocks(parse_bytes(args.kv_cache_memory_bytes), per_token, block_size)
     if blocks < 2:
         raise UserError(
             f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes} holds {blocks} blocks of "

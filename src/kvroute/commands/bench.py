@@ -63,6 +63,10 @@ examples:
   kvroute bench --url http://127.0.0.1:8000 --rate 20 -K 12 --tokenizer ./qwen3-tokenizer
   kvroute bench --url http://127.0.0.1:8000 --sessions 50 --turns 4 --prompt-format chat
   kvroute bench --url http://127.0.0.1:8000 --trace requests.jsonl
+  kvroute bench --url http://127.0.0.1:8000 --trace synthetic_trace.jsonl --duration 120 --time-scale 10
+
+A trace's requests that a server refuses for its max-model-len (HTTP 400, "maximum context
+length") are counted and reported, never dropped: they stay in records.jsonl as failures.
 """
 
 
@@ -107,7 +111,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--turn-tokens", default="64", metavar="N|LO:HI|A,B",
                    help="tokens of each later user message (default %(default)s)")
     w.add_argument("--trace", type=Path, default=None, metavar="JSONL",
-                   help="replay a trace: timestamp, prompt or token ids, output tokens, optional session id")
+                   help="replay a trace, open loop by its timestamps: Mooncake's format (hash_ids; prompts "
+                        "synthesized as token ids) or kvroute's (timestamp, prompt or token ids, output "
+                        "tokens, optional session id), auto-detected")
+    w.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="the workers run X times faster than real time (kvroute emulate --time-scale X): "
+                        "a trace is sent X times faster and measured times are multiplied by X")
+    w.add_argument("--closed-loop", action="store_true",
+                   help="with --trace: ignore its timestamps; --concurrency clients send it in order")
+    w.add_argument("--start", type=float, default=0.0, metavar="S",
+                   help="with --trace: sessions starting S seconds after its first request (default 0)")
+    w.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="with --trace: a window of S seconds; sessions starting in it are sent whole")
+    w.add_argument("--max-requests", type=int, default=None, metavar="N",
+                   help="with --trace: at most N requests, whole sessions in order of first arrival")
+    w.add_argument("--cut-sessions", action="store_true",
+                   help="with --trace: a plain time window, only the requests arriving in it")
 
     add_worker_arguments(
         parser,
@@ -144,12 +163,17 @@ def _options(args: Namespace) -> BenchOptions:
         reset=not args.no_reset,
         timeout_s=args.timeout,
         allow_missing_cached_tokens=args.allow_missing_cached_tokens,
+        time_scale=args.time_scale,
+        open_loop=args.trace is not None and not args.closed_loop and args.rate is None,
     )
 
 
 def _workloads(args: Namespace, encoder: PromptEncoder, vocab) -> list[BenchWorkload]:
     if args.trace is not None:
-        return [trace_workload(args.trace, encoder, args.output_tokens)]
+        return [trace_workload(args.trace, encoder, args.output_tokens, time_scale=args.time_scale,
+                               start_s=args.start, duration_s=args.duration, max_requests=args.max_requests,
+                               cut_sessions=args.cut_sessions,
+                               closed_loop=args.closed_loop or args.rate is not None, vocab=vocab)]
     prefixes = parse_int_list(args.prefixes, "--prefixes")
     if args.sessions is not None:
         sessions = SessionSpec(args.sessions, args.turns, LengthDist.parse(args.turn_tokens))
@@ -159,10 +183,15 @@ def _workloads(args: Namespace, encoder: PromptEncoder, vocab) -> list[BenchWork
 
 def _check_workload_flags(args: Namespace) -> None:
     """Refuse bad workload flags before any network traffic."""
+    if args.time_scale <= 0:
+        raise UserError(f"--time-scale must be > 0, got {args.time_scale}")
     if args.trace is not None:
         if not args.trace.is_file():
             raise UserError(f"trace {args.trace} does not exist")
         return
+    if (args.closed_loop or args.start or args.duration is not None or args.max_requests is not None
+            or args.cut_sessions):
+        raise UserError("--closed-loop, --start, --duration, --max-requests and --cut-sessions are for --trace")
     for k in parse_int_list(args.prefixes, "--prefixes"):
         workload_spec(args, k)
     if args.sessions is not None:
@@ -221,8 +250,15 @@ def run(args: Namespace) -> int:
             runner_box.append(runner)
             points = await runner.run(workloads)
             hooks.finish()
+        setup.update(failed=hooks.failed, refused_max_model_len=hooks.refused_too_long)
         if hooks.failed:
             console.print(f"[red]{hooks.failed} requests failed[/red] (counted as misses; see records.jsonl)")
+        if hooks.refused_too_long:
+            longest = max((r.prompt_tokens for w in workloads for r in w.requests), default=0)
+            console.print(
+                f"[red]{hooks.refused_too_long} of them refused by the server's max-model-len[/red] "
+                f"(longest prompt sent: {longest:,} tokens); counted, kept in records.jsonl as failures"
+            )
         return points
 
     interrupted = False
@@ -294,7 +330,15 @@ def _report(args, options: BenchOptions, setup: dict, points: list[Point], write
         "block_size": setup["block_size"],
         "capacity_from": setup["geometry"],
         "partial": interrupted,
+        "time_scale": options.time_scale,
+        "failed_requests": setup.get("failed"),
+        "refused_max_model_len": setup.get("refused_max_model_len"),
     }
+    trace = workloads[0].trace
+    if trace is not None:
+        meta["trace"] = {**trace.summary(), "start_s": args.start, "duration_s_window": args.duration,
+                         "max_requests": args.max_requests, "closed_loop": args.closed_loop,
+                         "cut_sessions": args.cut_sessions}
     if reference:
         meta["sim"] = {"timing": args.sim_timing, "points": [p.to_json() for p in reference]}
     paths = writer.write_reports(points, meta, capacity, tables_as_html(render), reference)

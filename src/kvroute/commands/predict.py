@@ -16,10 +16,11 @@ from rich import box
 from rich.table import Table
 
 from kvroute import model
+from kvroute.commands import _trace_predict as trace
 from kvroute.commands._common import model_shape
 from kvroute.errors import UserError
 from kvroute.report import output_console
-from kvroute.units import parse_bytes
+from kvroute.units import parse_bytes, parse_tokens
 from kvroute.workload import parse_int_list
 
 NAME = "predict"
@@ -52,6 +53,17 @@ More:
   kvroute predict --prefixes 12 --prefix-tokens 512,2032,4000     (mixed lengths, in turn)
   kvroute predict --model tiny-cpu --kv-cache-memory-bytes 4M     (vLLM on CPU: 64 blocks of 128)
   kvroute predict --model-shape 32,8,128,bf16 --kv-cache-memory-bytes 20G --json out.json
+  kvroute predict --kv-capacity-tokens 100k                      (capacity in tokens, not bytes)
+
+A trace instead of a workload shape (Mooncake's JSONL or kvroute's own, auto-detected): the
+trace's own reuse with no engine — the infinite-cache token and block hit ratios, the LRU hit
+ratio against one cache's capacity (10^4 to 10^8 tokens, exact: one stack-distance pass), and
+for W workers of X tokens each: random balancing, prefix-affine routing and one pooled cache
+of W·X. Tables, two PNG plots and summary.json in --out.
+
+  kvroute predict --trace synthetic_trace.jsonl                   (W = 8, X = 3M tokens)
+  kvroute predict --trace conversation_trace.jsonl --workers 4,8,16 --kv-capacity-tokens 1M
+  kvroute predict --trace conversation_trace.jsonl --start 600 --duration 120
 """
 
 
@@ -79,7 +91,9 @@ def _model_shape(args: argparse.Namespace) -> tuple[str, int, int]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--workers", default="6,3", help="W, or a comma list (default 6,3)")
+    parser.add_argument(
+        "--workers", default=None, help="W, or a comma list (default 6,3; 8 with --trace)"
+    )
     parser.add_argument(
         "--prefixes", default="2,7,12,24", help="K, or a comma list (default 2,7,12,24)"
     )
@@ -113,11 +127,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     shape.add_argument(
         "--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
     )
-    parser.add_argument(
+    size = parser.add_mutually_exclusive_group()
+    size.add_argument(
         "--kv-cache-memory-bytes",
-        default="1GiB",
+        default=None,
         metavar="SIZE",
         help="KV memory per worker: bytes, 1G/64M (binary, as vLLM), 1GiB (default 1GiB)",
+    )
+    size.add_argument(
+        "--kv-capacity-tokens",
+        default=None,
+        metavar="N",
+        help="KV capacity per worker in tokens instead: 3M, 500k, 1.5G (decimal; default 3M "
+        "with --trace)",
     )
     parser.add_argument(
         "--block-size",
@@ -131,10 +153,23 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="random (a Service), prefix-hash (one owner per prefix), or both: random,prefix-hash",
     )
     parser.add_argument("--json", type=Path, default=None, metavar="PATH", help="write predictions")
+    trace.add_arguments(parser)
+
+
+def _kv_blocks(args: argparse.Namespace, bytes_per_token: int, block_size: int) -> tuple[int, int]:
+    """(bytes, blocks incl. the null block) from --kv-cache-memory-bytes or --kv-capacity-tokens."""
+    if args.kv_capacity_tokens is not None:
+        tokens = parse_tokens(args.kv_capacity_tokens)
+        blocks = tokens // block_size + 1  # the null block holds no tokens
+        return blocks * block_size * bytes_per_token, blocks
+    memory = parse_bytes(args.kv_cache_memory_bytes or "1GiB")
+    return memory, model.num_kv_blocks(memory, bytes_per_token, block_size)
 
 
 def run(args: argparse.Namespace) -> int:
-    workers = parse_int_list(args.workers, "--workers")
+    if args.trace is not None:
+        return trace.run(args, _trace_capacity_tokens)
+    workers = parse_int_list(args.workers or "6,3", "--workers")
     prefixes = parse_int_list(args.prefixes, "--prefixes")
     prefix_tokens = parse_int_list(args.prefix_tokens, "--prefix-tokens")
     suffix = _non_negative_float(args.suffix_tokens, "--suffix-tokens")
@@ -146,12 +181,11 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"unknown policy {p!r}; choose from {', '.join(model.POLICIES)}")
     if args.requests is not None and args.requests < 1:
         raise UserError(f"--requests must be >= 1, got {args.requests}")
-    memory = parse_bytes(args.kv_cache_memory_bytes)
     described, bytes_per_token, default_block = _model_shape(args)
     block_size = args.block_size if args.block_size is not None else default_block
     if block_size < 1:
         raise UserError(f"--block-size must be >= 1, got {block_size}")
-    blocks = model.num_kv_blocks(memory, bytes_per_token, block_size)
+    memory, blocks = _kv_blocks(args, bytes_per_token, block_size)
     if blocks < 2:
         raise UserError(
             f"{memory:,} bytes hold {blocks} blocks of {block_size} tokens at "
@@ -230,6 +264,23 @@ def run(args: argparse.Namespace) -> int:
             raise UserError(f"cannot write {args.json}: {exc.strerror}") from None
         console.print(f"wrote {args.json}")
     return 0
+
+
+def _trace_capacity_tokens(args: argparse.Namespace) -> tuple[int, str]:
+    """Per-worker capacity X in tokens for --trace, and where it came from."""
+    if args.kv_capacity_tokens is not None:
+        return parse_tokens(args.kv_capacity_tokens), "--kv-capacity-tokens"
+    if args.kv_cache_memory_bytes is None:
+        return 3_000_000, "default: the paper's 3M-token local cache"
+    described, bytes_per_token, default_block = _model_shape(args)
+    block_size = args.block_size if args.block_size is not None else default_block
+    memory, blocks = _kv_blocks(args, bytes_per_token, block_size)
+    usable = model.usable_blocks(blocks)
+    if usable < 1:
+        raise UserError(f"--kv-cache-memory-bytes {args.kv_cache_memory_bytes} holds no usable block")
+    return usable * block_size, (
+        f"{memory:,} B / {bytes_per_token:,} B per token ({described}) = {usable:,} blocks of {block_size}"
+    )
 
 
 def _table(predictions: list[model.Prediction]) -> Table:
