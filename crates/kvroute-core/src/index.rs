@@ -355,7 +355,9 @@ impl KvIndex {
         if let Some(ttl) = predicted_ttl
             && !(ttl >= 0.0)
         {
-            return Err(IndexConfigError(format!("predicted_ttl must be >= 0, got {ttl}")));
+            return Err(IndexConfigError(format!(
+                "predicted_ttl must be >= 0, got {ttl}"
+            )));
         }
         Ok(Self {
             hasher,
@@ -514,7 +516,10 @@ impl KvIndex {
             }
             let oh = entry.own;
             w.engine.remove(eh);
-            let own = w.own.get_mut(&oh).expect("an engine entry has its own entry");
+            let own = w
+                .own
+                .get_mut(&oh)
+                .expect("an engine entry has its own entry");
             if own.refs > 1 {
                 own.refs -= 1; // another engine hash still vouches for these tokens
                 if own.engine == *eh {
@@ -626,7 +631,9 @@ impl KvIndex {
             let Some(slot) = self.lru.front() else { break };
             let (id, oh) = self.lru.remove(slot);
             let (word, bit) = (id / 64, 1u64 << (id % 64));
-            let w = self.workers[id].as_mut().expect("an LRU entry's worker is known");
+            let w = self.workers[id]
+                .as_mut()
+                .expect("an LRU entry's worker is known");
             let own = w.own.remove(&oh).expect("an LRU entry is held");
             if own.refs > 1 {
                 w.engine.retain(|_, e| e.own != oh);
@@ -796,7 +803,8 @@ impl KvIndex {
 
     /// Blocks the index attributes to `worker` (event-backed plus predicted).
     pub fn worker_blocks(&self, worker: &str) -> usize {
-        self.worker_id(worker).map_or(0, |id| self.worker_blocks_of(id))
+        self.worker_id(worker)
+            .map_or(0, |id| self.worker_blocks_of(id))
     }
 
     /// [`KvIndex::worker_blocks`] by id.
@@ -829,7 +837,10 @@ impl KvIndex {
             engine_entries: workers.clone().map(|w| w.engine.len()).sum(),
             duplicate_copies: workers
                 .map(|w| {
-                    w.engine.values().map(|e| e.copies as usize - 1).sum::<usize>()
+                    w.engine
+                        .values()
+                        .map(|e| e.copies as usize - 1)
+                        .sum::<usize>()
                         + w.own.values().map(|o| o.refs as usize - 1).sum::<usize>()
                 })
                 .sum(),
@@ -882,14 +893,19 @@ mod tests {
         KvCacheEvent::Stored(BlockStored::plain(
             hashes[first..stop].to_vec(),
             first.checked_sub(1).map(|p| hashes[p]),
-            toks[first * BS..stop * BS].iter().map(|&t| t as i64).collect(),
+            toks[first * BS..stop * BS]
+                .iter()
+                .map(|&t| t as i64)
+                .collect(),
             BS,
         ))
     }
 
     fn removed(toks: &[u32], blocks: &[usize]) -> KvCacheEvent {
         let hashes = engine().hash_blocks(toks, None, 0, None);
-        KvCacheEvent::Removed(BlockRemoved::plain(blocks.iter().map(|&b| hashes[b]).collect()))
+        KvCacheEvent::Removed(BlockRemoved::plain(
+            blocks.iter().map(|&b| hashes[b]).collect(),
+        ))
     }
 
     fn index(bound: Option<MemoryBound>) -> KvIndex {

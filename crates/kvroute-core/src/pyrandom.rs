@@ -210,7 +210,10 @@ mod tests {
         assert_eq!(r.randrange(7), 6);
         assert_eq!(r.randrange(100), 38);
         assert_eq!(PyRandom::from_seed(-5).random(), 0.6229016948897019);
-        assert_eq!(PyRandom::from_seed((1 << 70) + 3).random(), 0.16339507200642456);
+        assert_eq!(
+            PyRandom::from_seed((1 << 70) + 3).random(),
+            0.16339507200642456
+        );
         assert_eq!(PyRandom::from_seed(0).random(), 0.8444218515250481);
     }
 
