@@ -144,6 +144,11 @@ impl RoutingStep {
         self.by_name.get(name).copied()
     }
 
+    /// Slots handed out so far (removed workers' included).
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
     /// The workers in the step, in the order they were added.
     pub fn live_slots(&self) -> &[usize] {
         &self.live
