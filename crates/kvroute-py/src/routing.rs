@@ -996,6 +996,63 @@ impl RoutingStep {
     }
 }
 
+// -- CPython's generator ------------------------------------------------------------------
+
+/// ``kvroute_core::pyrandom``: CPython's ``random.Random`` reimplemented, exposed so tests
+/// can check its draws against Python's own.
+///
+/// Args:
+///     seed: an int of any size (its absolute value is used, as CPython does).
+#[pyclass(module = "kvroute._native", name = "NativeRandom")]
+pub struct NativeRandom {
+    inner: PyRandom,
+}
+
+#[pymethods]
+impl NativeRandom {
+    #[new]
+    fn new(seed: &Bound<'_, PyAny>) -> PyResult<Self> {
+        let n = seed.call_method0("__abs__")?;
+        let bits: usize = n.call_method0("bit_length")?.extract()?;
+        let bytes: Vec<u8> = n
+            .call_method1("to_bytes", (bits.div_ceil(32).max(1) * 4, "little"))?
+            .extract()?;
+        let key: Vec<u32> = bytes
+            .chunks_exact(4)
+            .map(|c| u32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        Ok(Self {
+            inner: PyRandom::from_key(&key),
+        })
+    }
+
+    /// A generator in the state of ``rng`` (a ``random.Random``).
+    #[staticmethod]
+    fn from_random(py: Python<'_>, rng: &Bound<'_, PyAny>) -> PyResult<Self> {
+        Ok(Self {
+            inner: rng_of(py, Some(rng))?,
+        })
+    }
+
+    fn random(&mut self) -> f64 {
+        self.inner.random()
+    }
+
+    fn getrandbits(&mut self, k: u32) -> PyResult<u64> {
+        if k > 64 {
+            return Err(PyValueError::new_err("at most 64 bits"));
+        }
+        Ok(self.inner.getrandbits(k))
+    }
+
+    fn randrange(&mut self, n: usize) -> PyResult<usize> {
+        if n == 0 {
+            return Err(PyValueError::new_err("empty range for randrange()"));
+        }
+        Ok(self.inner.randrange(n))
+    }
+}
+
 // -- benchmarks ---------------------------------------------------------------------------
 
 /// Native ingest speed, for ``benchmarks/index_speed.py``: ``workers`` workers each store
@@ -1104,6 +1161,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<WorkerState>()?;
     m.add_class::<PyPolicy>()?;
     m.add_class::<RoutingStep>()?;
+    m.add_class::<NativeRandom>()?;
     m.add_function(wrap_pyfunction!(bench_index_ingest, m)?)?;
     m.add_function(wrap_pyfunction!(bench_index_lookup, m)?)?;
     m.add("INDEX_ENTRY_BYTES", index::ENTRY_BYTES)?;
