@@ -47,6 +47,7 @@
 //!
 //! `now` arguments are seconds on one monotonic clock and must not go backwards.
 
+use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
@@ -353,7 +354,7 @@ impl KvIndex {
             ));
         }
         if let Some(ttl) = predicted_ttl
-            && !(ttl >= 0.0)
+            && ttl < 0.0
         {
             return Err(IndexConfigError(format!(
                 "predicted_ttl must be >= 0, got {ttl}"
@@ -506,21 +507,24 @@ impl KvIndex {
         let (word, bit) = (id / 64, 1u64 << (id % 64));
         let w = self.workers[id].as_mut().expect("known worker");
         for eh in &event.block_hashes {
-            let Some(entry) = w.engine.get_mut(eh) else {
-                self.unknown_removals += 1;
-                continue;
+            let oh = match w.engine.entry(*eh) {
+                Entry::Vacant(_) => {
+                    self.unknown_removals += 1;
+                    continue;
+                }
+                Entry::Occupied(mut e) => {
+                    if e.get().copies > 1 {
+                        e.get_mut().copies -= 1; // another copy of this engine block is stored
+                        continue;
+                    }
+                    e.remove().own
+                }
             };
-            if entry.copies > 1 {
-                entry.copies -= 1; // another copy of this engine block is still stored
-                continue;
-            }
-            let oh = entry.own;
-            w.engine.remove(eh);
-            let own = w
-                .own
-                .get_mut(&oh)
-                .expect("an engine entry has its own entry");
-            if own.refs > 1 {
+            let Entry::Occupied(mut own) = w.own.entry(oh) else {
+                unreachable!("an engine entry has its own entry");
+            };
+            if own.get().refs > 1 {
+                let own = own.get_mut();
                 own.refs -= 1; // another engine hash still vouches for these tokens
                 if own.engine == *eh {
                     own.engine = w
@@ -531,8 +535,7 @@ impl KvIndex {
                 }
                 continue;
             }
-            let lru = own.lru;
-            w.own.remove(&oh);
+            let lru = own.remove().lru;
             if self.bound.is_some() {
                 self.lru.remove(lru);
             }
@@ -568,48 +571,60 @@ impl KvIndex {
                 }
             },
         };
+        // One pass converts and checks (any id outside u32, here or in a trailing partial
+        // block, means these are not token ids: nothing to hash).
+        let mut out_of_range = 0u64;
         self.tokens.clear();
-        for &t in &event.token_ids {
-            match u32::try_from(t) {
-                Ok(t) => self.tokens.push(t),
-                Err(_) => {
-                    // Not token ids: nothing to hash.
-                    self.skipped_blocks += n as u64;
-                    return;
-                }
-            }
+        self.tokens
+            .extend(event.token_ids[..n * bs].iter().map(|&t| {
+                out_of_range |= (t as u64) >> 32;
+                t as u32
+            }));
+        for &t in &event.token_ids[n * bs..] {
+            out_of_range |= (t as u64) >> 32;
+        }
+        if out_of_range != 0 {
+            self.skipped_blocks += n as u64;
+            return;
         }
         self.own_hashes.clear();
         self.hasher
             .extend_chain(&self.tokens[..n * bs], parent_own, &mut self.own_hashes);
         let held = &mut self.held[word];
         let bounded = self.bound.is_some();
+        w.engine.reserve(n);
         for (&eh, &oh) in event.block_hashes.iter().zip(&self.own_hashes) {
-            if let Some(e) = w.engine.get_mut(&eh) {
-                e.copies += 1;
-                continue;
-            }
-            w.engine.insert(eh, EngineEntry { own: oh, copies: 1 });
-            if let Some(own) = w.own.get_mut(&oh) {
-                own.refs += 1;
-                if bounded {
-                    self.lru.move_to_back(own.lru);
+            match w.engine.entry(eh) {
+                Entry::Occupied(mut e) => {
+                    e.get_mut().copies += 1;
+                    continue;
                 }
-                continue;
+                Entry::Vacant(v) => {
+                    v.insert(EngineEntry { own: oh, copies: 1 });
+                }
             }
-            let lru = if bounded {
-                self.lru.push_back((id, oh))
-            } else {
-                NIL
-            };
-            w.own.insert(
-                oh,
-                OwnEntry {
-                    refs: 1,
-                    lru,
-                    engine: eh,
-                },
-            );
+            match w.own.entry(oh) {
+                Entry::Occupied(mut own) => {
+                    let own = own.get_mut();
+                    own.refs += 1;
+                    if bounded {
+                        self.lru.move_to_back(own.lru);
+                    }
+                    continue;
+                }
+                Entry::Vacant(v) => {
+                    let lru = if bounded {
+                        self.lru.push_back((id, oh))
+                    } else {
+                        NIL
+                    };
+                    v.insert(OwnEntry {
+                        refs: 1,
+                        lru,
+                        engine: eh,
+                    });
+                }
+            }
             *held.entry(oh).or_insert(0) |= bit;
             self.blocks += 1;
             if !w.predicted.is_empty()
@@ -854,10 +869,10 @@ impl KvIndex {
 }
 
 fn drop_bit(table: &mut HashKeyed<u64>, h: u64, bit: u64) {
-    if let Some(m) = table.get_mut(&h) {
-        *m &= !bit;
-        if *m == 0 {
-            table.remove(&h);
+    if let Entry::Occupied(mut m) = table.entry(h) {
+        *m.get_mut() &= !bit;
+        if *m.get() == 0 {
+            m.remove();
         }
     }
 }

@@ -225,20 +225,20 @@ impl KvAwareConfig {
                 self.block_size
             )));
         }
-        if !(self.overlap_weight >= 0.0 && self.request_weight >= 0.0 && self.share_weight >= 0.0) {
+        if self.overlap_weight < 0.0 || self.request_weight < 0.0 || self.share_weight < 0.0 {
             return Err(PolicyError("kv-aware weights must be >= 0".into()));
         }
         if let Some(lf) = self.load_factor
-            && !(lf >= 0.0)
+            && lf < 0.0
         {
             return Err(PolicyError(format!("load factor must be >= 0, got {lf}")));
         }
         if let Some(sf) = self.share_factor
-            && !(sf >= 0.0)
+            && sf < 0.0
         {
             return Err(PolicyError(format!("share factor must be >= 0, got {sf}")));
         }
-        if !(self.share_window >= 1.0) {
+        if self.share_window < 1.0 {
             return Err(PolicyError(format!(
                 "share window must be >= 1 decision per worker, got {}",
                 self.share_window

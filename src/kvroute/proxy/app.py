@@ -754,7 +754,7 @@ class _Load:
     when it chose the worker: the prompt tokens counted out when the prefill is done (first
     response byte), the request counted out at the end. Both are idempotent."""
 
-    __slots__ = ("routing", "worker", "_tokens", "_done")
+    __slots__ = ("_done", "_tokens", "routing", "worker")
 
     def __init__(self, routing: RoutingStep, worker: Worker, tokens: int) -> None:
         self.routing = routing
