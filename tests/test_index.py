@@ -210,10 +210,11 @@ def test_churning_keys_keep_memory_bounded():
             index.record_routed(f"w{step % 4}", prompt, now=step * 0.01)  # refreshes pile up stale items
     # TTL 1 s at 100 prompts/s of 8 blocks: ~800 alive; the expiry queue stays proportional.
     assert ttl_index.stats().predicted <= 8 * 101
-    assert len(ttl_index._expiry) <= 4 * 8 * 101 + 1024
-    assert len(ttl_index._predicted) <= 8 * 101
+    ttl_tables, lru_tables = ttl_index.table_sizes(), lru_index.table_sizes()
+    assert ttl_tables["expiry_queue"] <= 4 * 8 * 101 + 1024
+    assert ttl_tables["predicted_keys"] <= 8 * 101
     assert lru_index.stats().predicted == 4 * 100
-    assert len(lru_index._predicted) <= 400 and not lru_index._expiry
+    assert lru_tables["predicted_keys"] <= 400 and not lru_tables["expiry_queue"]
 
 
 def test_event_churn_leaves_nothing_behind():
@@ -222,8 +223,9 @@ def test_event_churn_leaves_nothing_behind():
         prompt = tokens(5, start=i * 1000)
         index.apply("a", [stored(prompt), stored(prompt, 0, 2), removed(prompt, 4, 3, 2, 1, 0, 1, 0)])
     assert index.stats().blocks == 0
-    assert not index._held and not index._workers["a"].engine
-    assert not index._workers["a"].engine_dups and not index._workers["a"].own_dups
+    tables = index.table_sizes()
+    assert tables["held_keys"] == 0 and tables["engine_entries"] == 0
+    assert tables["duplicate_copies"] == 0
 
 
 def test_bad_configuration_is_refused():

@@ -142,7 +142,7 @@ def test_the_share_guard_places_its_copy_where_recent_demand_is_lowest():
     request = view(5, blocks=20, overlap=[20, 0, 0, 0])
     for share_weight, expected in ((4.0, 1), (0.0, 2)):
         policy = KvAwarePolicy(share_weight=share_weight)
-        policy._shares = {"w0": 0.5, "w1": 0.1, "w2": 0.3, "w3": 0.1}  # as if from past decisions
+        policy.restore_shares([("w0", 0.5), ("w1", 0.1), ("w2", 0.3), ("w3", 0.1)])  # as if from past decisions
         assert policy.eligible(workers) == [1, 2, 3]
         assert policy.choose(request, workers) == expected
 
@@ -265,62 +265,54 @@ def test_zipf_no_hotspot_and_as_many_hits_as_prefix_hash():
     assert sum(kv_hits) > sum(owned_hits)
 
 
-class _TeeIndex(KvIndex):
-    """The simulation's index; it also hands every event batch to a second replica's index
-    and remembers the time of the last lookup (the moment of the decision)."""
-
-    def __init__(self, hasher, other: KvIndex) -> None:
-        super().__init__(hasher)
-        self.other = other
-        self.now = 0.0
-
-    def apply(self, worker, events):
-        events = list(events)
-        super().apply(worker, events)
-        self.other.apply(worker, events)
-
-    def overlaps(self, block_hashes, workers, now):
-        self.now = now
-        return super().overlaps(block_hashes, workers, now)
-
-
-class _TwoReplicas:
-    """Replica A routes the simulation; replica B (own index, own policy with another rng)
-    answers the same request at the same moment and records its own choice, as a second
-    router would. Counts how often they agree."""
-
-    name = "kv-aware"
-    needs_overlap = True
-
-    def __init__(self) -> None:
-        self.a = make_policy("kv-aware", random.Random(1))
-        self.b = make_policy("kv-aware", random.Random(2))
-        self.b_index = KvIndex(HASHER)
-        self.a_index = _TeeIndex(HASHER, self.b_index)
-        self.agree = self.total = 0
-
-    def choose(self, request, workers):
-        chosen = self.a.choose(request, workers)
-        names = [w.name for w in workers]
-        now = self.a_index.now
-        b_view = RequestView(request.block_hashes, request.prompt_tokens,
-                             self.b_index.overlaps(request.block_hashes, names, now))
-        b_workers = [WorkerState(w.name, w.in_flight, w.in_flight_tokens, self.b_index.worker_blocks(w.name))
-                     for w in workers]
-        b_choice = self.b.choose(b_view, b_workers)
-        self.b_index.record_routed(names[b_choice], request.block_hashes, now)
-        self.agree += b_choice == chosen
-        self.total += 1
-        return chosen
+def _replica_agreement(journal, policy, index) -> tuple[int, int]:
+    """Replay a routing journal (replica A's inputs, in order) through a second replica:
+    its own index fed the same events, its own policy, the load A's choices put on the
+    workers (the router's own accounting, as a second router in front of the same fleet
+    would see its share). Returns (decisions that agree with A's, decisions)."""
+    names = [f"worker-{i}" for i in range(6)]
+    states = [WorkerState(n) for n in names]
+    agree = total = 0
+    for entry in journal:
+        kind = entry[0]
+        if kind == "route":
+            _, hashes, prompt_tokens, _, now, chosen, _, prefill = entry
+            view = RequestView(hashes, prompt_tokens, index.overlaps(hashes, names, now))
+            for s in states:
+                s.cached_blocks = index.worker_blocks(s.name)
+            mine = policy.choose(view, states)
+            index.record_routed(names[mine], hashes, now)
+            agree += mine == chosen
+            total += 1
+            states[chosen].in_flight += 1
+            states[chosen].in_flight_tokens += prefill
+        elif kind == "first_token":
+            states[entry[1]].in_flight_tokens -= entry[2]
+        elif kind == "finished":
+            states[entry[1]].in_flight -= 1
+        else:
+            index.apply(names[entry[1]], entry[2])
+    return agree, total
 
 
 @pytest.mark.parametrize("k, concurrency", [(24, 8), (7, 16)])
 def test_two_replicas_fed_the_same_events_agree(k, concurrency):
+    """Replica A routes the simulation; replica B (own index, own policy with another rng)
+    answers every request at the same moment from the same events: they agree."""
     workload = generate(WorkloadSpec(prefixes=k, seed=2))
-    pair = _TwoReplicas()
-    run_trial(workload, 6, concurrency, REFERENCE, pair, index=pair.a_index)
-    assert pair.total == len(workload.requests) + len(workload.warmup)
-    assert pair.agree / pair.total >= 0.99
+    config = REFERENCE
+    from kvroute.blocks import PrefixHashCache
+    from kvroute.sim import Simulation
+
+    sim = Simulation(6, config, make_policy("kv-aware", random.Random(1)))
+    sim.routing.start_journal()
+    prefix_hashes = PrefixHashCache(sim.hasher)
+    output = workload.vocab[: workload.spec.output_tokens]
+    sim.run(workload.warmup, 1, prefix_hashes, output)
+    sim.run(workload.requests, concurrency, prefix_hashes, output)
+    agree, total = _replica_agreement(sim.routing.journal(), make_policy("kv-aware", random.Random(2)), KvIndex(HASHER))
+    assert total == len(workload.requests) + len(workload.warmup)
+    assert agree / total >= 0.99
 
 
 def test_sim_cli_runs_kv_aware(tmp_path):

@@ -6,12 +6,12 @@ same policy, not measured), then the measured requests in their seeded order fro
 completes. A request reaches its worker's engine ``frontend_s`` after it is sent; TTFT is from
 send to the end of the step that produced the first token.
 
-A policy that ``needs_overlap`` (kv-aware) routes with a router-side ``KvIndex``, fed as the
-live router's is: each engine's KV events (engines then emit them, which turns off coalesced
-decode runs) at the end of the step that produced them, and a predicted entry for every
-prompt when it is routed. The router's load accounting follows the live one's: a request is
-in flight from its send to its completion, and its tokens still to prefill count until its
-first token.
+Routing is the live router's own step (:class:`kvroute.routing.RoutingStep`: look-up, policy,
+prediction, load accounting). A policy that ``needs_overlap`` (kv-aware) routes with a
+router-side ``KvIndex``, fed as the live router's is: each engine's KV events (engines then emit
+them, which turns off coalesced decode runs) at the end of the step that produced them, and a
+predicted entry for every prompt when it is routed. A request is in flight from its send to its
+completion, and its tokens still to prefill count until its first token.
 
 The simulator shares everything that matters with the live system: the ``Engine`` (cache and
 scheduler), the policy objects of ``kvroute.routing.policies``, the workload and the records,
@@ -30,8 +30,9 @@ from kvroute.blocks import BlockHasher, PrefixHashCache
 from kvroute.engine import CostModel, Engine, EngineRequest, PrefixCacheStats
 from kvroute.errors import UserError
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
+from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
-from kvroute.routing.policies import Policy, RequestView, WorkerState, make_policy, policy_parameters
+from kvroute.routing.policies import Policy, WorkerState, make_policy, policy_parameters
 from kvroute.workload import RequestSpec, Workload
 
 
@@ -108,8 +109,11 @@ class Simulation:
             )
             for _ in range(workers)
         ]
-        self.states = [WorkerState(name=f"worker-{i}") for i in range(workers)]
-        self.names = [s.name for s in self.states]
+        #: The routing step (the live router's): its slots are the workers' indices.
+        self.routing = RoutingStep(policy, index, config.block_size)
+        self.names = [f"worker-{i}" for i in range(workers)]
+        for name in self.names:
+            self.routing.add_worker(name)
         self.busy = [False] * workers
         # A worker in a coalesced decode run: (start, its steps' end times, run id). Runs are cut
         # short when a request arrives for that worker mid-run (see _interrupt_run).
@@ -117,6 +121,11 @@ class Simulation:
         self.now = 0.0
         self._heap: list[tuple[float, int, int, object]] = []
         self._seq = 0
+
+    @property
+    def states(self) -> list[WorkerState]:
+        """Each worker's load accounting now (snapshots)."""
+        return [self.routing.state(i) for i in range(len(self.names))]
 
     def _push(self, t: float, kind: int, data: object) -> None:
         self._seq += 1
@@ -171,7 +180,7 @@ class Simulation:
         sent: dict[str, tuple[int, RequestSpec, float, int, int]] = {}
         frontend = self.config.cost.frontend_s
         index = self.index
-        block_size = self.config.block_size
+        routing = self.routing
 
         def send() -> None:
             item = next(pending, None)
@@ -180,17 +189,7 @@ class Simulation:
             pos, spec = item
             prompt = spec.prompt_token_ids
             hashes = prefix_hashes.prompt_hashes(spec.prefix_id, spec.prefix_len, prompt)
-            view = RequestView(hashes, len(prompt))
-            if index is not None:
-                view.overlap_blocks = index.overlaps(hashes, self.names, self.now)
-                for state in self.states:
-                    state.cached_blocks = index.worker_blocks(state.name)
-            w = self.policy.choose(view, self.states)
-            if index is not None:
-                index.record_routed(self.names[w], hashes, self.now)
-            prefill = view.tokens_to_prefill(w, block_size)
-            self.states[w].in_flight += 1
-            self.states[w].in_flight_tokens += prefill
+            w, _, prefill = routing.route(hashes, len(prompt), self.now)
             rid = f"{pos}"
             request = EngineRequest(
                 rid,
@@ -227,16 +226,16 @@ class Simulation:
             w, result = data
             self.busy[w] = False
             if index is not None and result.events is not None:
-                index.apply(self.names[w], result.events.events)
+                routing.apply(w, result.events.events, self.now)
             for out in result.outputs:
                 if out.first_token:
                     # Prefill done: what the live router learns from the first response byte.
-                    self.states[w].in_flight_tokens -= sent[out.request.request_id][4]
+                    routing.first_token(w, sent[out.request.request_id][4])
                 if not out.finished:
                     continue
                 req = out.request
                 pos, spec, t_sent, w_sent, _ = sent.pop(req.request_id)
-                self.states[w_sent].in_flight -= 1
+                routing.finished(w_sent)
                 records[pos] = RequestRecord(
                     index=spec.index,
                     prefix_id=spec.prefix_id,
@@ -246,7 +245,7 @@ class Simulation:
                     ttft_s=req.first_token_time - t_sent,
                     e2e_s=req.finish_time - t_sent,
                     output_tokens=req.num_output,
-                    worker=self.states[w_sent].name,
+                    worker=self.names[w_sent],
                 )
                 send()
             if self.engines[w].has_work:

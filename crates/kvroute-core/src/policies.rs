@@ -1,1 +1,636 @@
-//! (being written)
+//! Balancing policies: one pure interface shared by the simulator and the live router.
+//!
+//! A policy sees a [`RequestView`] (what the router knows about the request: its block hashes,
+//! and for policies that [`Choose::needs_overlap`] each worker's cached overlap from the index)
+//! and the [`WorkerState`] of every candidate worker (the router's own load accounting), and
+//! returns the index of the worker to use. Policies hold no clock and do no I/O.
+//!
+//! * `random`: uniform per request (a Kubernetes Service with a new connection per request).
+//! * `round-robin`: cycle through the workers.
+//! * `least-loaded`: fewest requests in flight, ties at random.
+//! * `prefix-hash`: rendezvous hashing of the prompt's key block over worker names (owners
+//!   move only for the prefixes of workers that come or go), with an optional bounded-load
+//!   spill to the next worker in the prefix's order.
+//! * `kv-aware`: the worker that leaves the least work, under a bounded-load and a
+//!   bounded-share guard; see [`KvAware`].
+//!
+//! Every random draw goes through [`PyRandom`] in the order the former Python policies drew,
+//! and every float is computed in the same order of operations (Python 3.11's left-to-right
+//! `sum`), so a seed names the same decisions it always did.
+
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::pyrandom::PyRandom;
+
+/// What a policy may know about a request.
+#[derive(Clone, Copy, Debug)]
+pub struct RequestView<'a> {
+    /// Chained hashes of the prompt's full blocks.
+    pub block_hashes: &'a [u64],
+    /// Prompt length in tokens.
+    pub prompt_tokens: usize,
+    /// Leading blocks of the prompt each worker holds, aligned with the workers; filled only
+    /// for policies that need it (None or empty: unknown, counted as 0).
+    pub overlap_blocks: Option<&'a [usize]>,
+}
+
+impl RequestView<'_> {
+    /// Prompt tokens worker `worker` would still compute: those after its cached overlap,
+    /// and at least one (vLLM recomputes the last token of a fully cached prompt).
+    pub fn tokens_to_prefill(&self, worker: usize, block_size: usize) -> usize {
+        let cached = match self.overlap_blocks {
+            Some(o) if !o.is_empty() => o[worker] * block_size,
+            _ => 0,
+        };
+        self.prompt_tokens.saturating_sub(cached).max(1)
+    }
+}
+
+/// What a policy may know about a worker: its name and the router's own load accounting.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct WorkerState {
+    /// The worker's stable name (the index's key, and the rendezvous hash's input).
+    pub name: String,
+    /// Requests sent and not finished.
+    pub in_flight: i64,
+    /// Prompt tokens of those requests still to prefill (added on sending, subtracted at
+    /// the first token).
+    pub in_flight_tokens: i64,
+    /// Blocks the index attributes to the worker (0 when unknown).
+    pub cached_blocks: i64,
+}
+
+impl WorkerState {
+    /// An idle worker named `name`.
+    pub fn new(name: impl Into<String>) -> Self {
+        Self {
+            name: name.into(),
+            ..Self::default()
+        }
+    }
+}
+
+/// A balancing policy.
+pub trait Choose {
+    /// The policy's name (`kvroute serve --policy`).
+    fn name(&self) -> &str;
+    /// Whether `choose` reads `RequestView::overlap_blocks` (the caller then fills it from
+    /// the index and fills `WorkerState::cached_blocks`).
+    fn needs_overlap(&self) -> bool;
+    /// Index into `workers` (non-empty) of the worker to send `request` to.
+    fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize;
+}
+
+/// A policy option out of range; the message is the one users see.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PolicyError(pub String);
+
+impl std::fmt::Display for PolicyError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl std::error::Error for PolicyError {}
+
+/// `xxh3_64(name, seed)`: the rendezvous weight of a worker for a key.
+fn weight(name: &str, seed: u64) -> u64 {
+    xxh3_64_with_seed(name.as_bytes(), seed)
+}
+
+/// Index of a worker with the fewest requests in flight among `among`; ties broken at random
+/// so equal workers share new work.
+pub fn least_loaded(workers: &[&WorkerState], rng: &mut PyRandom, among: &[usize]) -> usize {
+    let low = among
+        .iter()
+        .map(|&i| workers[i].in_flight)
+        .min()
+        .expect("candidates");
+    let tied: Vec<usize> = among
+        .iter()
+        .copied()
+        .filter(|&i| workers[i].in_flight == low)
+        .collect();
+    rng.choice(&tied)
+}
+
+/// Options of [`PrefixHash`].
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PrefixHashConfig {
+    /// How many leading blocks identify a prefix.
+    pub key_blocks: usize,
+    /// ε of bounded-load hashing; None never spills.
+    pub load_factor: Option<f64>,
+}
+
+impl Default for PrefixHashConfig {
+    fn default() -> Self {
+        Self {
+            key_blocks: 1,
+            load_factor: None,
+        }
+    }
+}
+
+/// Rendezvous hashing of the prompt's key block, with an optional bounded-load spill.
+#[derive(Clone, Debug)]
+pub struct PrefixHash {
+    /// The options.
+    pub config: PrefixHashConfig,
+    /// Orders the workers of a prompt without a full block.
+    pub rng: PyRandom,
+}
+
+impl PrefixHash {
+    /// Workers in this request's rendezvous order (owner first).
+    pub fn ranking(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> Vec<usize> {
+        let mut order: Vec<usize> = (0..workers.len()).collect();
+        let hashes = request.block_hashes;
+        if hashes.is_empty() {
+            let keys: Vec<f64> = (0..workers.len()).map(|_| self.rng.random()).collect();
+            order.sort_by(|&a, &b| keys[a].total_cmp(&keys[b]));
+            return order;
+        }
+        let key = hashes[self.config.key_blocks.min(hashes.len()).max(1) - 1];
+        let weights: Vec<u64> = workers.iter().map(|w| weight(&w.name, key)).collect();
+        // Stable and descending, as Python's sorted(reverse=True).
+        order.sort_by(|&a, &b| weights[b].cmp(&weights[a]));
+        order
+    }
+}
+
+impl Choose for PrefixHash {
+    fn name(&self) -> &str {
+        "prefix-hash"
+    }
+    fn needs_overlap(&self) -> bool {
+        false
+    }
+    fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize {
+        let order = self.ranking(request, workers);
+        let Some(lf) = self.config.load_factor else {
+            return order[0];
+        };
+        // +1 counts the request being placed, so an idle fleet never spills.
+        let total: i64 = workers.iter().map(|w| w.in_flight).sum();
+        let mean = (total + 1) as f64 / workers.len() as f64;
+        let limit = (1.0 + lf) * mean;
+        order
+            .iter()
+            .copied()
+            .find(|&i| ((workers[i].in_flight + 1) as f64) <= limit)
+            .unwrap_or(order[0])
+    }
+}
+
+/// Options of [`KvAware`] (see its documentation for what each does and why the defaults).
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct KvAwareConfig {
+    /// Tokens per KV block; must be the index's.
+    pub block_size: usize,
+    /// Weight of the new request's prefill against the load terms.
+    pub overlap_weight: f64,
+    /// Prefill-token equivalent of one request in flight.
+    pub request_weight: f64,
+    /// ε of the bounded-load guard; None turns it off.
+    pub load_factor: Option<f64>,
+    /// δ of the bounded-share guard; None turns it off.
+    pub share_factor: Option<f64>,
+    /// The share's averaging window, in decisions per worker.
+    pub share_window: f64,
+    /// When placing a copy, request-in-flight equivalents charged per fair share.
+    pub share_weight: f64,
+}
+
+impl Default for KvAwareConfig {
+    fn default() -> Self {
+        Self {
+            block_size: 16,
+            overlap_weight: 3.0,
+            request_weight: 128.0,
+            load_factor: Some(1.5),
+            share_factor: Some(0.35),
+            share_window: 24.0,
+            share_weight: 4.0,
+        }
+    }
+}
+
+impl KvAwareConfig {
+    /// The options, or what is wrong with them (the messages `kvroute serve` prints).
+    pub fn validate(&self) -> Result<(), PolicyError> {
+        if self.block_size < 1 {
+            return Err(PolicyError(format!(
+                "block size must be >= 1, got {}",
+                self.block_size
+            )));
+        }
+        if self.overlap_weight < 0.0 || self.request_weight < 0.0 || self.share_weight < 0.0 {
+            return Err(PolicyError("kv-aware weights must be >= 0".into()));
+        }
+        if let Some(lf) = self.load_factor
+            && lf < 0.0
+        {
+            return Err(PolicyError(format!("load factor must be >= 0, got {lf}")));
+        }
+        if let Some(sf) = self.share_factor
+            && sf < 0.0
+        {
+            return Err(PolicyError(format!("share factor must be >= 0, got {sf}")));
+        }
+        if self.share_window < 1.0 {
+            return Err(PolicyError(format!(
+                "share window must be >= 1 decision per worker, got {}",
+                self.share_window
+            )));
+        }
+        Ok(())
+    }
+}
+
+/// Send each request where it leaves the least work, without piling onto one worker.
+///
+/// Cost of worker *i*, in prefill-token equivalents (lower is better):
+/// `overlap_weight · max(prompt_tokens − overlap_i · block_size, 1) + in_flight_tokens_i +
+/// request_weight · in_flight_i`: the prefill the request would cost there after its cached
+/// prefix, the prefill still queued there, and each request in flight's decode steps and the
+/// KV blocks it pins (Dynamo's shape, with the load from the router's own accounting).
+///
+/// Two guards decide which workers may take the request; the cheapest of those wins (an
+/// owner a guard refuses loses to the next best worker, which thereby gets a copy):
+///
+/// * **bounded load now**: `in_flight_i + 1 ≤ ceil((1 + load_factor) · max(1, (Σ in_flight +
+///   1) / W))`, which catches bursts;
+/// * **bounded share over time**: a worker with requests in flight may take the request only
+///   while its share of the recent decisions (an exponential moving average over
+///   `share_window · W` decisions, a running average from a prior of `share_window / 6`
+///   decisions per worker at the fair share until then) is at most `(1 + share_factor)` times
+///   the mean share. In-flight counts cannot see a worker that keeps serving more than its
+///   share at low concurrency (K = 2 on 6 workers); the share can. An idle worker is exempt.
+///   When this guard refuses every worker caching as much of the prompt as the best-cached
+///   one the load guard allows (it is copying the prefix), the copy goes to the allowed
+///   worker with the cheapest one's overlap whose `cost + share_weight · request_weight ·
+///   share_i / mean(share)` is lowest: the worker sent the least lately holds the blocks
+///   least in demand.
+///
+/// Ties go to the emptiest cache (`cached_blocks`), then to the highest `xxh3(worker name,
+/// seed = the prompt's last block hash)`: different from request to request, the same on
+/// every replica. A prompt without a full block breaks its ties with the rng.
+///
+/// State: the recent shares, keyed by worker name; a worker absent from a call is forgotten
+/// and comes back at the fair share. The defaults were chosen on the simulator (reference
+/// workload at K = 2…24, Zipf α = 1.2); `kvroute.routing.policies` documents the sweep.
+#[derive(Clone, Debug)]
+pub struct KvAware {
+    config: KvAwareConfig,
+    /// For prompts shorter than a block only.
+    pub rng: PyRandom,
+    /// Names and shares of the workers of the last decision, aligned.
+    share_names: Vec<String>,
+    share_values: Vec<f64>,
+    decisions: u64,
+}
+
+impl KvAware {
+    /// A kv-aware policy with these options.
+    pub fn new(config: KvAwareConfig, rng: PyRandom) -> Result<Self, PolicyError> {
+        config.validate()?;
+        Ok(Self {
+            config,
+            rng,
+            share_names: Vec::new(),
+            share_values: Vec::new(),
+            decisions: 0,
+        })
+    }
+
+    /// The options.
+    pub fn config(&self) -> &KvAwareConfig {
+        &self.config
+    }
+
+    /// Each worker's cost, aligned with `workers`.
+    pub fn costs(&self, request: &RequestView<'_>, workers: &[&WorkerState]) -> Vec<f64> {
+        let c = &self.config;
+        let bs = c.block_size as i64;
+        let prompt = request.prompt_tokens as i64;
+        let overlap = request.overlap_blocks.filter(|o| !o.is_empty());
+        workers
+            .iter()
+            .enumerate()
+            .map(|(i, w)| {
+                let o = overlap.map_or(0, |o| o[i]) as i64;
+                c.overlap_weight * (prompt - o * bs).max(1) as f64
+                    + w.in_flight_tokens as f64
+                    + c.request_weight * w.in_flight as f64
+            })
+            .collect()
+    }
+
+    /// Each worker's share of the recent decisions (the fair share 1/W for one the policy
+    /// has not decided for yet).
+    pub fn shares(&self, workers: &[&WorkerState]) -> Vec<f64> {
+        let fair = 1.0 / workers.len() as f64;
+        let aligned = self.share_names.len() == workers.len()
+            && self
+                .share_names
+                .iter()
+                .zip(workers)
+                .all(|(n, w)| *n == w.name);
+        if aligned {
+            return self.share_values.clone();
+        }
+        workers
+            .iter()
+            .map(|w| {
+                self.share_names
+                    .iter()
+                    .position(|n| *n == w.name)
+                    .map_or(fair, |p| self.share_values[p])
+            })
+            .collect()
+    }
+
+    /// Replace the recent shares (a replica taking over another's state; tests).
+    pub fn restore_shares(&mut self, shares: impl IntoIterator<Item = (String, f64)>) {
+        (self.share_names, self.share_values) = shares.into_iter().unzip();
+    }
+
+    /// The recent shares by worker name.
+    pub fn recent_shares(&self) -> impl Iterator<Item = (&str, f64)> {
+        self.share_names
+            .iter()
+            .map(String::as_str)
+            .zip(self.share_values.iter().copied())
+    }
+
+    /// Workers the guards let take one more request.
+    pub fn eligible(&self, workers: &[&WorkerState]) -> Vec<usize> {
+        self.guards(workers, &self.shares(workers)).1
+    }
+
+    /// (workers the bounded-load guard allows, those the bounded-share guard allows too).
+    fn guards(&self, workers: &[&WorkerState], shares: &[f64]) -> (Vec<usize>, Vec<usize>) {
+        let n = workers.len();
+        let mut by_load: Vec<usize> = (0..n).collect();
+        if let Some(lf) = self.config.load_factor {
+            let total: i64 = workers.iter().map(|w| w.in_flight).sum();
+            let mean = f64::max(1.0, (total + 1) as f64 / n as f64);
+            let limit = ((1.0 + lf) * mean - 1e-9).ceil();
+            by_load.retain(|&i| ((workers[i].in_flight + 1) as f64) <= limit);
+        }
+        let Some(sf) = self.config.share_factor else {
+            return (by_load.clone(), by_load);
+        };
+        let sum: f64 = shares.iter().sum();
+        let limit = (1.0 + sf) * sum / shares.len() as f64;
+        let steady: Vec<usize> = by_load
+            .iter()
+            .copied()
+            .filter(|&i| shares[i] <= limit || workers[i].in_flight == 0)
+            .collect();
+        if steady.is_empty() {
+            (by_load.clone(), by_load)
+        } else {
+            (by_load, steady)
+        }
+    }
+
+    fn decide(
+        &mut self,
+        request: &RequestView<'_>,
+        workers: &[&WorkerState],
+        shares: &[f64],
+    ) -> usize {
+        let costs = self.costs(request, workers);
+        let (by_load, candidates) = self.guards(workers, shares);
+        let best = candidates
+            .iter()
+            .map(|&i| costs[i])
+            .fold(f64::INFINITY, f64::min);
+        let mut tied: Vec<usize> = candidates
+            .iter()
+            .copied()
+            .filter(|&i| costs[i] == best)
+            .collect();
+        let overlap = request.overlap_blocks.filter(|o| !o.is_empty());
+        let refused = candidates.len() < by_load.len();
+        if refused && let Some(overlap) = overlap {
+            let best_allowed = candidates.iter().map(|&i| overlap[i]).max().unwrap_or(0);
+            let best_loadable = by_load.iter().map(|&i| overlap[i]).max().unwrap_or(0);
+            if best_allowed < best_loadable {
+                // The share guard refused the best-cached workers: it is copying the prefix.
+                // Place the copy where recent demand is lowest.
+                let sum: f64 = shares.iter().sum();
+                let per_share =
+                    self.config.share_weight * self.config.request_weight * shares.len() as f64
+                        / sum;
+                let level = overlap[tied[0]];
+                let copy: Vec<(usize, f64)> = candidates
+                    .iter()
+                    .copied()
+                    .filter(|&i| overlap[i] == level)
+                    .map(|i| (i, costs[i] + per_share * shares[i]))
+                    .collect();
+                let best = copy.iter().map(|c| c.1).fold(f64::INFINITY, f64::min);
+                tied = copy.iter().filter(|c| c.1 == best).map(|c| c.0).collect();
+            }
+        }
+        if tied.len() > 1 {
+            let fewest = tied
+                .iter()
+                .map(|&i| workers[i].cached_blocks)
+                .min()
+                .unwrap_or(0);
+            tied.retain(|&i| workers[i].cached_blocks == fewest);
+        }
+        if tied.len() == 1 {
+            return tied[0];
+        }
+        let Some(&seed) = request.block_hashes.last() else {
+            return self.rng.choice(&tied);
+        };
+        let mut chosen = tied[0];
+        let mut top = weight(&workers[chosen].name, seed);
+        for &i in &tied[1..] {
+            let w = weight(&workers[i].name, seed);
+            if w > top {
+                (chosen, top) = (i, w);
+            }
+        }
+        chosen
+    }
+
+    /// Move the recent shares one decision on.
+    fn record(&mut self, workers: &[&WorkerState], shares: Vec<f64>, chosen: usize) {
+        let n = workers.len() as f64;
+        self.decisions += 1;
+        let prior = self.config.share_window / 6.0 * n;
+        let rate = f64::max(
+            1.0 / (self.config.share_window * n),
+            1.0 / (self.decisions as f64 + prior),
+        );
+        let keep = 1.0 - rate;
+        let aligned = self.share_names.len() == workers.len()
+            && self
+                .share_names
+                .iter()
+                .zip(workers)
+                .all(|(a, w)| *a == w.name);
+        if !aligned {
+            self.share_names = workers.iter().map(|w| w.name.clone()).collect();
+        }
+        self.share_values = shares.into_iter().map(|s| s * keep).collect();
+        self.share_values[chosen] += rate;
+    }
+}
+
+impl Choose for KvAware {
+    fn name(&self) -> &str {
+        "kv-aware"
+    }
+    fn needs_overlap(&self) -> bool {
+        true
+    }
+    fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize {
+        let shares = self.shares(workers);
+        let chosen = self.decide(request, workers, &shares);
+        self.record(workers, shares, chosen);
+        chosen
+    }
+}
+
+/// Every native policy, by kind.
+#[derive(Clone, Debug)]
+pub enum Policy {
+    /// Uniform per request.
+    Random(PyRandom),
+    /// Cycle through the workers; holds the next position.
+    RoundRobin(usize),
+    /// Fewest in flight, ties at random.
+    LeastLoaded(PyRandom),
+    /// Rendezvous hashing of the prompt's key block.
+    PrefixHash(PrefixHash),
+    /// Least work left, under the load and share guards.
+    KvAware(Box<KvAware>),
+}
+
+/// The names of the native policies, in the order `kvroute serve --help` lists them.
+pub const POLICY_NAMES: [&str; 5] = [
+    "random",
+    "round-robin",
+    "least-loaded",
+    "prefix-hash",
+    "kv-aware",
+];
+
+impl Choose for Policy {
+    fn name(&self) -> &str {
+        match self {
+            Policy::Random(_) => "random",
+            Policy::RoundRobin(_) => "round-robin",
+            Policy::LeastLoaded(_) => "least-loaded",
+            Policy::PrefixHash(p) => p.name(),
+            Policy::KvAware(p) => p.name(),
+        }
+    }
+    fn needs_overlap(&self) -> bool {
+        matches!(self, Policy::KvAware(_))
+    }
+    fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize {
+        match self {
+            Policy::Random(rng) => rng.randrange(workers.len()),
+            Policy::RoundRobin(next) => {
+                let i = *next % workers.len();
+                *next = i + 1;
+                i
+            }
+            Policy::LeastLoaded(rng) => {
+                let all: Vec<usize> = (0..workers.len()).collect();
+                least_loaded(workers, rng, &all)
+            }
+            Policy::PrefixHash(p) => p.choose(request, workers),
+            Policy::KvAware(p) => p.choose(request, workers),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fleet(n: usize) -> Vec<WorkerState> {
+        (0..n).map(|i| WorkerState::new(format!("w{i}"))).collect()
+    }
+
+    #[test]
+    fn kv_aware_costs_and_longest_prefix() {
+        let config = KvAwareConfig {
+            overlap_weight: 2.0,
+            request_weight: 100.0,
+            load_factor: None,
+            ..KvAwareConfig::default()
+        };
+        let p = KvAware::new(config, PyRandom::from_seed(0)).unwrap();
+        let mut b = WorkerState::new("b");
+        b.in_flight = 2;
+        b.in_flight_tokens = 70;
+        let workers = [WorkerState::new("a"), b, WorkerState::new("c")];
+        let refs: Vec<&WorkerState> = workers.iter().collect();
+        let overlap = [0, 3, 3];
+        let view = RequestView {
+            block_hashes: &[1, 2, 3],
+            prompt_tokens: 50,
+            overlap_blocks: Some(&overlap),
+        };
+        assert_eq!(p.costs(&view, &refs), vec![100.0, 274.0, 4.0]);
+        assert_eq!(view.tokens_to_prefill(1, 16), 2);
+        let mut p = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap();
+        let w = fleet(6);
+        let refs: Vec<&WorkerState> = w.iter().collect();
+        let overlap = [0, 3, 9, 0, 10, 0];
+        let view = RequestView {
+            block_hashes: &[5; 10],
+            prompt_tokens: 165,
+            overlap_blocks: Some(&overlap),
+        };
+        assert_eq!(p.choose(&view, &refs), 4);
+    }
+
+    #[test]
+    fn options_are_checked() {
+        let bad = KvAwareConfig {
+            share_window: 0.0,
+            ..KvAwareConfig::default()
+        };
+        assert!(bad.validate().unwrap_err().0.contains("share window"));
+        let bad = KvAwareConfig {
+            load_factor: Some(-1.0),
+            ..KvAwareConfig::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn prefix_hash_spills_to_the_next_in_its_order() {
+        let mut p = PrefixHash {
+            config: PrefixHashConfig {
+                key_blocks: 1,
+                load_factor: Some(0.25),
+            },
+            rng: PyRandom::from_seed(0),
+        };
+        let mut w = fleet(4);
+        let view = RequestView {
+            block_hashes: &[42, 43],
+            prompt_tokens: 32,
+            overlap_blocks: None,
+        };
+        let owner = p.choose(&view, &w.iter().collect::<Vec<_>>());
+        w[owner].in_flight = 6;
+        let refs: Vec<&WorkerState> = w.iter().collect();
+        let order = p.ranking(&view, &refs);
+        assert_eq!(order[0], owner);
+        assert_eq!(p.choose(&view, &refs), order[1]);
+    }
+}

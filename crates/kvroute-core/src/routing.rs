@@ -1,1 +1,403 @@
-//! (being written)
+//! The one routing step, used by the simulator and the live router alike.
+//!
+//! Per request: look the prompt up in the index (when the policy needs the overlap: every
+//! candidate's, with each one's cached blocks; otherwise, after the decision, the chosen
+//! worker's), ask the policy, record the decision in the index as predicted entries, and
+//! charge the chosen worker's load: one request in flight, and the prompt tokens it still
+//! has to prefill after the overlap the index credits it with (at least one) until its first
+//! token. Before this module the step was written twice (the simulator around its policy
+//! call, the proxy in `_choose`), and the two drifted; now there is nothing to drift.
+//!
+//! Workers are slots: [`RoutingStep::add_worker`] gives a worker (by name) a slot that stays
+//! its own until [`RoutingStep::remove_worker`]; a worker that comes back gets a fresh slot,
+//! so the late first tokens and finishes of requests sent to its former self cannot skew its
+//! new load. The index keeps its own ids; the step re-resolves them when the index's worker
+//! set changes.
+//!
+//! With a journal on, the step records its inputs ([`JournalEntry`]): replaying them through
+//! another step (another replica, the live router's code) must give the same decisions.
+
+use std::collections::HashMap;
+
+use crate::engine::events::KvCacheEvent;
+use crate::index::{KvIndex, WorkerId};
+use crate::placement::{Placed, Placement};
+use crate::policies::{Choose, RequestView, WorkerState};
+
+/// The outcome of one routing step.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Routed {
+    /// The chosen worker's slot.
+    pub worker: usize,
+    /// Leading prompt blocks the index credits the chosen worker with.
+    pub overlap: usize,
+    /// Prompt tokens charged to its load until the first token (at least 1).
+    pub prefill_tokens: usize,
+}
+
+/// One input the step saw, in order.
+#[derive(Clone, Debug, PartialEq)]
+pub enum JournalEntry {
+    /// A request was routed (and what the step chose).
+    Route {
+        block_hashes: Vec<u64>,
+        prompt_tokens: usize,
+        candidates: Option<Vec<usize>>,
+        now: f64,
+        routed: Routed,
+    },
+    /// A request's first token.
+    FirstToken {
+        worker: usize,
+        prefill_tokens: usize,
+    },
+    /// A request finished.
+    Finished { worker: usize },
+    /// A worker's KV events were applied.
+    Events {
+        worker: usize,
+        events: Vec<KvCacheEvent>,
+        now: f64,
+    },
+}
+
+#[derive(Clone, Debug)]
+struct Slot {
+    state: WorkerState,
+    live: bool,
+    index_id: Option<WorkerId>,
+}
+
+/// The routing step's state: the workers and their load accounting.
+#[derive(Clone, Debug)]
+pub struct RoutingStep {
+    block_size: usize,
+    slots: Vec<Slot>,
+    by_name: HashMap<String, usize>,
+    live: Vec<usize>,
+    /// The index epoch the slots' `index_id`s were resolved at.
+    resolved_epoch: Option<u64>,
+    journal: Option<Vec<JournalEntry>>,
+    ids: Vec<Option<WorkerId>>,
+    overlaps: Vec<usize>,
+}
+
+impl RoutingStep {
+    /// A step for engines with `block_size`-token KV blocks (what an overlap is worth).
+    pub fn new(block_size: usize) -> Self {
+        Self {
+            block_size,
+            slots: Vec::new(),
+            by_name: HashMap::new(),
+            live: Vec::new(),
+            resolved_epoch: None,
+            journal: None,
+            ids: Vec::new(),
+            overlaps: Vec::new(),
+        }
+    }
+
+    /// Tokens per KV block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Start (or stop, returning what was recorded) the journal.
+    pub fn set_journal(&mut self, on: bool) -> Vec<JournalEntry> {
+        let old = self.journal.take().unwrap_or_default();
+        self.journal = on.then(Vec::new);
+        old
+    }
+
+    /// What the journal recorded so far.
+    pub fn journal(&self) -> &[JournalEntry] {
+        self.journal.as_deref().unwrap_or(&[])
+    }
+
+    /// The slot of worker `name`, adding it (idle) if it is not in the step.
+    pub fn add_worker(&mut self, name: &str) -> usize {
+        if let Some(&slot) = self.by_name.get(name) {
+            return slot;
+        }
+        let slot = self.slots.len();
+        self.slots.push(Slot {
+            state: WorkerState::new(name),
+            live: true,
+            index_id: None,
+        });
+        self.by_name.insert(name.to_owned(), slot);
+        self.live.push(slot);
+        self.resolved_epoch = None;
+        slot
+    }
+
+    /// Take worker `name` out of the step (it left the pool).
+    pub fn remove_worker(&mut self, name: &str) {
+        if let Some(slot) = self.by_name.remove(name) {
+            self.slots[slot].live = false;
+            self.live.retain(|&s| s != slot);
+        }
+    }
+
+    /// The slot of a worker in the step.
+    pub fn slot(&self, name: &str) -> Option<usize> {
+        self.by_name.get(name).copied()
+    }
+
+    /// Slots handed out so far (removed workers' included).
+    pub fn slot_count(&self) -> usize {
+        self.slots.len()
+    }
+
+    /// The workers in the step, in the order they were added.
+    pub fn live_slots(&self) -> &[usize] {
+        &self.live
+    }
+
+    /// The load accounting of a slot (also of a removed worker's).
+    pub fn state(&self, slot: usize) -> &WorkerState {
+        &self.slots[slot].state
+    }
+
+    fn resolve(&mut self, index: &KvIndex) {
+        if self.resolved_epoch == Some(index.epoch()) {
+            return;
+        }
+        for s in &mut self.slots {
+            s.index_id = if s.live {
+                index.worker_id(&s.state.name)
+            } else {
+                None
+            };
+        }
+        self.resolved_epoch = Some(index.epoch());
+    }
+
+    /// Route one request: a prompt with these own block hashes and length, among
+    /// `candidates` (slots, in the order the policy sees them; None: every worker in the
+    /// step), at `now`. Panics when there is no candidate.
+    pub fn route(
+        &mut self,
+        mut index: Option<&mut KvIndex>,
+        policy: &mut dyn Choose,
+        block_hashes: &[u64],
+        prompt_tokens: usize,
+        candidates: Option<&[usize]>,
+        now: f64,
+    ) -> Routed {
+        let all;
+        let cands: &[usize] = match candidates {
+            Some(c) => c,
+            None => {
+                all = self.live.clone();
+                &all
+            }
+        };
+        assert!(!cands.is_empty(), "routing needs at least one worker");
+        let (i, overlap) = match index.as_deref_mut() {
+            Some(ix) if policy.needs_overlap() => {
+                self.resolve(ix);
+                self.ids.clear();
+                self.ids
+                    .extend(cands.iter().map(|&c| self.slots[c].index_id));
+                ix.overlaps_into(block_hashes, &self.ids, now, &mut self.overlaps);
+                for (&c, id) in cands.iter().zip(&self.ids) {
+                    self.slots[c].state.cached_blocks =
+                        id.map_or(0, |id| ix.worker_blocks_of(id)) as i64;
+                }
+                let refs: Vec<&WorkerState> = cands.iter().map(|&c| &self.slots[c].state).collect();
+                let view = RequestView {
+                    block_hashes,
+                    prompt_tokens,
+                    overlap_blocks: Some(&self.overlaps),
+                };
+                let i = policy.choose(&view, &refs);
+                (i, self.overlaps[i])
+            }
+            maybe_index => {
+                let refs: Vec<&WorkerState> = cands.iter().map(|&c| &self.slots[c].state).collect();
+                let view = RequestView {
+                    block_hashes,
+                    prompt_tokens,
+                    overlap_blocks: None,
+                };
+                let i = policy.choose(&view, &refs);
+                let overlap = match maybe_index {
+                    Some(ix) if !block_hashes.is_empty() => {
+                        self.resolve(ix);
+                        let id = self.slots[cands[i]].index_id;
+                        ix.overlaps_into(block_hashes, &[id], now, &mut self.overlaps);
+                        self.overlaps[0]
+                    }
+                    _ => 0,
+                };
+                (i, overlap)
+            }
+        };
+        let worker = cands[i];
+        if let Some(ix) = index {
+            let id = match self.slots[worker].index_id {
+                Some(id) if self.resolved_epoch == Some(ix.epoch()) => id,
+                _ => ix.ensure_worker(&self.slots[worker].state.name),
+            };
+            ix.record_routed_to(id, block_hashes, now);
+        }
+        let prefill_tokens = prompt_tokens
+            .saturating_sub(overlap * self.block_size)
+            .max(1);
+        let state = &mut self.slots[worker].state;
+        state.in_flight += 1;
+        state.in_flight_tokens += prefill_tokens as i64;
+        let routed = Routed {
+            worker,
+            overlap,
+            prefill_tokens,
+        };
+        if let Some(j) = &mut self.journal {
+            j.push(JournalEntry::Route {
+                block_hashes: block_hashes.to_vec(),
+                prompt_tokens,
+                candidates: candidates.map(<[usize]>::to_vec),
+                now,
+                routed,
+            });
+        }
+        routed
+    }
+
+    /// The request routed to `worker` with `prefill_tokens` produced its first token.
+    pub fn first_token(&mut self, worker: usize, prefill_tokens: usize) {
+        self.slots[worker].state.in_flight_tokens -= prefill_tokens as i64;
+        if let Some(j) = &mut self.journal {
+            j.push(JournalEntry::FirstToken {
+                worker,
+                prefill_tokens,
+            });
+        }
+    }
+
+    /// A request routed to `worker` finished.
+    pub fn finished(&mut self, worker: usize) {
+        self.slots[worker].state.in_flight -= 1;
+        if let Some(j) = &mut self.journal {
+            j.push(JournalEntry::Finished { worker });
+        }
+    }
+
+    /// Apply `worker`'s KV events to the index (at `now`, for the journal).
+    pub fn apply_events(
+        &mut self,
+        index: &mut KvIndex,
+        worker: usize,
+        events: &[KvCacheEvent],
+        now: f64,
+    ) {
+        let name = &self.slots[worker].state.name;
+        index.apply(name, events);
+        if let Some(j) = &mut self.journal {
+            j.push(JournalEntry::Events {
+                worker,
+                events: events.to_vec(),
+                now,
+            });
+        }
+    }
+}
+
+/// A routing step with its own index and policy: the [`Placement`] the simulator's native
+/// loop drives (workers `0..n` named as the caller says).
+pub struct RoutingPlacement<P: Choose> {
+    /// The step (load accounting, journal).
+    pub step: RoutingStep,
+    /// The router's index (None: the policy needs none and events are not wanted).
+    pub index: Option<KvIndex>,
+    /// The policy.
+    pub policy: P,
+}
+
+impl<P: Choose> RoutingPlacement<P> {
+    /// Workers named `names`, slots `0..names.len()` in that order.
+    pub fn new(block_size: usize, names: &[String], index: Option<KvIndex>, policy: P) -> Self {
+        let mut step = RoutingStep::new(block_size);
+        for n in names {
+            step.add_worker(n);
+        }
+        Self {
+            step,
+            index,
+            policy,
+        }
+    }
+}
+
+impl<P: Choose> Placement for RoutingPlacement<P> {
+    fn wants_events(&self) -> bool {
+        self.index.is_some()
+    }
+
+    fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
+        let r = self.step.route(
+            self.index.as_mut(),
+            &mut self.policy,
+            block_hashes,
+            prompt_tokens,
+            None,
+            now,
+        );
+        Placed {
+            worker: r.worker,
+            prefill_tokens: r.prefill_tokens,
+        }
+    }
+
+    fn first_token(&mut self, placed: Placed) {
+        self.step.first_token(placed.worker, placed.prefill_tokens);
+    }
+
+    fn finished(&mut self, placed: Placed) {
+        self.step.finished(placed.worker);
+    }
+
+    fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
+        if let Some(ix) = self.index.as_mut() {
+            self.step.apply_events(ix, worker, events, now);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blocks::{BlockHasher, DEFAULT_HASH_SEED};
+    use crate::policies::{KvAware, KvAwareConfig, Policy};
+    use crate::pyrandom::PyRandom;
+
+    #[test]
+    fn load_accounting_follows_the_overlap() {
+        let hasher = BlockHasher::new(16, DEFAULT_HASH_SEED).unwrap();
+        let index = KvIndex::new(hasher, Some(2.0), None, None).unwrap();
+        let policy = Policy::KvAware(Box::new(
+            KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap(),
+        ));
+        let names: Vec<String> = (0..3).map(|i| format!("w{i}")).collect();
+        let mut p = RoutingPlacement::new(16, &names, Some(index), policy);
+        let tokens: Vec<u32> = (0..100).collect();
+        let hashes = hasher.hash_blocks(&tokens, None, 0, None);
+        let first = p.place(&hashes, 100, 0.0);
+        assert_eq!(first.prefill_tokens, 100);
+        p.first_token(first);
+        p.finished(first);
+        // The prediction credits the same worker with the 6 blocks: 100 − 96 = 4 to prefill.
+        let second = p.place(&hashes, 100, 0.1);
+        assert_eq!(
+            second,
+            Placed {
+                worker: first.worker,
+                prefill_tokens: 4
+            }
+        );
+        assert_eq!(p.step.state(first.worker).in_flight_tokens, 4);
+        p.step.remove_worker("w1");
+        assert_eq!(p.step.live_slots(), &[0, 2]);
+    }
+}

@@ -32,9 +32,10 @@ a fixed list of request headers is forwarded, values with CR, LF or NUL dropped.
 to the workers only with ``forward_authorization``; ``worker_api_key`` sends a key of the
 router's own instead (vLLM started with ``--api-key``).
 
-Load accounting for the policies: ``in_flight`` counts requests from routing until their
-response ends; ``in_flight_tokens`` counts their prompt tokens until the first response byte
-(the prefill is then done).
+Routing is one native step (:class:`kvroute.routing.RoutingStep`, the simulator's too): index
+look-up, policy, prediction and load accounting. ``in_flight`` counts requests from routing
+until their response ends; ``in_flight_tokens`` counts their prompt tokens still to prefill
+after the overlap the index credits the worker with, until the first response byte.
 """
 
 from __future__ import annotations
@@ -61,8 +62,9 @@ from kvroute.proxy.discovery import Discovery, StaticDiscovery
 from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import EventsSettings, Worker, WorkerPool
 from kvroute.proxy.prompts import BadRequest, PromptHasher, PromptInfo
+from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
-from kvroute.routing.policies import RequestView, make_policy, policy_parameters
+from kvroute.routing.policies import make_policy, policy_parameters
 from kvroute.tokens import load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -228,6 +230,7 @@ class Router:
         pool: the ``WorkerPool`` (``pool.workers`` by name, each with its ``state``).
         metrics: the ``RouterMetrics``.
         policy: the policy object.
+        routing: the ``RoutingStep`` (index look-up, policy, prediction, load accounting).
         hasher: the ``PromptHasher``.
     """
 
@@ -265,7 +268,9 @@ class Router:
         if "block_size" in policy_parameters(config.policy):
             options.setdefault("block_size", config.block_size)
         self.policy = make_policy(config.policy, rng=random.Random(config.seed), **options)
-        self._needs_overlap = bool(self.policy.needs_overlap)
+        self.routing = RoutingStep(self.policy, self.index, config.block_size)
+        #: The clock routing decisions are stamped with (a replay substitutes its own).
+        self.clock = time.monotonic
         self.hasher = PromptHasher(
             load_tokenizer(config.tokenizer),
             block_hasher,
@@ -324,6 +329,7 @@ class Router:
             config.health_timeout_s,
             eject_after_failures=config.eject_after_failures,
             eject_base_s=config.eject_base_s,
+            routing=self.routing,
         )
         self.pool.start(discovery)
         # Serve only once the first worker list is in: a request before it would get a 503
@@ -490,29 +496,20 @@ class Router:
         return out
 
     def _choose(self, prompt: PromptInfo, candidates: Sequence[Worker]) -> tuple[Worker, int]:
-        """Ask the policy; record the choice in the index and the metrics.
+        """Run the routing step among ``candidates``; count the choice in the metrics.
 
         Returns the worker and the prompt tokens it still has to prefill (after the overlap
-        the index credits it with), which its load accounting carries until the first byte.
+        the index credits it with), already in its load until :class:`_Load` counts them out.
         """
-        now = time.monotonic()
         hashes = prompt.block_hashes
-        states = [w.state for w in candidates]
-        if self._needs_overlap:
-            index = self.index
-            for w in candidates:
-                w.state.cached_blocks = index.worker_blocks(w.name)
-            overlaps = index.overlaps(hashes, [w.name for w in candidates], now)
-            i = self.policy.choose(RequestView(hashes, prompt.num_tokens, overlaps), states)
-            chosen, overlap = candidates[i], overlaps[i]
-        else:
-            chosen = candidates[self.policy.choose(RequestView(hashes, prompt.num_tokens), states)]
-            overlap = self.index.overlaps(hashes, [chosen.name], now)[0] if hashes else 0
-        self.index.record_routed(chosen.name, hashes, now)
+        pool = self.pool
+        slots = pool.available_slots() if candidates is pool.available() else [w.slot for w in candidates]
+        slot, overlap, prefill = self.routing.route(hashes, prompt.num_tokens, self.clock(), slots)
+        chosen = candidates[slots.index(slot)]
         chosen.decisions.inc()
         self.metrics.overlap_blocks.observe(overlap)
         self.metrics.prompt_blocks.observe(len(hashes))
-        return chosen, max(prompt.num_tokens - overlap * self.config.block_size, 1)
+        return chosen, prefill
 
     async def _generate(self, request: web.Request, parse: Callable[[dict], PromptInfo]) -> web.StreamResponse:
         started = time.perf_counter()
@@ -564,7 +561,7 @@ class Router:
         first_byte = self.config.first_byte_timeout_s
         pool = self.pool
         while True:
-            load = _Load(worker, prefill)
+            load = _Load(self.routing, worker, prefill)
             try:
                 try:
                     async with asyncio.timeout(first_byte):
@@ -753,29 +750,27 @@ class _RelayedStream(web.StreamResponse):
 
 
 class _Load:
-    """One attempt's share of a worker's load accounting: counted in at creation, the prompt
-    tokens counted out when the prefill is done (first response byte), the request counted
-    out at the end. Both are idempotent."""
+    """One attempt's share of a worker's load accounting, which the routing step counted in
+    when it chose the worker: the prompt tokens counted out when the prefill is done (first
+    response byte), the request counted out at the end. Both are idempotent."""
 
-    __slots__ = ("worker", "_tokens", "_done")
+    __slots__ = ("_done", "_tokens", "routing", "worker")
 
-    def __init__(self, worker: Worker, tokens: int) -> None:
+    def __init__(self, routing: RoutingStep, worker: Worker, tokens: int) -> None:
+        self.routing = routing
         self.worker = worker
         self._tokens = tokens
         self._done = False
-        state = worker.state
-        state.in_flight += 1
-        state.in_flight_tokens += tokens
 
     def prefill_done(self) -> None:
         if self._tokens:
-            self.worker.state.in_flight_tokens -= self._tokens
+            self.routing.first_token(self.worker.slot, self._tokens)
             self._tokens = 0
 
     def finish(self) -> None:
         if not self._done:
             self.prefill_done()
-            self.worker.state.in_flight -= 1
+            self.routing.finished(self.worker.slot)
             self._done = True
 
 

@@ -16,9 +16,10 @@
   an engine restart resets that worker's entries (the predicted entries of new routing
   decisions bridge until its events have rebuilt them).
 
-Load is the router's own accounting (``WorkerState.in_flight`` / ``in_flight_tokens``),
-updated by the request handlers: it is exact for this router and never reads zero while work
-is in flight, unlike a scraped signal.
+Load is the router's own accounting (``WorkerState.in_flight`` / ``in_flight_tokens``), kept
+by the routing step (:class:`kvroute.routing.RoutingStep`, the simulator's too) in which every
+worker of the pool has a slot: it is exact for this router and never reads zero while work is
+in flight, unlike a scraped signal.
 """
 
 from __future__ import annotations
@@ -42,7 +43,8 @@ from kvroute.kvevents import (
 )
 from kvroute.proxy.discovery import Discovery, Endpoint, url_host
 from kvroute.proxy.metrics import RouterMetrics
-from kvroute.routing.policies import WorkerState
+from kvroute.routing import RoutingStep
+from kvroute.routing.policies import WorkerState, make_policy
 
 logger = logging.getLogger(__name__)
 
@@ -98,16 +100,23 @@ class Worker:
 
     Attributes:
         endpoint: as discovery last reported it.
-        state: the load accounting policies read (mutated by the request handlers).
+        slot: its slot in the routing step (which keeps its load accounting).
+        state: a snapshot of that load accounting (what the policies read).
         healthy: passed its last health check and accepted its last connection.
         events: its KV event sockets, or None (predicted mode only).
     """
 
     def __init__(
-        self, endpoint: Endpoint, events: EventsSource | None, metrics: RouterMetrics, policy: str
+        self,
+        endpoint: Endpoint,
+        events: EventsSource | None,
+        metrics: RouterMetrics,
+        policy: str,
+        routing: RoutingStep,
     ) -> None:
         self.endpoint = endpoint
-        self.state = WorkerState(endpoint.name)
+        self.routing = routing
+        self.slot = routing.add_worker(endpoint.name)
         self.healthy = True
         #: Failed requests since the last success (outlier ejection).
         self.consecutive_failures = 0
@@ -121,6 +130,10 @@ class Worker:
         # lock on every request otherwise.
         self.events_applied = metrics.events.labels(endpoint.name)
         self.decisions = metrics.decisions.labels(policy, endpoint.name)
+
+    @property
+    def state(self) -> WorkerState:
+        return self.routing.state(self.slot)
 
     @property
     def name(self) -> str:
@@ -149,6 +162,8 @@ class WorkerPool:
         eject_after_failures: consecutive failed requests that eject a worker (0: never).
         eject_base_s: length of a first ejection; the n-th in a row lasts n times as long.
         on_change: called after the available set changed (the router recomputes its view).
+        routing: the router's routing step (workers get their slots there); by default one
+            of the pool's own, for the load accounting alone.
     """
 
     def __init__(
@@ -164,8 +179,10 @@ class WorkerPool:
         *,
         eject_after_failures: int = 3,
         eject_base_s: float = 5.0,
+        routing: RoutingStep | None = None,
     ) -> None:
         self.index = index
+        self.routing = routing if routing is not None else RoutingStep(make_policy("round-robin"))
         self.metrics = metrics
         self.session = session
         self.events = events
@@ -177,6 +194,7 @@ class WorkerPool:
         self.eject_base_s = eject_base_s
         self.workers: dict[str, Worker] = {}
         self._available: list[Worker] = []
+        self._available_slots: list[int] = []
         self._tasks: list[asyncio.Task] = []
         self.first_update = asyncio.Event()
 
@@ -186,8 +204,13 @@ class WorkerPool:
         """Workers that may take a new request, in a stable order (do not mutate)."""
         return self._available
 
+    def available_slots(self) -> list[int]:
+        """The routing-step slots of :meth:`available`, aligned (do not mutate)."""
+        return self._available_slots
+
     def _recompute(self) -> None:
         self._available = [w for w in self.workers.values() if w.available]
+        self._available_slots = [w.slot for w in self._available]
         self.metrics.workers_available.set(len(self._available))
         if self.on_change is not None:
             self.on_change()
@@ -199,11 +222,14 @@ class WorkerPool:
             worker = self.workers.pop(name)
             self._stop_events(worker)
             self.index.remove_worker(name)
+            self.routing.remove_worker(name)
             logger.info("worker %s left the pool", name)
         for name, endpoint in wanted.items():
             worker = self.workers.get(name)
             if worker is None:
-                worker = Worker(endpoint, self.events.source_for(endpoint), self.metrics, self.policy_name)
+                worker = Worker(
+                    endpoint, self.events.source_for(endpoint), self.metrics, self.policy_name, self.routing
+                )
                 self.workers[name] = worker
                 self._start_events(worker)
                 logger.info("worker %s joined the pool (%s)", name, endpoint.url)

@@ -1,7 +1,10 @@
 """Routing: balancing policies shared by the simulator and the live router
-(``kvroute.routing.policies``) and the router-side index of which worker holds which KV block
-(``kvroute.routing.index``)."""
+(``kvroute.routing.policies``), the router-side index of which worker holds which KV block
+(``kvroute.routing.index``) and the one routing step around them (:class:`RoutingStep`:
+look-up, policy, prediction and load accounting, used by ``kvroute.sim`` and
+``kvroute.proxy``). All three are native (``kvroute_core``)."""
 
+from kvroute._native import RoutingStep
 from kvroute.routing.index import IndexStats, KvIndex
 from kvroute.routing.policies import (
     POLICIES,
@@ -12,4 +15,7 @@ from kvroute.routing.policies import (
     make_policy,
 )
 
-__all__ = ["POLICIES", "IndexStats", "KvAwarePolicy", "KvIndex", "Policy", "RequestView", "WorkerState", "make_policy"]
+__all__ = [
+    "POLICIES", "IndexStats", "KvAwarePolicy", "KvIndex", "Policy", "RequestView", "RoutingStep", "WorkerState",
+    "make_policy",
+]

@@ -26,64 +26,29 @@ the live proxy is the object the simulator runs.
 
 Every policy has ``name`` and ``needs_overlap``: when the latter is True the caller fills
 ``RequestView.overlap_blocks`` from ``KvIndex.overlaps`` before calling ``choose``, and records
-the decision with ``KvIndex.record_routed`` after it.
+the decision with ``KvIndex.record_routed`` after it; :class:`kvroute.routing.RoutingStep` does
+all of that (and the load accounting) in one native call, for the simulator and the router.
+
+The policies are native (``kvroute_core::policies``): the classes here name them and their
+options. Their random draws replay CPython's ``random.Random`` from the state of the ``rng``
+given, so a seed names the same choices it always did.
 """
 
 from __future__ import annotations
 
 import inspect
-import math
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Protocol
 
-import xxhash
-
+from kvroute._native import Policy as _NativePolicy
+from kvroute._native import RequestView, WorkerState
 from kvroute.errors import UserError
 
-
-@dataclass(slots=True)
-class RequestView:
-    """What a policy may know about a request.
-
-    Args:
-        block_hashes: chained hashes of the prompt's full blocks (``kvroute.blocks``).
-        prompt_tokens: prompt length in tokens.
-        overlap_blocks: leading blocks of the prompt each worker holds, aligned with the
-            ``workers`` passed to ``choose``; filled only for policies that ``needs_overlap``.
-    """
-
-    block_hashes: list[int]
-    prompt_tokens: int
-    overlap_blocks: list[int] | None = None
-
-    def tokens_to_prefill(self, worker: int, block_size: int) -> int:
-        """Prompt tokens worker ``worker`` would still compute: those after its cached
-        overlap, and at least one (vLLM recomputes the last token of a fully cached prompt).
-        What the caller adds to ``WorkerState.in_flight_tokens`` when it sends the request."""
-        cached = self.overlap_blocks[worker] * block_size if self.overlap_blocks else 0
-        return max(self.prompt_tokens - cached, 1)
-
-
-@dataclass(slots=True)
-class WorkerState:
-    """What a policy may know about a worker: its name and the router's own load accounting.
-
-    Args:
-        name: the worker's stable name (the index's key).
-        in_flight: requests sent and not finished.
-        in_flight_tokens: prompt tokens of those requests still to prefill: the caller adds
-            ``RequestView.tokens_to_prefill`` on sending and subtracts it at the first token.
-        cached_blocks: blocks the router's index attributes to the worker
-            (``KvIndex.worker_blocks``); kv-aware places a new prefix on the emptiest cache
-            among otherwise equal workers. 0 when unknown.
-    """
-
-    name: str
-    in_flight: int = 0
-    in_flight_tokens: int = 0
-    cached_blocks: int = 0
+__all__ = [
+    "POLICIES", "KvAwarePolicy", "LeastLoadedPolicy", "Policy", "PrefixHashPolicy", "RandomPolicy",
+    "RequestView", "RoundRobinPolicy", "WorkerState", "make_policy", "policy_parameters",
+]
 
 
 class Policy(Protocol):
@@ -95,50 +60,37 @@ class Policy(Protocol):
         ...
 
 
-class RandomPolicy:
+class RandomPolicy(_NativePolicy):
+    """Uniform per request."""
+
     name = "random"
     needs_overlap = False
 
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self.rng = rng or random.Random()
-
-    def choose(self, request: RequestView, workers: Sequence[WorkerState]) -> int:
-        return self.rng.randrange(len(workers))
+    def __new__(cls, rng: random.Random | None = None):
+        return super().__new__(cls, cls.name, rng)
 
 
-class RoundRobinPolicy:
+class RoundRobinPolicy(_NativePolicy):
+    """Cycle through the workers."""
+
     name = "round-robin"
     needs_overlap = False
 
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self._next = 0
-
-    def choose(self, request: RequestView, workers: Sequence[WorkerState]) -> int:
-        i = self._next % len(workers)
-        self._next = i + 1
-        return i
+    def __new__(cls, rng: random.Random | None = None):
+        return super().__new__(cls, cls.name, rng)
 
 
-def least_loaded(workers: Sequence[WorkerState], rng: random.Random, among: Sequence[int] | None = None) -> int:
-    """Index of a worker with the fewest requests in flight; ties broken at random so equal
-    workers share new work instead of the first one taking all of it."""
-    candidates = range(len(workers)) if among is None else among
-    low = min(workers[i].in_flight for i in candidates)
-    return rng.choice([i for i in candidates if workers[i].in_flight == low])
+class LeastLoadedPolicy(_NativePolicy):
+    """Fewest requests in flight, ties broken at random."""
 
-
-class LeastLoadedPolicy:
     name = "least-loaded"
     needs_overlap = False
 
-    def __init__(self, rng: random.Random | None = None) -> None:
-        self.rng = rng or random.Random()
-
-    def choose(self, request: RequestView, workers: Sequence[WorkerState]) -> int:
-        return least_loaded(workers, self.rng)
+    def __new__(cls, rng: random.Random | None = None):
+        return super().__new__(cls, cls.name, rng)
 
 
-class PrefixHashPolicy:
+class PrefixHashPolicy(_NativePolicy):
     """Args:
         key_blocks: how many leading blocks identify a prefix (1: prompts that share their
             first block share an owner).
@@ -148,41 +100,11 @@ class PrefixHashPolicy:
     name = "prefix-hash"
     needs_overlap = False
 
-    def __init__(
-        self,
-        rng: random.Random | None = None,
-        key_blocks: int = 1,
-        load_factor: float | None = None,
-    ) -> None:
-        self.rng = rng or random.Random()
-        self.key_blocks = key_blocks
-        self.load_factor = load_factor
-
-    def ranking(self, request: RequestView, workers: Sequence[WorkerState]) -> list[int]:
-        """Workers in this request's rendezvous order (owner first)."""
-        if not request.block_hashes:
-            return sorted(range(len(workers)), key=lambda i: self.rng.random())
-        key = request.block_hashes[min(self.key_blocks, len(request.block_hashes)) - 1]
-        return sorted(
-            range(len(workers)),
-            key=lambda i: xxhash.xxh3_64_intdigest(workers[i].name.encode(), key),
-            reverse=True,
-        )
-
-    def choose(self, request: RequestView, workers: Sequence[WorkerState]) -> int:
-        order = self.ranking(request, workers)
-        if self.load_factor is None:
-            return order[0]
-        # +1 counts the request being placed, so an idle fleet never spills.
-        mean = (sum(w.in_flight for w in workers) + 1) / len(workers)
-        limit = (1 + self.load_factor) * mean
-        for i in order:
-            if workers[i].in_flight + 1 <= limit:
-                return i
-        return order[0]
+    def __new__(cls, rng: random.Random | None = None, key_blocks: int = 1, load_factor: float | None = None):
+        return super().__new__(cls, cls.name, rng, key_blocks=key_blocks, load_factor=load_factor)
 
 
-class KvAwarePolicy:
+class KvAwarePolicy(_NativePolicy):
     """Send each request where it leaves the least work, without piling onto one worker.
 
     Cost of worker *i*, in prefill-token equivalents (lower is better)::
@@ -287,8 +209,8 @@ class KvAwarePolicy:
     name = "kv-aware"
     needs_overlap = True
 
-    def __init__(
-        self,
+    def __new__(
+        cls,
         rng: random.Random | None = None,
         block_size: int = 16,
         overlap_weight: float = 3.0,
@@ -297,109 +219,15 @@ class KvAwarePolicy:
         share_factor: float | None = 0.35,
         share_window: float = 24.0,
         share_weight: float = 4.0,
-    ) -> None:
-        if block_size < 1:
-            raise UserError(f"block size must be >= 1, got {block_size}")
-        if overlap_weight < 0 or request_weight < 0 or share_weight < 0:
-            raise UserError("kv-aware weights must be >= 0")
-        if load_factor is not None and load_factor < 0:
-            raise UserError(f"load factor must be >= 0, got {load_factor}")
-        if share_factor is not None and share_factor < 0:
-            raise UserError(f"share factor must be >= 0, got {share_factor}")
-        if share_window < 1:
-            raise UserError(f"share window must be >= 1 decision per worker, got {share_window}")
-        self.rng = rng or random.Random()
-        self.block_size = block_size
-        self.overlap_weight = overlap_weight
-        self.request_weight = request_weight
-        self.load_factor = load_factor
-        self.share_factor = share_factor
-        self.share_window = share_window
-        self.share_weight = share_weight
-        #: Each worker's share of the recent decisions (see the class docstring).
-        self._shares: dict[str, float] = {}
-        self._decisions = 0
-
-    def costs(self, request: RequestView, workers: Sequence[WorkerState]) -> list[float]:
-        """Each worker's cost (the formula above), aligned with ``workers``."""
-        overlap = request.overlap_blocks or [0] * len(workers)
-        if len(overlap) != len(workers):
-            raise ValueError("overlap_blocks is not aligned with workers")
-        bs = self.block_size
-        prompt = request.prompt_tokens
-        ow, rw = self.overlap_weight, self.request_weight
-        return [
-            ow * max(prompt - o * bs, 1) + w.in_flight_tokens + rw * w.in_flight
-            for o, w in zip(overlap, workers)
-        ]
-
-    def shares(self, workers: Sequence[WorkerState]) -> list[float]:
-        """Each worker's share of the recent decisions, aligned with ``workers`` (the fair
-        share 1/W for a worker the policy has not decided for yet)."""
-        fair = 1.0 / len(workers)
-        return [self._shares.get(w.name, fair) for w in workers]
-
-    def eligible(self, workers: Sequence[WorkerState]) -> list[int]:
-        """Workers the guards let take one more request: the bounded-load guard's, less the
-        busy ones above their bounded share (unless that would leave none)."""
-        return self._guards(workers, self.shares(workers))[1]
-
-    def _guards(self, workers: Sequence[WorkerState], shares: list[float]) -> tuple[list[int], list[int]]:
-        """(workers the bounded-load guard allows, those of them the bounded-share guard
-        allows as well)."""
-        by_load = list(range(len(workers)))
-        if self.load_factor is not None:
-            mean = max(1.0, (sum(w.in_flight for w in workers) + 1) / len(workers))
-            limit = math.ceil((1 + self.load_factor) * mean - 1e-9)
-            by_load = [i for i in by_load if workers[i].in_flight + 1 <= limit]
-        if self.share_factor is None:
-            return by_load, by_load
-        limit = (1 + self.share_factor) * sum(shares) / len(shares)
-        steady = [i for i in by_load if shares[i] <= limit or not workers[i].in_flight]
-        return by_load, steady or by_load
-
-    def choose(self, request: RequestView, workers: Sequence[WorkerState]) -> int:
-        shares = self.shares(workers)
-        chosen = self._choose(request, workers, shares)
-        self._record(workers, shares, chosen)
-        return chosen
-
-    def _choose(self, request: RequestView, workers: Sequence[WorkerState], shares: list[float]) -> int:
-        costs = self.costs(request, workers)
-        by_load, candidates = self._guards(workers, shares)
-        best = min(costs[i] for i in candidates)
-        tied = [i for i in candidates if costs[i] == best]
-        overlap = request.overlap_blocks
-        refused = len(candidates) < len(by_load)
-        if refused and overlap and max(overlap[i] for i in candidates) < max(overlap[i] for i in by_load):
-            # The share guard refused the best-cached workers: it is copying the prefix.
-            # Place the copy where recent demand is lowest (the class docstring says why).
-            per_share = self.share_weight * self.request_weight * len(shares) / sum(shares)
-            level = overlap[tied[0]]
-            copy_cost = {i: costs[i] + per_share * shares[i] for i in candidates if overlap[i] == level}
-            best = min(copy_cost.values())
-            tied = [i for i, c in copy_cost.items() if c == best]
-        if len(tied) > 1:
-            fewest = min(workers[i].cached_blocks for i in tied)
-            tied = [i for i in tied if workers[i].cached_blocks == fewest]
-        if len(tied) == 1:
-            return tied[0]
-        if not request.block_hashes:
-            return self.rng.choice(tied)
-        seed = request.block_hashes[-1]
-        return max(tied, key=lambda i: xxhash.xxh3_64_intdigest(workers[i].name.encode(), seed))
-
-    def _record(self, workers: Sequence[WorkerState], shares: list[float], chosen: int) -> None:
-        """Move the recent shares one decision on: an exponential moving average over
-        ``share_window · W`` decisions, a running average (from a prior of
-        ``share_window / 6`` decisions per worker at the fair share) until then."""
-        n = len(workers)
-        self._decisions += 1
-        prior = self.share_window / 6 * n
-        rate = max(1.0 / (self.share_window * n), 1.0 / (self._decisions + prior))
-        keep = 1.0 - rate
-        self._shares = {w.name: s * keep for w, s in zip(workers, shares)}
-        self._shares[workers[chosen].name] += rate
+    ):
+        try:
+            return super().__new__(
+                cls, cls.name, rng, block_size=block_size, overlap_weight=overlap_weight,
+                request_weight=request_weight, load_factor=load_factor, share_factor=share_factor,
+                share_window=share_window, share_weight=share_weight,
+            )
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
 
 
 POLICIES: dict[str, type] = {
@@ -433,3 +261,5 @@ def make_policy(name: str, rng: random.Random | None = None, **options) -> Polic
         return cls(rng=rng, **options)
     except TypeError as exc:  # a text where a number belongs, and the like
         raise UserError(f"policy {name!r}: an option value has the wrong type ({exc})") from None
+    except ValueError as exc:
+        raise UserError(f"policy {name!r}: {exc}") from None
