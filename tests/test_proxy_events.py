@@ -14,7 +14,8 @@ from kvroute.blocks import BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.engine import BlockStored
 from kvroute.kvevents import EngineRestarted, EventsReceived, GapDetected, MalformedPayload, ReplayFailed
-from kvroute.kvevents.wire import DecodedBatch
+from kvroute.engine.events import EventBatch
+from kvroute.kvevents.wire import decode_native, encode_batch
 from kvroute.proxy import WORKER_HEADER, EventsSettings, EventsSource, RouterConfig, start_router
 from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import WorkerPool
@@ -139,12 +140,17 @@ async def test_predicted_mode_keeps_a_prefix_on_one_worker_without_events():
         await asyncio.gather(*(w.close() for w in workers))
 
 
+def native_batch(events, ts: float = 0.0):
+    """The batch a native subscriber yields for these events (encoded as vLLM would)."""
+    return decode_native(encode_batch(EventBatch(ts, events)))
+
+
 class RecordingIndex:
     def __init__(self) -> None:
         self.calls: list[tuple] = []
 
-    def apply(self, worker, events):
-        self.calls.append(("apply", worker, len(list(events))))
+    def apply_native(self, worker, batch):
+        self.calls.append(("apply", worker, len(batch)))
 
     def reset_worker(self, worker):
         self.calls.append(("reset", worker))
@@ -156,7 +162,7 @@ class RecordingIndex:
 @pytest.mark.parametrize(
     "item, expected, counter",
     [
-        (EventsReceived(0, DecodedBatch(0.0, [BlockStored([1], None, list(range(16)), 16)])), ("apply", "w", 1), "events"),
+        (EventsReceived(0, native_batch([BlockStored([1], None, list(range(16)), 16)])), ("apply", "w", 1), "events"),
         (GapDetected(3, 9), None, "event_gaps"),
         (ReplayFailed(3, 9, "buffer starts at 5"), ("reset", "w"), "replay_failures"),
         (EngineRestarted(41, 0), ("reset", "w"), "engine_restarts"),

@@ -15,7 +15,8 @@ import pytest
 from kvroute.blocks import BlockHasher, PrefixHashCache
 from kvroute.engine import REFERENCE_GPU
 from kvroute.kvevents import EventsReceived
-from kvroute.kvevents.wire import DecodedBatch
+from kvroute.engine.events import EventBatch
+from kvroute.kvevents.wire import decode_native, encode_batch
 from kvroute.proxy.app import Router, RouterConfig, _Load
 from kvroute.proxy.discovery import Endpoint
 from kvroute.proxy.pool import EventsSettings, WorkerPool
@@ -79,7 +80,7 @@ def replay_through_router(policy_name: str, seed: int, journal, names):
             load.finish()
         else:
             _, slot, events, now = entry
-            pool._on_event_item(workers[slot], EventsReceived(0, DecodedBatch(now, events)))
+            pool._on_event_item(workers[slot], EventsReceived(0, decode_native(encode_batch(EventBatch(now, list(events))))))
     return router, chosen
 
 

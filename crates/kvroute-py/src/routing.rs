@@ -283,6 +283,13 @@ impl PyKvIndex {
         Ok(())
     }
 
+    /// Apply one worker's batch as the native decoder left it
+    /// (``kvroute.kvevents.wire.decode_native``): no Python event objects on the way. What a
+    /// router's subscriber does with every batch it receives.
+    fn apply_native(&mut self, worker: &str, batch: PyRef<'_, crate::kvevents::NativeEventBatch>) {
+        self.inner.apply(worker, batch.events());
+    }
+
     /// The router sent a prompt with these own block hashes to ``worker`` at ``now``.
     fn record_routed(&mut self, worker: &str, block_hashes: Vec<u64>, now: f64) {
         self.inner.record_routed(worker, &block_hashes, now);

@@ -342,7 +342,8 @@ class WorkerPool:
         while True:
             try:
                 subscriber = KVEventSubscriber(
-                    source.endpoint, source.replay_endpoint, topic=self.events.topic, catch_up=True
+                    source.endpoint, source.replay_endpoint, topic=self.events.topic, catch_up=True,
+                    native=True,
                 )
             except Exception as exc:  # zmq.ZMQError: a malformed address
                 logger.error("worker %s: cannot subscribe to %s: %s", name, source.endpoint, exc)
@@ -360,9 +361,9 @@ class WorkerPool:
     def _on_event_item(self, worker: Worker, item) -> None:
         name = worker.name
         if isinstance(item, EventsReceived):
-            events = item.batch.events
-            self.index.apply(name, events)
-            worker.events_applied.inc(len(events))
+            # A native batch (the subscriber is native=True): decoded and applied in Rust.
+            self.index.apply_native(name, item.batch)
+            worker.events_applied.inc(len(item.batch))
             if item.batch.unknown_events:
                 # A newer engine's event types: skipped, the batch's known events kept.
                 self.metrics.events_unknown.labels(name).inc(item.batch.unknown_events)
