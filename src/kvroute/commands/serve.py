@@ -133,6 +133,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="predicted blocks kept per worker, LRU (default without events: "
                         f"{DEFAULT_PREDICTED_CAPACITY_BLOCKS}, the reference worker's cache)")
 
+    events.add_argument("--index-max-bytes", default="256MiB", metavar="SIZE",
+                        help="memory bound of the index of cached blocks (128 bytes per worker and "
+                        "block; the least recently touched are dropped beyond it, metric "
+                        "kvroute_router_index_evicted_blocks; default: %(default)s)")
+
     limits = parser.add_argument_group("limits")
     limits.add_argument("--max-body-bytes", default="64MiB", metavar="SIZE",
                         help="larger request bodies get 413 (default: %(default)s)")
@@ -232,6 +237,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         events=EventsSettings(args.kv_events_port, args.kv_replay_port, per_worker, args.kv_events_topic),
         predicted_ttl_s=args.predicted_ttl,
         predicted_capacity_blocks=args.predicted_capacity_blocks,
+        index_max_bytes=parse_bytes(args.index_max_bytes),
         health_interval_s=args.health_interval,
         max_attempts=args.max_attempts,
         max_body_bytes=parse_bytes(args.max_body_bytes),

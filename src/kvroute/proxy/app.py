@@ -63,7 +63,7 @@ from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import EventsSettings, Worker, WorkerPool
 from kvroute.proxy.prompts import BadRequest, PromptHasher, PromptInfo
 from kvroute.routing import RoutingStep
-from kvroute.routing.index import KvIndex
+from kvroute.routing.index import INDEX_ENTRY_BYTES, KvIndex
 from kvroute.routing.policies import make_policy, policy_parameters
 from kvroute.tokens import load_tokenizer
 
@@ -94,6 +94,9 @@ EVENTS_PREDICTED_TTL_S = 2.0
 #: 1 GiB, block 16: 585 blocks). Set ``predicted_capacity_blocks`` to your workers'
 #: ``num_gpu_blocks``.
 DEFAULT_PREDICTED_CAPACITY_BLOCKS = 585
+#: The index's default memory bound: 256 MiB is 2M (worker, block) entries at 128 bytes each,
+#: e.g. 32 workers with 65k blocks of KV each (an 80 GB GPU serving an 8B model holds ~40k).
+DEFAULT_INDEX_MAX_BYTES = 256 * 2**20
 #: Allocations between young-generation collections while serving (CPython's default: 700).
 #: Every request allocates many container objects that die young (parsed body, request and
 #: response objects, decoded KV events), so the default collects all the time: 8% of the
@@ -123,6 +126,9 @@ class RouterConfig:
         events: where workers publish KV events (None / empty: predicted mode only).
         predicted_ttl_s: how long a routing decision counts as cached without events to
             confirm it; default :data:`EVENTS_PREDICTED_TTL_S` with events, none without.
+        index_max_bytes: the index's memory bound over event-backed entries (least recently
+            touched dropped beyond it, counted in ``kvroute_router_index_evicted_blocks``);
+            None: unbounded. Default :data:`DEFAULT_INDEX_MAX_BYTES`.
         predicted_capacity_blocks: per-worker bound of predicted entries (LRU); without
             events it models the worker's cache, so set it to the workers' ``num_gpu_blocks``
             (default :data:`DEFAULT_PREDICTED_CAPACITY_BLOCKS`); with events default unbounded
@@ -163,6 +169,7 @@ class RouterConfig:
     events: EventsSettings | None = None
     predicted_ttl_s: float | None = None
     predicted_capacity_blocks: int | None = None
+    index_max_bytes: int | None = DEFAULT_INDEX_MAX_BYTES
     health_interval_s: float = 2.0
     health_timeout_s: float = 1.0
     connect_timeout_s: float = 2.0
@@ -263,7 +270,10 @@ class Router:
         else:
             ttl = config.predicted_ttl_s
             capacity = config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
-        self.index = KvIndex(block_hasher, predicted_ttl=ttl, predicted_capacity_blocks=capacity)
+        if config.index_max_bytes is not None and config.index_max_bytes < INDEX_ENTRY_BYTES:
+            raise ValueError(f"index_max_bytes must be at least {INDEX_ENTRY_BYTES} (one entry)")
+        self.index = KvIndex(block_hasher, predicted_ttl=ttl, predicted_capacity_blocks=capacity,
+                             max_bytes=config.index_max_bytes)
         options = dict(config.policy_options)
         if "block_size" in policy_parameters(config.policy):
             options.setdefault("block_size", config.block_size)
@@ -455,6 +465,7 @@ class Router:
         self.metrics.index_blocks.set(stats.blocks)
         self.metrics.index_predicted.set(stats.predicted)
         self.metrics.index_workers.set(stats.workers)
+        self.metrics.index_evicted.set(stats.evicted_blocks)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
 
     async def models(self, request: web.Request) -> web.StreamResponse:

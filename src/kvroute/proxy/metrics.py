@@ -57,6 +57,11 @@ class RouterMetrics:
             "kvroute_router_index_predicted_entries", "Predicted (routed, not yet confirmed) entries",
             registry=r,
         )
+        self.index_evicted = Gauge(
+            "kvroute_router_index_evicted_blocks",
+            "Event-backed entries the index dropped to stay within --index-max-bytes (cumulative)",
+            registry=r,
+        )
         self.index_workers = Gauge("kvroute_router_index_workers", "Workers known to the index", registry=r)
         self.workers_available = Gauge(
             "kvroute_router_workers_available", "Workers healthy, ready and not draining", registry=r
