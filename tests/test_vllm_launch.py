@@ -26,7 +26,7 @@ from kvroute.fleet import (
     launch_vllm,
     vllm_serve_command,
 )
-from kvroute.model import MODEL_PRESETS, capacity_for_mean_lengths, num_kv_blocks
+from kvroute.analytic import MODEL_PRESETS, capacity_for_mean_lengths, num_kv_blocks
 from kvroute.vllm_setup import (
     STAMP,
     VllmInstall,

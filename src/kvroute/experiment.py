@@ -47,7 +47,7 @@ from kvroute.bench.runner import (
 )
 from kvroute.errors import UserError
 from kvroute.fleet import Fleet
-from kvroute.model import (
+from kvroute.analytic import (
     MODEL_PRESETS,
     ModelShape,
     capacity_for_mean_lengths,

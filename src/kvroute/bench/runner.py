@@ -27,7 +27,7 @@ from kvroute.bench.client import BenchClient, run_closed_loop, run_open_loop, ru
 from kvroute.bench.prompts import BenchRequest, BenchWorkload, poisson_schedule
 from kvroute.bench.scrape import CacheDelta, MetricsScraper, deltas, window_token_hit_rate
 from kvroute.errors import UserError
-from kvroute.model import capacity_for_mean_lengths
+from kvroute.analytic import capacity_for_mean_lengths
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
 
 logger = logging.getLogger(__name__)

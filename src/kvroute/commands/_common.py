@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from kvroute.errors import UserError
-from kvroute.model import (
+from kvroute.analytic import (
     MODEL_PRESETS,
     ModelShape,
     dtype_bytes,

@@ -1,6 +1,6 @@
 """``kvroute predict``: the analytic model's hit rates for a fleet, without running anything.
 
-A thin layer over ``kvroute.model``: parse flags, build the workload shape and the KV capacity,
+A thin layer over ``kvroute.analytic``: parse flags, build the workload shape and the KV capacity,
 call ``predict`` for every (policy, W, K) point, print one table and the notes on where each
 estimate holds, and optionally write the predictions as JSON.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
-from kvroute import model
+from kvroute import analytic as model
 from kvroute.commands._common import model_shape
 from kvroute.errors import UserError
 from kvroute.report import output_console

@@ -25,7 +25,7 @@ from kvroute.commands._common import (
 )
 from kvroute.engine import PRESETS, get_preset
 from kvroute.errors import UserError
-from kvroute.model import capacity_for_mean_lengths
+from kvroute.analytic import capacity_for_mean_lengths
 from kvroute.records import Point
 from kvroute.report import output_console, print_tables
 from kvroute.routing.policies import POLICIES, policy_parameters
