@@ -184,6 +184,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     discovery = None
     if args.worker_file:
         discovery = FileDiscovery(args.worker_file, args.discovery_interval)
+        discovery.check()  # a file missing at start is a mistake, not a list to wait for
     elif args.dns:
         discovery = DnsDiscovery.from_spec(args.dns, args.discovery_interval)
     elif args.k8s_service:
