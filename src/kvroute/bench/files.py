@@ -92,6 +92,11 @@ class ResultsWriter(TrialSink):
                 (samples.hit if r.hit else samples.miss).append(r.ttft_s)
         self.trials_written += 1
 
+    def logs(self) -> list[Path]:
+        """The per-request and per-window logs written so far (``records.jsonl``,
+        ``windows.jsonl``), for the final "wrote …" line."""
+        return [p for p in (self.out / RECORDS, self.out / WINDOWS) if p.exists()]
+
     def write_reports(
         self,
         points: list[Point],

@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvroute import aio
+from kvroute.aio import Terminated, stop_on_sigterm
 from kvroute.bench.files import ResultsWriter, tables_as_html
 from kvroute.bench.progress import ProgressHooks, sweep_progress
 from kvroute.commands._common import add_workload_arguments, workload_spec
@@ -181,7 +182,7 @@ def run(args: argparse.Namespace) -> int:
         install, vllm_options = _vllm_options(args, plan)
 
     async def main() -> None:
-        with sweep_progress(console) as progress:
+        with stop_on_sigterm(), sweep_progress(console) as progress:
             hooks = ProgressHooks(progress, console, plan.total_trials)
 
             async def start_fleet(workers: int):
@@ -198,7 +199,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         aio.run(main())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated):
         interrupted = True
     except UserError as exc:
         if not result.measured:
@@ -231,7 +232,7 @@ def run(args: argparse.Namespace) -> int:
     }
     paths = writer.write_reports(result.measured, meta, result.capacity, tables_as_html(render),
                                  result.predicted or None)
-    console.print(f"wrote {writer.out}/: {', '.join(p.name for p in paths)}, records.jsonl")
+    console.print(f"wrote {writer.out}/: {', '.join(p.name for p in [*paths, *writer.logs()])}")
     if interrupted:
         console.print("[yellow]stopped early[/yellow]: the tables show what was measured")
         return 130
