@@ -240,7 +240,7 @@ def generate(spec: WorkloadSpec, vocab: np.ndarray | None = None) -> Workload:
     return Workload(spec, prefixes, out[: spec.prefixes], out[spec.prefixes :], vocab)
 
 
-_INT_LIST = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
+_INT_LIST = re.compile(r"^\s*-?\d+(\s*,\s*-?\d+)*\s*$")
 
 
 def parse_int_list(text: str, what: str) -> list[int]:

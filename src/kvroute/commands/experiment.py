@@ -111,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV memory per vLLM worker (default: the reference's pressure, see above)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="start vLLM without torch.compile: ~30%% sooner, 30–45%% slower decoding")
-    add_workload_arguments(parser, prefixes_default=None)
+    add_workload_arguments(parser, prefixes_default=None, prefixes_preset="default 2,7,12,24; --quick: 2,12,24")
 
 
 def _plan(args: argparse.Namespace) -> ExperimentPlan:
@@ -171,6 +171,8 @@ def _vllm_options(args: argparse.Namespace, plan: ExperimentPlan) -> tuple[VllmI
 
 def run(args: argparse.Namespace) -> int:
     plan = _plan(args)
+    if args.engine == "urls":
+        external(args.worker)  # bad or missing --worker URLs: one line, before any output
     out = args.out or Path("kvroute-results") / time.strftime("experiment-%Y%m%d-%H%M%S")
     writer = ResultsWriter(out)
     console = output_console()

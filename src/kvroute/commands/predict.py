@@ -109,9 +109,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="qwen3-0.6b",
         help="model preset (default qwen3-0.6b; tiny-cpu is vLLM on CPU with block size 128)",
     )
-    shape.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="N")
+    shape.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="N",
+                       help="KV bytes per token instead of a model (block size 16 unless --block-size)")
     shape.add_argument(
-        "--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
+        "--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]",
+        help="the model's KV geometry instead of a preset, e.g. 28,8,128,bfloat16 (Qwen3-0.6B)",
     )
     parser.add_argument(
         "--kv-cache-memory-bytes",
