@@ -25,7 +25,7 @@ from kvroute.experiment import (
     run_experiment,
 )
 from kvroute.fleet import VllmServeOptions, external, launch_emulated, launch_vllm
-from kvroute.report import output_console, print_tables
+from kvroute.report import output_console, print_hit_rate_table, print_latency_tables, print_tables
 from kvroute.routing.policies import POLICIES
 from kvroute.tinymodel import TinyModelConfig
 from kvroute.units import parse_bytes
@@ -232,8 +232,10 @@ def run(args: argparse.Namespace) -> int:
         "partial": interrupted,
         "sim": {"points": [p.to_json() for p in result.predicted]},
     }
-    paths = writer.write_reports(result.measured, meta, result.capacity, tables_as_html(render),
-                                 result.predicted or None)
+    reference = result.predicted or None
+    lead = tables_as_html(lambda c: print_hit_rate_table(result.measured, result.capacity, c, reference))
+    rest = tables_as_html(lambda c: print_latency_tables(result.measured, c))
+    paths = writer.write_reports(result.measured, meta, result.capacity, rest, reference, lead_html=lead)
     console.print(f"wrote {writer.out}/: {', '.join(p.name for p in [*paths, *writer.logs()])}")
     if interrupted:
         console.print("[yellow]stopped early[/yellow]: the tables show what was measured")
