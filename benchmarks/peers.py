@@ -519,7 +519,7 @@ async def launch(router: str, env: Env, timing: str, tag: str) -> RouterRun:
                 cmd += ["--worker", u]
         elif router == "sglang":
             peer = _peer(env, router)
-            # Both hosts and a local tokenizer, or it resolves one from a model hub (ROUTERS.md).
+            # Both hosts and a local tokenizer, or it resolves one from a model hub (benchmarks/peers/README.md).
             prometheus = free_ports(1)[0]
             metrics_url = f"http://127.0.0.1:{prometheus}/metrics"
             cmd = [peer.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",

@@ -1,6 +1,6 @@
 """The analytic model (kvroute.analytic) and ``kvroute predict``.
 
-Reference numbers come from EXPERIMENT.md; the LRU checks replay requests one at a time
+Reference numbers come from docs/experiment.md; the LRU checks replay requests one at a time
 through the engine's BlockPool (vLLM's block allocator and prefix cache), so the model is held
 to the real eviction order, not to itself.
 """
@@ -47,7 +47,7 @@ def test_kv_bytes_per_token_of_the_presets():
 def test_num_kv_blocks_matches_the_reference_and_vllm_on_cpu():
     assert analytic.num_kv_blocks(1 << 30, 114_688, 16) == QWEN_BLOCKS
     assert analytic.usable_blocks(QWEN_BLOCKS) == 584
-    # VLLM.md: the tiny model on CPU, --kv-cache-memory-bytes 4M = 64 blocks of 128.
+    # docs/vllm.md: the tiny model on CPU, --kv-cache-memory-bytes 4M = 64 blocks of 128.
     assert analytic.num_kv_blocks(4 << 20, 512, 128) == 64
 
 
@@ -227,7 +227,7 @@ def test_predict_reproduces_the_reference_first_contacts(workers, hits):
     assert p.first_contact_misses == 200 - hits
     assert p.first_contact_hit == pytest.approx(hits / 200)
     assert p.request_hit_rate == pytest.approx(hits / 200, abs=0.003)
-    # EXPERIMENT.md: 190 hits → 190·2,032 / (200·2,371) = 0.814 of tokens.
+    # docs/experiment.md: 190 hits → 190·2,032 / (200·2,371) = 0.814 of tokens.
     assert p.token_hit_rate == pytest.approx(hits * 2032 / (200 * 2371), abs=0.003)
     assert analytic.NOTE_FIRST_CONTACT in p.notes
 

@@ -184,7 +184,7 @@ _MAX_TEMP_DIR_CHARS = 48
 
 @dataclass(frozen=True)
 class VllmServeOptions:
-    """The ``vllm serve`` flags of every server of a fleet (docs/VLLM.md's working set).
+    """The ``vllm serve`` flags of every server of a fleet (docs/vllm.md's working set).
 
     Args:
         model_dir: the model to serve (``kvroute setup-vllm`` builds the tiny one).

@@ -102,7 +102,7 @@ def hit_rate_table(
 
 def hit_measures_agreement(points: list[Point]) -> str:
     """How far the token hit ratio from per-request ``cached_tokens`` is from the one from the
-    workers' Prometheus counters (EXPERIMENT.md rule 4), over every trial."""
+    workers' Prometheus counters (docs/experiment.md rule 4), over every trial."""
     diffs = [
         abs(t.metrics_token_hit_rate - t.token_hit_rate)
         for p in points

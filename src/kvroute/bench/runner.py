@@ -328,7 +328,7 @@ class BenchRunner:
         self.hooks.request_done(record)
 
     def _check_cached_tokens(self, records: list[RequestRecord], window: list[CacheDelta]) -> None:
-        """The classic pitfall (EXPERIMENT.md rule 5): vLLM omits ``prompt_tokens_details``
+        """The classic pitfall (docs/experiment.md rule 5): vLLM omits ``prompt_tokens_details``
         without ``--enable-prompt-tokens-details`` *and* whenever nothing was cached, so a
         run where no response carries it is ambiguous. The counters decide: hits there mean
         the field is missing; no hits mean every request really missed."""

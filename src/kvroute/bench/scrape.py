@@ -1,6 +1,6 @@
 """The workers' own account of cache hits: Prometheus counters scraped around a window.
 
-EXPERIMENT.md rule 4 measures hits two ways; this is the second. Each worker's ``/metrics``
+docs/experiment.md rule 4 measures hits two ways; this is the second. Each worker's ``/metrics``
 is scraped just before and just after the measured window, and the deltas of
 ``vllm:prefix_cache_hits_total`` and ``vllm:prefix_cache_queries_total`` (both in tokens,
 summed over label sets: one engine per set) give the window's token hit ratio. Counters

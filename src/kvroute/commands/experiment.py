@@ -40,7 +40,7 @@ VLLM_MODEL_NAME = "tiny"
 NAME = "experiment"
 HELP = "run the reference experiment end to end: workers, Service baseline, bench, tables"
 DESCRIPTION = """\
-Run EXPERIMENT.md end to end and print its four tables, with the simulator's prediction and
+Run docs/experiment.md end to end and print its four tables, with the simulator's prediction and
 the formulas min(1, C/K) and min(1, W·C/K) beside the measured values. By default the workers
 are emulated vLLM workers (`kvroute emulate`, the reference GPU timing, run --time-scale times
 faster than real time; every time shown is scaled back to the reference GPUs' milliseconds),

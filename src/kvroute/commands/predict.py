@@ -28,7 +28,7 @@ DESCRIPTION = """\
 Predict prefix-cache hit rates of W vLLM workers behind a balancer, from the model's KV size,
 --kv-cache-memory-bytes and the workload's shape. Nothing is started or sent.
 
-Reference experiment (EXPERIMENT.md): Qwen3-0.6B, 114,688 B of KV per token; 1 GiB per worker
+Reference experiment (docs/experiment.md): Qwen3-0.6B, 114,688 B of KV per token; 1 GiB per worker
 at block size 16 is 585 blocks (584 usable); a request of 2,032 prefix + 339 suffix tokens and
 64 output tokens leaves 152 blocks cached, so C = 584/152 = 3.84 requests fit per worker.
 

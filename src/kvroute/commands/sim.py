@@ -38,7 +38,7 @@ DESCRIPTION = """\
 Run a sweep of the reference experiment on simulated vLLM workers: the same cache and
 scheduler model as the emulator, on a virtual clock, so the whole sweep takes seconds.
 
-With no flags it reproduces EXPERIMENT.md: 6 and 3 workers behind random balancing (what a
+With no flags it reproduces docs/experiment.md: 6 and 3 workers behind random balancing (what a
 Kubernetes Service does with a new connection per request), K in 2,7,12,24 prefixes,
 concurrency 4,8,16, 3 trials each (medians), 1 GiB of KV per worker for Qwen3-0.6B.
 Flags given explicitly override the preset's values.

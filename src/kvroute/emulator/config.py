@@ -2,7 +2,7 @@
 
 The KV capacity follows vLLM's rule for ``--kv-cache-memory-bytes``: the number of blocks is
 ``memory // (block_size * kv_bytes_per_token)``. Bytes per token come from a model preset
-(the reference experiment's Qwen3-0.6B in bf16, or the tiny CPU model of VLLM.md) unless given
+(the reference experiment's Qwen3-0.6B in bf16, or the tiny CPU model of docs/vllm.md) unless given
 explicitly.
 """
 
