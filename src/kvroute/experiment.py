@@ -53,7 +53,8 @@ from kvroute.analytic import (
     capacity_for_mean_lengths,
     num_kv_blocks,
 )
-from kvroute.proxy import EventsSettings, EventsSource, RouterConfig, start_router
+from kvroute.kvevents import EventsSettings, EventsSource
+from kvroute.proxy import RouterConfig, start_router
 from kvroute.records import Point, RequestRecord
 from kvroute.service import TcpBalancer
 from kvroute.sim import trial_seed

@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from kvroute.bench.runner import TrialResult, TrialSink
-from kvroute.commands.sim import write_points_json
 from kvroute.errors import UserError
-from kvroute.records import MEDIAN_FIELDS, Point
+from kvroute.records import MEDIAN_FIELDS, Point, write_points_json
 
 RECORDS = "records.jsonl"
 WINDOWS = "windows.jsonl"

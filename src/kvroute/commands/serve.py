@@ -21,7 +21,7 @@ from kvroute.proxy.app import (
     tune_gc_for_serving,
 )
 from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
-from kvroute.proxy.pool import EventsSettings, EventsSource
+from kvroute.kvevents import EventsSettings, EventsSource
 from kvroute.routing.policies import POLICIES
 from kvroute.units import parse_bytes
 

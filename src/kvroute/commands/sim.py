@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rich.progress import (
@@ -26,7 +25,7 @@ from kvroute.commands._common import (
 from kvroute.engine import PRESETS, get_preset
 from kvroute.errors import UserError
 from kvroute.analytic import capacity_for_mean_lengths
-from kvroute.records import Point
+from kvroute.records import Point, write_points_json
 from kvroute.report import output_console, print_tables
 from kvroute.routing.policies import POLICIES, policy_parameters
 from kvroute.sim import WorkerConfig, run_point, sweep_points
@@ -174,11 +173,3 @@ def sweep_policy_options(args: argparse.Namespace, policies: list[str]) -> dict[
             + "; ".join(f"{p}: {', '.join(t) or 'nothing'}" for p, t in takes.items()) + ")"
         )
     return per_policy
-
-
-def write_points_json(path: Path, points: list[Point], meta: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"meta": meta, "points": [p.to_json() for p in points]}, indent=2))
-    except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -10,7 +10,7 @@ the worker holding most of its prefix, fed by the workers' KV events or by its o
 
 from kvroute.proxy.app import WORKER_HEADER, Router, RouterConfig, start_router
 from kvroute.proxy.discovery import DnsDiscovery, Endpoint, FileDiscovery, StaticDiscovery
-from kvroute.proxy.pool import EventsSettings, EventsSource
+from kvroute.kvevents import EventsSettings, EventsSource
 
 __all__ = [
     "DnsDiscovery",
