@@ -216,7 +216,7 @@ async def test_ttft_matches_the_cost_model_at_low_load():
     try:
         await _ttft(w.url, list(range(1000, 1016)))  # warm the connection path
         misses, hits = [], []
-        for i in range(4):
+        for _ in range(4):
             misses.append(await _ttft(w.url, rng.integers(1000, 8000, size=2371).tolist()))
             hits.append(await _ttft(w.url, prefix + rng.integers(1000, 8000, size=339).tolist()))
         metrics = await scrape(w.url)

@@ -119,7 +119,7 @@ def stack() -> Iterator[Stack]:
     # headers, and each router still serves.
     try:
         assert s.trap.seen == []
-        for method, path, headers, _ in s.worker.requests():
+        for _method, path, headers, _ in s.worker.requests():
             assert path in ROUTE_PATHS, path
             assert {h.lower() for h in headers} <= ALLOWED_UPSTREAM_HEADERS, headers
         for router in (s.open, s.locked):

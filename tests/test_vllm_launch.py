@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 
+from kvroute.analytic import MODEL_PRESETS, capacity_for_mean_lengths, num_kv_blocks
 from kvroute.errors import UserError
 from kvroute.experiment import cpu_kv_cache_bytes
 from kvroute.fleet import (
@@ -25,7 +26,6 @@ from kvroute.fleet import (
     launch_vllm,
     vllm_serve_command,
 )
-from kvroute.analytic import MODEL_PRESETS, capacity_for_mean_lengths, num_kv_blocks
 from kvroute.vllm_setup import (
     STAMP,
     VllmInstall,

@@ -88,7 +88,7 @@ class Fleet:
             proc.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
@@ -111,7 +111,7 @@ async def launch_emulated(workers: int, emulate_args: list[str], startup_timeout
     fleet = Fleet(urls=[], process=proc)
     try:
         urls = await asyncio.wait_for(_read_urls(proc, workers, fleet.log), startup_timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         await fleet.close()
         raise UserError(
             f"emulated workers did not start within {startup_timeout_s:.0f} s: "

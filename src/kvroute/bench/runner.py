@@ -16,18 +16,17 @@ same order (the workload is built once per K, from the seed).
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import aiohttp
 
+from kvroute.analytic import capacity_for_mean_lengths
 from kvroute.bench.client import BenchClient, run_closed_loop, run_open_loop, run_sequential
 from kvroute.bench.prompts import BenchRequest, BenchWorkload, poisson_schedule
 from kvroute.bench.scrape import CacheDelta, MetricsScraper, deltas, window_token_hit_rate
 from kvroute.errors import UserError
-from kvroute.analytic import capacity_for_mean_lengths
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
 
 logger = logging.getLogger(__name__)
@@ -189,7 +188,7 @@ async def discover_model(url: str, timeout_s: float = 10.0, api_key: str | None 
                 if resp.status != 200:
                     raise UserError(f"GET {target} answered HTTP {resp.status}: is this an OpenAI-compatible server?")
                 body = await resp.json(content_type=None)
-    except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+    except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         reason = str(exc) or type(exc).__name__
         raise UserError(f"cannot reach {url}: {reason}") from None
     except ValueError:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 
-from kvroute.errors import UserError
 from kvroute.analytic import (
     MODEL_PRESETS,
     ModelShape,
@@ -12,6 +11,7 @@ from kvroute.analytic import (
     kv_bytes_per_token,
     num_kv_blocks,
 )
+from kvroute.errors import UserError
 from kvroute.units import parse_bytes
 from kvroute.workload import LengthDist, WorkloadSpec
 
@@ -81,7 +81,7 @@ def model_shape(args: argparse.Namespace) -> ModelShape:
     try:
         layers, heads, dim = (int(p) for p in parts[:3])
         shape = ModelShape(text, layers, heads, dim, parts[3] if len(parts) == 4 else "bfloat16")
-        shape.kv_bytes_per_token  # checks sizes and the dtype name
+        _ = shape.kv_bytes_per_token  # checks sizes and the dtype name
     except ValueError as exc:
         raise UserError(f"bad --model-shape {text!r}: {exc}") from None
     return shape

@@ -13,6 +13,7 @@ from kvroute import aio
 from kvroute.blocks import GPU_BLOCK_SIZE
 from kvroute.commands._common import add_policy_option_argument, parse_policy_options
 from kvroute.errors import UserError
+from kvroute.kvevents import EventsSettings, EventsSource
 from kvroute.proxy.app import (
     DEFAULT_PREDICTED_CAPACITY_BLOCKS,
     EVENTS_PREDICTED_TTL_S,
@@ -21,7 +22,6 @@ from kvroute.proxy.app import (
     tune_gc_for_serving,
 )
 from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
-from kvroute.kvevents import EventsSettings, EventsSource
 from kvroute.routing.policies import POLICIES
 from kvroute.units import parse_bytes
 

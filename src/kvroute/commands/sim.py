@@ -13,6 +13,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from kvroute.analytic import capacity_for_mean_lengths
 from kvroute.commands._common import (
     add_policy_option_argument,
     add_worker_arguments,
@@ -24,7 +25,6 @@ from kvroute.commands._common import (
 )
 from kvroute.engine import PRESETS, get_preset
 from kvroute.errors import UserError
-from kvroute.analytic import capacity_for_mean_lengths
 from kvroute.records import Point, write_points_json
 from kvroute.report import output_console, print_tables
 from kvroute.routing.policies import POLICIES, policy_parameters

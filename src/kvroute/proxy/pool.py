@@ -33,9 +33,9 @@ import aiohttp
 
 from kvroute.kvevents import (
     EngineRestarted,
+    EventsReceived,
     EventsSettings,
     EventsSource,
-    EventsReceived,
     GapDetected,
     KVEventSubscriber,
     MalformedPayload,
