@@ -200,7 +200,7 @@ class AiohttpClient:
                     await read_sse(resp.content, result)
                     if not result.done and result.error is None:
                         result.error = "stream ended without [DONE]"
-        except asyncio.TimeoutError:
+        except TimeoutError:
             result.error = f"timed out after {self.timeout.total:g} s"
         except (self._aiohttp.ClientError, OSError) as exc:
             result.error = f"{type(exc).__name__}: {exc}"[:300]

@@ -329,7 +329,7 @@ class Process:
             os.killpg(self.proc.pid, signal.SIGTERM)
         try:
             await asyncio.wait_for(self.proc.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
             await self.proc.wait()
@@ -352,7 +352,7 @@ async def wait_ready(url: str, proc: Process, timeout_s: float = STARTUP_TIMEOUT
                     if resp.status == 200 and body.get("data"):
                         return
                     last = f"HTTP {resp.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError, ValueError, AttributeError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError, ValueError, AttributeError) as exc:
                 last = type(exc).__name__
             await asyncio.sleep(0.25)
     raise UserError(f"{proc.name} not ready within {timeout_s:.0f} s ({last}): {proc.tail()}")
@@ -519,7 +519,7 @@ async def launch(router: str, env: Env, timing: str, tag: str) -> RouterRun:
                 cmd += ["--worker", u]
         elif router == "sglang":
             peer = _peer(env, router)
-            # Both hosts and a local tokenizer, or it resolves one from a model hub (ROUTERS.md).
+            # Both hosts and a local tokenizer, or it resolves one from a model hub (benchmarks/peers/README.md).
             prometheus = free_ports(1)[0]
             metrics_url = f"http://127.0.0.1:{prometheus}/metrics"
             cmd = [peer.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
@@ -829,7 +829,9 @@ def compare_table(rows: Sequence[CompareRow]) -> list[list[str]]:
 def overhead_table(rows: Sequence[OverheadRow]) -> list[list[str]]:
     out = [["router", "added TTFT p50/p99 ms", "added e2e p50/p99 ms", "router e2e p50/p99 ms",
             "direct e2e p50/p99 ms", "CPU µs/req", "req/s loaded", "load avg", "note"]]
-    pair = lambda v: "—" if v is None else f"{v[0]:.2f} / {v[1]:.2f}"
+    def pair(v: tuple[float, float] | None) -> str:
+        return "—" if v is None else f"{v[0]:.2f} / {v[1]:.2f}"
+
     for r in rows:
         out.append([r.router, pair(r.added("ttft")), pair(r.added("e2e")), pair(r.router_e2e_ms),
                     pair(r.direct_e2e_ms),

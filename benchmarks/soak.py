@@ -119,7 +119,7 @@ class WorkerProcess:
             self.proc.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(self.proc.wait(), 5)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 self.proc.kill()
                 await self.proc.wait()
 
@@ -488,7 +488,7 @@ async def run_soak(
             router.send_signal(signal.SIGTERM)
             try:
                 await asyncio.wait_for(router.wait(), 40)
-            except asyncio.TimeoutError:
+            except TimeoutError:
                 router.kill()
         await fleet.close()
 

@@ -163,7 +163,7 @@ def test_reference_topologies(file, workers):
     assert "startupProbe" in container
     args = container["args"]
     assert args[0] == "/models/Qwen3-0.6B"
-    # The reference engine arguments (EXPERIMENT.md): 1 GiB of KV, prompt token details, events.
+    # The reference engine arguments (docs/experiment.md): 1 GiB of KV, prompt token details, events.
     assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= set(args)
     assert flag(args, "--kv-cache-memory-bytes") == str(1 << 30)
     assert flag(args, "--max-model-len") == "4096"

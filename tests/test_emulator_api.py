@@ -376,6 +376,63 @@ async def test_malformed_json_is_400(engine_server: EngineServer, path):
     _assert_error_object(body, 400)
 
 
+async def _raw_http(server: EngineServer, request: bytes) -> bytes:
+    host, port = server.base_url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(request)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), 10)
+    finally:
+        writer.close()
+
+
+def _raw_post(path: bytes, body: bytes, headers: bytes = b"") -> bytes:
+    return (b"POST " + path + b" HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+            b"Connection: close\r\n" + headers + b"Content-Length: %d\r\n\r\n" % len(body) + body)
+
+
+@pytest.mark.parametrize(
+    "path, body",
+    [
+        (b"/v1/completions", b'{"model": "test-model", "prompt": [1180591620717411303424], "max_tokens": 1}'),
+        (b"/v1/completions", b'{"model": "test-model", "prompt": [[5, -1180591620717411303424]]}'),
+        (b"/v1/completions", b'{"model": "test-model", "prompt": "\\ud800", "max_tokens": 1}'),
+        (b"/v1/completions", b'{"model": "test-model", "prompt": "hi \xed\xa0\x80", "max_tokens": 1}'),
+        (b"/v1/chat/completions", b'{"model": "test-model", "messages": [{"role": "user", "content": "\\udfff"}]}'),
+        (b"/tokenize", b'{"model": "test-model", "prompt": "\\ud800"}'),
+    ],
+    ids=["token-id-2**70", "nested-token-id", "lone-surrogate-escape", "surrogate-bytes", "chat-surrogate",
+         "tokenize-surrogate"],
+)
+async def test_emulator_answers_hostile_values_with_a_quiet_400(engine_server: EngineServer, path, body, caplog):
+    reply = await _raw_http(engine_server, _raw_post(path, body))
+    assert reply.startswith(b"HTTP/1.1 400"), reply[:200]
+    _assert_error_object(json.loads(reply.split(b"\r\n\r\n", 1)[1]), 400)
+    assert not [r for r in caplog.records if r.levelno >= 40], [r.getMessage() for r in caplog.records]
+
+
+async def test_emulator_keeps_valid_escaped_text_and_ignores_odd_expect_headers(engine_server: EngineServer, caplog):
+    # A surrogate *pair* is one valid character (what ensure_ascii JSON sends for an emoji).
+    reply = await _raw_http(engine_server, _raw_post(
+        b"/v1/completions", b'{"model": "test-model", "prompt": "hi \\ud83d\\ude00", "max_tokens": 1}'))
+    assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    # A non-ASCII Expect is ignored as uvicorn does (aiohttp's own handler failed with a 500).
+    for expect in (b"\xff", b"100-continue\xe9"):
+        reply = await _raw_http(engine_server, _raw_post(
+            b"/v1/completions", b'{"model": "test-model", "prompt": "hi", "max_tokens": 1}', b"Expect: " + expect + b"\r\n"))
+        assert reply.startswith(b"HTTP/1.1 200"), reply[:200]
+    assert not [r for r in caplog.records if r.levelno >= 40]
+
+
+@pytest.mark.parametrize("request_bytes", [b"GARBAGE\r\n\r\n", b"POST /v1/completions HTTP/1.1\r\nContent-Length: x\r\n\r\n",
+                                           b"POST /v1/completions HTTP/1.1\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"])
+async def test_emulator_logs_no_traceback_for_malformed_http(engine_server: EngineServer, request_bytes, caplog):
+    reply = await _raw_http(engine_server, request_bytes)
+    assert reply.startswith(b"HTTP/1.") and b" 400 " in reply.split(b"\r\n")[0], reply[:200]
+    assert not [r for r in caplog.records if r.name == "aiohttp.server" and r.levelno >= 30]
+
+
 async def test_non_object_json_is_400(engine_server: EngineServer):
     status, body = await _post_raw(engine_server, "/v1/completions", b"[1, 2, 3]")
     assert status == 400

@@ -291,7 +291,7 @@ async def test_killed_and_restarted_worker_restarts_seq_at_0(zctx):
                 await _complete(url, prompt)
                 try:
                     seq, batch, _ = await sub.next(timeout=0.5)
-                except asyncio.TimeoutError:
+                except TimeoutError:
                     continue
                 assert batch.events[0].token_ids == prompt[: 2 * BS]
                 received.append((k, seq))

@@ -117,7 +117,7 @@ async def test_num_gpu_blocks_follow_kv_cache_memory_bytes():
     cfg = EmulatorConfig.for_model("qwen3-0.6b", timing="instant")
     assert cfg.num_gpu_blocks == 585  # 1 GiB at 114,688 B/token, block 16
     tiny = EmulatorConfig.for_model("tiny-cpu", timing="instant", kv_cache_memory_bytes=4 << 20)
-    assert (tiny.block_size, tiny.num_gpu_blocks) == (128, 64)  # VLLM.md: 4M -> 64 blocks
+    assert (tiny.block_size, tiny.num_gpu_blocks) == (128, 64)  # docs/vllm.md: 4M -> 64 blocks
     (w,) = await start_workers(tiny, 1)
     try:
         (info,) = (await scrape(w.url))["vllm:cache_config_info"]
@@ -216,7 +216,7 @@ async def test_ttft_matches_the_cost_model_at_low_load():
     try:
         await _ttft(w.url, list(range(1000, 1016)))  # warm the connection path
         misses, hits = [], []
-        for i in range(4):
+        for _ in range(4):
             misses.append(await _ttft(w.url, rng.integers(1000, 8000, size=2371).tolist()))
             hits.append(await _ttft(w.url, prefix + rng.integers(1000, 8000, size=339).tolist()))
         metrics = await scrape(w.url)

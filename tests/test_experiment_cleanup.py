@@ -152,3 +152,26 @@ def test_killed_experiment_leaves_no_workers(tmp_path):
     os.kill(proc.pid, signal.SIGKILL)  # the experiment alone, not its process group
     proc.communicate(timeout=30)
     _assert_nothing_left(tag, ports)
+
+
+def test_sigterm_is_handled_like_ctrl_c(tmp_path):
+    """`kill` (or a job scheduler, a container stop) signals the experiment alone: it closes
+    its workers and still writes the tables and reports of what was measured."""
+    tag = uuid.uuid4().hex
+    # Two concurrencies: signalled as the first point's trial ends, during the second one's.
+    proc = _start(tmp_path, tag, "--requests", "2000", "--concurrency", "1,2", "--topology", "service")
+    ports = _wait_for_children(proc, tag)
+    out_dir = tmp_path / "out"
+    deadline = time.monotonic() + 120
+    while not (out_dir / "windows.jsonl").exists():  # written when the first trial ends
+        assert time.monotonic() < deadline and proc.poll() is None, proc.stdout.read().decode(errors="replace")
+        time.sleep(0.2)
+    os.kill(proc.pid, signal.SIGTERM)
+    out, _ = proc.communicate(timeout=60)
+    text = out.decode(errors="replace")
+    assert proc.returncode == 130, text
+    assert "Traceback" not in text, text
+    assert "stopped early" in text and "windows.jsonl" in text, text
+    for name in ("summary.json", "points.csv", "report.html", "records.jsonl"):
+        assert (out_dir / name).exists(), name
+    _assert_nothing_left(tag, ports)

@@ -119,7 +119,7 @@ def stack() -> Iterator[Stack]:
     # headers, and each router still serves.
     try:
         assert s.trap.seen == []
-        for method, path, headers, _ in s.worker.requests():
+        for _method, path, headers, _ in s.worker.requests():
             assert path in ROUTE_PATHS, path
             assert {h.lower() for h in headers} <= ALLOWED_UPSTREAM_HEADERS, headers
         for router in (s.open, s.locked):
@@ -420,3 +420,16 @@ def test_serve_kv_events_take_tcp_or_ipc_endpoints():
     for bad in ("http://127.0.0.1:9=udp://x", "http://127.0.0.1:9", "http://127.0.0.1:9=tcp://a:1,http://b"):
         with pytest.raises(UserError, match="bad --kv-events"):
             serve_config(["--kv-events", bad])
+
+
+def test_serve_refuses_a_worker_file_it_cannot_read(tmp_path):
+    # One line and exit, not a traceback and a router serving "workers: none yet" forever.
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    with pytest.raises(UserError, match="cannot read worker file .*nope"):
+        serve.config_from_args(parser.parse_args(["--worker-file", str(tmp_path / "nope")]))
+    (tmp_path / "workers").write_text("http://127.0.0.1:9\nnot-a-url\n")
+    with pytest.raises(UserError, match=r"workers:2: bad worker URL"):
+        serve.config_from_args(parser.parse_args(["--worker-file", str(tmp_path / "workers")]))
+    (tmp_path / "workers").write_text("http://127.0.0.1:9\n")
+    assert serve.config_from_args(parser.parse_args(["--worker-file", str(tmp_path / "workers")]))

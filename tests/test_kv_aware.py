@@ -7,11 +7,11 @@ import random
 import numpy as np
 import pytest
 
+from kvroute.analytic import capacity_for_mean_lengths
 from kvroute.blocks import BlockHasher
 from kvroute.cli import main
 from kvroute.engine import REFERENCE_GPU
 from kvroute.errors import UserError
-from kvroute.model import capacity_for_mean_lengths
 from kvroute.routing.index import KvIndex
 from kvroute.routing.policies import (
     POLICIES,

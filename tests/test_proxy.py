@@ -287,8 +287,8 @@ async def test_models_health_and_metrics(workers):
             await client(router.url).completions.create(model=MODEL, prompt=list(range(40)), max_tokens=1)
         async with s.get(f"{router.url}/metrics") as r:
             text = await r.text()
-        decisions = [l for l in text.splitlines() if l.startswith("kvroute_router_decisions_total{")]
-        assert sum(float(l.split()[-1]) for l in decisions) == 4
+        decisions = [line for line in text.splitlines() if line.startswith("kvroute_router_decisions_total{")]
+        assert sum(float(line.split()[-1]) for line in decisions) == 4
         assert 'policy="random"' in decisions[0]
         assert "kvroute_router_routing_seconds_count 4.0" in text
         assert "kvroute_router_overlap_blocks_count 4.0" in text

@@ -213,6 +213,10 @@ def test_sim_cli_writes_json_with_the_point_contract(tmp_path, capsys):
         (["sim", "--model-shape", "28,8,128,int3"], "unknown dtype"),
         (["sim", "--model-shape", "28,8"], "--model-shape"),
         (["sim", "--kv-cache-memory-bytes", "8M", "--workers", "1", "--prefixes", "1"], "KV blocks"),
+        # The engine's context length: 5,339-token prompts the emulator and vLLM refuse.
+        (["sim", "--prefix-tokens", "5000"], "longer than --max-model-len 4096"),
+        (["sim", "--prefix-tokens", "3000", "--max-model-len", "3000"], "--max-model-len 3000"),
+        (["sim", "--max-model-len", "0"], "--max-model-len must be >= 1"),
     ],
 )
 def test_sim_cli_bad_input_is_one_line(argv, message, capsys):

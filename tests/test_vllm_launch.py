@@ -16,17 +16,16 @@ from pathlib import Path
 
 import pytest
 
+from kvroute.analytic import MODEL_PRESETS, capacity_for_mean_lengths, num_kv_blocks
 from kvroute.errors import UserError
 from kvroute.experiment import cpu_kv_cache_bytes
 from kvroute.fleet import (
-    SCRATCH,
     VllmServeOptions,
     cpu_binding,
     free_ports,
     launch_vllm,
     vllm_serve_command,
 )
-from kvroute.model import MODEL_PRESETS, capacity_for_mean_lengths, num_kv_blocks
 from kvroute.vllm_setup import (
     STAMP,
     VllmInstall,
@@ -47,6 +46,12 @@ FAKE_VLLM = textwrap.dedent(
     mode = os.environ.get("FAKE_VLLM_MODE", "ok")
     with open("argv.txt", "w") as f:
         f.write("\\n".join(args))
+    with open("rpc.txt", "w") as f:
+        f.write(os.environ["VLLM_RPC_BASE_PATH"])
+    # What vLLM does with it: a ZMQ IPC socket named by a uuid (107 characters at most).
+    ipc = os.path.join(os.environ["VLLM_RPC_BASE_PATH"], "0" * 36)
+    open(ipc, "w").close()
+    assert len(ipc) <= 107, ipc
     if mode == "crash":
         print("fake vllm: cannot load the model", flush=True)
         sys.exit(3)
@@ -116,13 +121,36 @@ async def test_launch_waits_for_health_and_close_leaves_no_process(fake_vllm, tm
         argv = (fleet.servers[0].work_dir / "argv.txt").read_text().split("\n")
         assert argv[:2] == ["serve", str(tmp_path / "model")]
         assert argv[argv.index("--served-model-name") + 1 : argv.index("--served-model-name") + 3] == ["a", "b"]
-        assert (fleet.servers[0].work_dir / SCRATCH / "rpc").is_dir()
+        scratch = fleet.servers[0].scratch_dir
+        assert scratch is not None and (scratch / "rpc").is_dir()
     finally:
         await fleet.close(timeout_s=0.5)
     assert all(_gone(pid) for pid in children)  # the SIGTERM-proof children too
     assert all(s.process.poll() is not None for s in fleet.servers)
-    assert not (fleet.servers[0].work_dir / SCRATCH).exists()
+    assert not scratch.exists()
     assert fleet.servers[0].log_path.exists()  # the log stays
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process groups and /proc")
+@pytest.mark.parametrize("out", ["relative", "long"])
+async def test_scratch_and_ipc_paths_are_short_and_absolute_for_any_out(fake_vllm, tmp_path, monkeypatch, out):
+    # The README's real-vLLM command with the default --out (relative) or a deep one: vLLM
+    # runs in its work folder, so a relative scratch path would nest, a deep one would pass
+    # the 107-character limit on a Unix socket path.
+    monkeypatch.chdir(tmp_path)
+    work = Path("kvroute-results/experiment-20261201-103000/vllm/W2")
+    if out == "long":
+        work = tmp_path / ("x" * 60) / ("y" * 60) / work
+    options = VllmServeOptions(model_dir=tmp_path / "model")
+    fleet = await launch_vllm(2, fake_vllm, options, work)
+    try:
+        rpcs = [Path((s.work_dir / "rpc.txt").read_text()) for s in fleet.servers]
+        assert all(r.is_absolute() and r.is_dir() for r in rpcs) and len(set(rpcs)) == 2
+        assert all(len(str(r)) <= 60 for r in rpcs), rpcs
+        assert all(s.work_dir.is_absolute() and s.log_path.exists() for s in fleet.servers)
+    finally:
+        await fleet.close(timeout_s=0.5)
+    assert not any(r.exists() for r in rpcs)
 
 
 async def test_a_server_that_exits_while_starting_fails_the_launch_with_its_log(fake_vllm, tmp_path, monkeypatch):

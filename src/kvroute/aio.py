@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Coroutine
+import contextlib
+import signal
+from collections.abc import Coroutine, Iterator
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -17,6 +19,42 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     except ImportError:
         return asyncio.run(main)
     return uvloop.run(main)
+
+
+class Terminated(Exception):
+    """The run was stopped by SIGTERM (see :func:`stop_on_sigterm`)."""
+
+
+@contextlib.contextmanager
+def stop_on_sigterm() -> Iterator[None]:
+    """Within the block, SIGTERM (``kill``, a job scheduler, a container stop) cancels the
+    current task as Ctrl-C does, so its ``finally`` blocks close what it started; the block
+    then raises :class:`Terminated`. Use it in the main task, where Ctrl-C's cancel lands too.
+
+    Not ``signal.signal``: a handler that raises in the middle of a loop callback breaks the
+    transport it interrupts, and a job started in the background with ``&`` ignores SIGINT,
+    so re-sending SIGTERM as SIGINT would do nothing there.
+    """
+    loop = asyncio.get_running_loop()
+    task = asyncio.current_task()
+    assert task is not None, "stop_on_sigterm() needs a running task"
+    received = False
+
+    def on_sigterm() -> None:
+        nonlocal received
+        received = True
+        task.cancel()
+
+    loop.add_signal_handler(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    except asyncio.CancelledError:
+        if received:
+            task.uncancel()
+            raise Terminated() from None
+        raise
+    finally:
+        loop.remove_signal_handler(signal.SIGTERM)
 
 
 class WaitTimeout:

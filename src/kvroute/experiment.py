@@ -33,6 +33,12 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kvroute.analytic import (
+    MODEL_PRESETS,
+    ModelShape,
+    capacity_for_mean_lengths,
+    num_kv_blocks,
+)
 from kvroute.bench.files import ResultsWriter
 from kvroute.bench.prompts import BenchWorkload, PromptEncoder, reference_workload
 from kvroute.bench.runner import (
@@ -47,13 +53,8 @@ from kvroute.bench.runner import (
 )
 from kvroute.errors import UserError
 from kvroute.fleet import Fleet
-from kvroute.model import (
-    MODEL_PRESETS,
-    ModelShape,
-    capacity_for_mean_lengths,
-    num_kv_blocks,
-)
-from kvroute.proxy import EventsSettings, EventsSource, RouterConfig, start_router
+from kvroute.kvevents import EventsSettings, EventsSource
+from kvroute.proxy import RouterConfig, start_router
 from kvroute.records import Point, RequestRecord
 from kvroute.service import TcpBalancer
 from kvroute.sim import trial_seed

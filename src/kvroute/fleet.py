@@ -8,7 +8,8 @@ prints. Closing the fleet always stops the child and its ports — on normal exi
 
 The vLLM fleet starts N ``vllm serve`` processes (from the venv of ``kvroute setup-vllm``) at
 once — each takes 66–112 s to become healthy on CPU, mostly torch.compile — on free loopback
-ports, each with its own folder for logs and caches. Every server runs in a process group of its
+ports, each with its own folder for its log (under ``--out``) and a private scratch folder for
+caches and IPC sockets under the system temp dir (short and absolute, whatever ``--out`` is). Every server runs in a process group of its
 own, so closing the fleet (SIGTERM, then SIGKILL) also ends the engine-core and worker
 processes vLLM forks; on Linux a server also gets SIGTERM if kvroute itself dies.
 """
@@ -26,6 +27,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -86,7 +88,7 @@ class Fleet:
             proc.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(proc.wait(), timeout_s)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill()
             await proc.wait()
@@ -109,7 +111,7 @@ async def launch_emulated(workers: int, emulate_args: list[str], startup_timeout
     fleet = Fleet(urls=[], process=proc)
     try:
         urls = await asyncio.wait_for(_read_urls(proc, workers, fleet.log), startup_timeout_s)
-    except asyncio.TimeoutError:
+    except TimeoutError:
         await fleet.close()
         raise UserError(
             f"emulated workers did not start within {startup_timeout_s:.0f} s: "
@@ -172,13 +174,17 @@ VLLM_STOP_TIMEOUT_S = 15.0
 #: ``kvroute emulate`` answers ``/health`` at once; vLLM on CPU needs 66–112 s, more when
 #: several start together on few cores.
 VLLM_STARTUP_TIMEOUT_S = 600.0
-#: Each server's caches and temporary files, inside its work folder.
-SCRATCH = "scratch"
+#: Prefix of each server's private scratch folder (caches, temporary files, IPC sockets),
+#: made under the system temporary directory: vLLM's ZMQ IPC paths must stay under the
+#: kernel's 107-character limit for a Unix socket path, whatever ``--out`` is.
+SCRATCH_PREFIX = "kvroute-vllm-"
+#: Beyond this the system temp dir is too deep for socket paths (``<dir>/<8>/rpc/<uuid>``).
+_MAX_TEMP_DIR_CHARS = 48
 
 
 @dataclass(frozen=True)
 class VllmServeOptions:
-    """The ``vllm serve`` flags of every server of a fleet (docs/VLLM.md's working set).
+    """The ``vllm serve`` flags of every server of a fleet (docs/vllm.md's working set).
 
     Args:
         model_dir: the model to serve (``kvroute setup-vllm`` builds the tiny one).
@@ -217,6 +223,8 @@ class VllmServer:
     replay_endpoint: str | None
     work_dir: Path
     process: subprocess.Popen
+    #: Caches, temporary files and IPC sockets (removed when the server stops).
+    scratch_dir: Path | None = None
 
     @property
     def log_path(self) -> Path:
@@ -319,13 +327,31 @@ def vllm_serve_command(vllm: Path, options: VllmServeOptions, port: int,
     return cmd + list(options.extra_args)
 
 
-def vllm_env(work_dir: Path, cpu_bind: str | None) -> dict[str, str]:
-    """The environment of one server: offline, no telemetry, every cache and temporary file
-    in ``work_dir/scratch`` (torch.compile leaves ~150 MB there; removed when it stops)."""
+def scratch_root() -> Path:
+    """Where each server's scratch folder goes: the system temp dir, or ``/tmp`` when that is
+    too deep for the IPC socket paths vLLM makes in it."""
+    base = Path(tempfile.gettempdir()).resolve()
+    if len(str(base)) > _MAX_TEMP_DIR_CHARS and Path("/tmp").is_dir():
+        base = Path("/tmp")
+    return base
+
+
+def make_scratch_dir() -> Path:
+    """A new private (mode 0700) scratch folder with a short absolute path."""
+    return Path(tempfile.mkdtemp(prefix=SCRATCH_PREFIX, dir=scratch_root()))
+
+
+def vllm_env(scratch_dir: Path, cpu_bind: str | None) -> dict[str, str]:
+    """The environment of one server: offline, no telemetry, every cache, temporary file and
+    IPC socket in ``scratch_dir`` (torch.compile leaves ~150 MB there; removed when it stops).
+
+    The paths are absolute: vLLM runs in its own work folder, so a relative one would nest.
+    """
     env = dict(os.environ)
     # Whole GiB that would override --kv-cache-memory-bytes (and the KV pressure with it).
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    dirs = {name: work_dir / SCRATCH / name for name in ("vllm-cache", "inductor", "tmp", "rpc")}
+    scratch_dir = Path(scratch_dir).resolve()
+    dirs = {name: scratch_dir / name for name in ("vllm-cache", "inductor", "tmp", "rpc")}
     for d in dirs.values():
         d.mkdir(parents=True, exist_ok=True)
     env.update(
@@ -367,23 +393,30 @@ def _parent_death_signal() -> Callable[[], None] | None:
 
 def start_vllm_server(index: int, vllm: Path, options: VllmServeOptions, work_dir: Path,
                       cpu_bind: str | None = None) -> VllmServer:
-    """Start one ``vllm serve`` (returns at once; see :func:`wait_healthy`)."""
+    """Start one ``vllm serve`` (returns at once; see :func:`wait_healthy`).
+
+    Its log goes to ``work_dir/vllm.log``; its caches and sockets to a private scratch folder
+    under the system temp dir (:func:`make_scratch_dir`).
+    """
+    work_dir = Path(work_dir).resolve()
     work_dir.mkdir(parents=True, exist_ok=True)
     port, events_port, replay_port = free_ports(3)
     if not options.kv_events:
         events_port = replay_port = None
     cmd = vllm_serve_command(vllm, options, port, events_port, replay_port)
-    env = vllm_env(work_dir, cpu_bind)
-    log = (work_dir / "vllm.log").open("wb")
+    scratch_dir = make_scratch_dir()
     try:
-        process = subprocess.Popen(
-            cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
-            cwd=work_dir, start_new_session=True,
-            # Only a prctl system call runs in the child: safe with threads around.
-            preexec_fn=_parent_death_signal(),  # noqa: PLW1509
-        )
-    finally:
-        log.close()  # the child holds its own copy
+        env = vllm_env(scratch_dir, cpu_bind)
+        with (work_dir / "vllm.log").open("wb") as log:  # the child holds its own copy
+            process = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env,
+                cwd=work_dir, start_new_session=True,
+                # Only a prctl system call runs in the child: safe with threads around.
+                preexec_fn=_parent_death_signal(),  # noqa: PLW1509
+            )
+    except BaseException:
+        shutil.rmtree(scratch_dir, ignore_errors=True)
+        raise
     return VllmServer(
         index=index,
         url=f"http://127.0.0.1:{port}",
@@ -391,6 +424,7 @@ def start_vllm_server(index: int, vllm: Path, options: VllmServeOptions, work_di
         replay_endpoint=None if replay_port is None else f"tcp://127.0.0.1:{replay_port}",
         work_dir=work_dir,
         process=process,
+        scratch_dir=scratch_dir,
     )
 
 
@@ -458,7 +492,8 @@ def terminate_servers(servers: Sequence[VllmServer], timeout_s: float = VLLM_STO
         # The whole group: the engine core and its workers may outlive the API process.
         _signal_group(server.process, signal.SIGKILL)
         server.process.wait()
-        shutil.rmtree(server.work_dir / SCRATCH, ignore_errors=True)
+        if server.scratch_dir is not None:
+            shutil.rmtree(server.scratch_dir, ignore_errors=True)
 
 
 def start_vllm_servers(count: int, vllm: Path, options: VllmServeOptions, work_dir: Path,

@@ -8,10 +8,14 @@ turns one trial's records into ``TrialStats``; ``Point`` gathers the trials of o
 
 from __future__ import annotations
 
+import json
 import statistics
 from dataclasses import asdict, dataclass, field
+from pathlib import Path
 
 import numpy as np
+
+from kvroute.errors import UserError
 
 
 @dataclass(slots=True)
@@ -188,3 +192,13 @@ class Point:
             out[name] = self.median(name)
         out["per_trial"] = [t.to_json() for t in self.trials]
         return out
+
+
+def write_points_json(path: Path, points: list[Point], meta: dict) -> None:
+    """``{"meta": meta, "points": [...]}``: the point contract of ``kvroute sim --json`` and of a
+    bench or experiment run's ``summary.json``."""
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"meta": meta, "points": [p.to_json() for p in points]}, indent=2))
+    except OSError as exc:
+        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -102,7 +102,7 @@ def hit_rate_table(
 
 def hit_measures_agreement(points: list[Point]) -> str:
     """How far the token hit ratio from per-request ``cached_tokens`` is from the one from the
-    workers' Prometheus counters (EXPERIMENT.md rule 4), over every trial."""
+    workers' Prometheus counters (docs/experiment.md rule 4), over every trial."""
     diffs = [
         abs(t.metrics_token_hit_rate - t.token_hit_rate)
         for p in points
@@ -201,7 +201,23 @@ def print_tables(
     if not points:
         console.print("no points to report")
         return
+    print_hit_rate_table(points, capacity_requests, console, reference, reference_label)
+    print_latency_tables(points, console)
+
+
+def print_hit_rate_table(
+    points: list[Point],
+    capacity_requests: float | None,
+    console: Console,
+    reference: list[Point] | None = None,
+    reference_label: str = "sim",
+) -> None:
+    """Table 1, the answer: the request hit rate by K and topology."""
     console.print(hit_rate_table(points, capacity_requests, reference=reference, reference_label=reference_label))
+
+
+def print_latency_tables(points: list[Point], console: Console) -> None:
+    """Tables 2-4 (TTFT on hit vs miss, TTFT by concurrency, throughput) and the failures."""
     console.print(ttft_split_table(points))
     console.print(ttft_table(points))
     console.print(throughput_table(points))

@@ -278,7 +278,7 @@ class TcpBalancer:
                 reader, writer = await asyncio.wait_for(
                     asyncio.open_connection(*backend, limit=_RELAY_CHUNK), self._connect_timeout
                 )
-            except (OSError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, OSError) as exc:
                 self.refused_per_backend[backend] += 1
                 # Warn once per backend; the exit summary has the totals.
                 log = logger.warning if self.refused_per_backend[backend] == 1 else logger.debug

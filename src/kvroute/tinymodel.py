@@ -63,7 +63,7 @@ MIN_VOCAB_SIZE = 512
 
 @dataclass(frozen=True)
 class TinyModelConfig:
-    """Shape of the tiny model; the defaults are the one described in docs/VLLM.md."""
+    """Shape of the tiny model; the defaults are the one described in docs/vllm.md."""
 
     vocab_size: int = 8192
     hidden_size: int = 128

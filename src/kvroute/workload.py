@@ -1,6 +1,6 @@
 """Workloads: the reference experiment's request generator and its extensions.
 
-The reference workload (EXPERIMENT.md): K shared prefixes of 2,032 tokens (127 full blocks of
+The reference workload (docs/experiment.md): K shared prefixes of 2,032 tokens (127 full blocks of
 16), each request one prefix plus a unique 339-token suffix (mean prompt 2,371 tokens), 64
 output tokens, max(200, 20·K) measured requests with every prefix equally often, the order
 shuffled by a fixed seed, and one warmup request per prefix before measuring.
@@ -240,7 +240,7 @@ def generate(spec: WorkloadSpec, vocab: np.ndarray | None = None) -> Workload:
     return Workload(spec, prefixes, out[: spec.prefixes], out[spec.prefixes :], vocab)
 
 
-_INT_LIST = re.compile(r"^\s*\d+(\s*,\s*\d+)*\s*$")
+_INT_LIST = re.compile(r"^\s*-?\d+(\s*,\s*-?\d+)*\s*$")
 
 
 def parse_int_list(text: str, what: str) -> list[int]:

@@ -66,7 +66,7 @@ async def _collect(
         assert left > 0, f"timed out; got {len(items)} items, last {items[-3:]}"
         try:
             items.append(await asyncio.wait_for(subscriber.__anext__(), left))
-        except asyncio.TimeoutError:
+        except TimeoutError:
             pytest.fail(f"no KV events within {timeout_s:.0f} s; got {len(items)} items")
     return items
 

@@ -1,7 +1,7 @@
 """The async streaming client and the load generators.
 
 One ``BenchClient`` sends pre-encoded ``BenchRequest`` bodies and turns each streamed response
-into a ``RequestRecord``. Measurement rules it keeps (EXPERIMENT.md):
+into a ``RequestRecord``. Measurement rules it keeps (docs/experiment.md):
 
 * **A new TCP connection per request** unless ``keep_alive``: a balancer that chooses per
   connection (kube-proxy) must get a fresh choice for every request, or a pooled client stays

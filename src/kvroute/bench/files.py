@@ -22,9 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from kvroute.bench.runner import TrialResult, TrialSink
-from kvroute.commands.sim import write_points_json
 from kvroute.errors import UserError
-from kvroute.records import MEDIAN_FIELDS, Point
+from kvroute.records import MEDIAN_FIELDS, Point, write_points_json
 
 RECORDS = "records.jsonl"
 WINDOWS = "windows.jsonl"
@@ -92,6 +91,11 @@ class ResultsWriter(TrialSink):
                 (samples.hit if r.hit else samples.miss).append(r.ttft_s)
         self.trials_written += 1
 
+    def logs(self) -> list[Path]:
+        """The per-request and per-window logs written so far (``records.jsonl``,
+        ``windows.jsonl``), for the final "wrote …" line."""
+        return [p for p in (self.out / RECORDS, self.out / WINDOWS) if p.exists()]
+
     def write_reports(
         self,
         points: list[Point],
@@ -99,14 +103,18 @@ class ResultsWriter(TrialSink):
         capacity: float | None,
         tables_html: str,
         reference: list[Point] | None = None,
+        lead_html: str | None = None,
     ) -> list[Path]:
-        """Summary JSON, CSV, plots and the HTML report; returns the paths written."""
+        """Summary JSON, CSV, plots and the HTML report; returns the paths written.
+
+        ``lead_html``: the hit-rate table alone, to open the page (``tables_html`` then holds
+        the other tables); without it ``tables_html`` holds them all and opens the page."""
         summary = self.out / SUMMARY
         write_points_json(summary, points, meta)
         written = [summary, write_csv(self.out / CSV, points)]
         pngs = write_plots(self.out, points, self.samples, capacity, reference)
         written += pngs
-        written.append(write_html(self.out / HTML, meta, tables_html, pngs))
+        written.append(write_html(self.out / HTML, meta, tables_html, pngs, lead_html))
         return written
 
 
@@ -141,77 +149,184 @@ def _report_concurrency(points: list[Point], preferred: int = 8) -> int:
     return preferred if preferred in levels else levels[len(levels) // 2]
 
 
+#: One colour per topology in every plot: the Service (and the simulator's random balancing,
+#: which models it) orange, the router (and its kv-aware policy) blue.
+TOPOLOGY_COLORS = {
+    "service": "tab:orange", "random": "tab:orange",
+    "router": "tab:blue", "kv-aware": "tab:blue",
+    "prefix-hash": "tab:green", "round-robin": "tab:purple", "least-loaded": "tab:brown",
+}
+_SPARE_COLORS = ("tab:red", "tab:pink", "tab:olive", "tab:gray", "tab:cyan")
+
+
+def _colors(topologies: list[str]) -> dict[str, str]:
+    """Each topology's colour: the fixed one when known, else a spare one, never repeated."""
+    out: dict[str, str] = {}
+    spare = iter(_SPARE_COLORS * (1 + len(topologies)))
+    for name in topologies:
+        out[name] = TOPOLOGY_COLORS.get(name) or next(spare)
+    return out
+
+
+def _topologies(points: list[Point]) -> list[str]:
+    """Topology names in a stable order: the Service (or random) first, then the rest."""
+    names = {p.policy for p in points}
+    return sorted(names, key=lambda n: (TOPOLOGY_COLORS.get(n, "~") != "tab:orange", n))
+
+
+def _load_label(c: int) -> str:
+    return f"concurrency {c}" if c else "open loop"
+
+
+def _grid(plt, rows: int, cols: int, width: float = 3.4, height: float = 2.7, **kw):
+    fig, axes = plt.subplots(rows, cols, figsize=(0.6 + width * cols, 0.9 + height * rows),
+                             squeeze=False, **kw)
+    return fig, axes
+
+
+def _title_and_legend(fig, title: str, handles, labels, ncol: int) -> None:
+    """The figure's title, then one legend for all its panels in a band below it (never over
+    the data), then the panels."""
+    height = fig.get_figheight()
+    fig.suptitle(title, y=1 - 0.08 / height, va="top", fontsize=11)
+    fig.legend(handles, labels, loc="upper center", ncol=ncol, fontsize=8, frameon=False,
+               bbox_to_anchor=(0.5, 1 - 0.34 / height))
+    rows = -(-len(labels) // ncol)
+    fig.tight_layout(rect=(0, 0, 1, 1 - (0.12 + 0.18 * rows) / height))
+
+
+def _plain_log_ticks(axis) -> None:
+    """Log-scale ticks as plain numbers (50, 100, 200), without the crowded minor labels."""
+    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_minor_formatter(NullFormatter())
+
+
 def plot_hit_rate(points: list[Point], capacity: float | None, reference: list[Point] | None = None):
-    """Request hit rate vs K per topology, with min(1, C/K) and the routing bound min(1, W·C/K)."""
+    """Request hit rate vs K, one panel per fleet size: the topologies measured (colour),
+    the simulator's prediction (crosses), min(1, C/K) and the routing bound min(1, W·C/K)."""
+    from matplotlib.lines import Line2D
+
     plt = _pyplot()
     c = _report_concurrency(points)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
     chosen = [p for p in points if p.concurrency == c]
+    fleets = sorted({p.workers for p in chosen}, reverse=True)
+    names = _topologies(chosen)
+    colors = _colors(names)
     ks = sorted({p.prefixes for p in chosen})
-    for w, pol in sorted({(p.workers, p.policy) for p in chosen}):
-        series = sorted((p.prefixes, p.median("request_hit_rate")) for p in chosen if (p.workers, p.policy) == (w, pol))
-        ax.plot([k for k, _ in series], [v for _, v in series], "o-", label=f"{w}w {pol} (measured)")
-    for p_ref in [r for r in (reference or []) if r.concurrency == c]:
-        ax.plot([p_ref.prefixes], [p_ref.median("request_hit_rate")], "x", color="gray")
+    fig, axes = _grid(plt, 1, len(fleets), width=4.0, height=3.2, sharey=True)
+    for ax, w in zip(axes[0], fleets):
+        for name in names:
+            series = sorted((p.prefixes, p.median("request_hit_rate")) for p in chosen
+                            if (p.workers, p.policy) == (w, name))
+            if series:
+                ax.plot([k for k, _ in series], [v for _, v in series], "o-", color=colors[name], lw=2)
+            ref = sorted((r.prefixes, r.median("request_hit_rate")) for r in reference or []
+                         if (r.workers, r.policy, r.concurrency) == (w, name, c))
+            if ref:
+                ax.plot([k for k, _ in ref], [v for _, v in ref], "x", color=colors[name], ms=9, mew=2)
+        if capacity is not None and ks:
+            grid = np.linspace(max(1.0, min(ks) * 0.8), max(ks) * 1.1, 200)
+            ax.plot(grid, np.minimum(1, capacity / grid), "--", color="0.45", lw=1)
+            ax.plot(grid, np.minimum(1, w * capacity / grid), ":", color="0.2", lw=1.2)
+        ax.set_title(f"{w} workers", fontsize=10)
+        ax.set_xlabel("K (distinct prefixes)")
+        ax.set_xticks(ks)
+        ax.set_ylim(0, 1.05)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("request hit rate")
+    handles = [Line2D([], [], color=colors[n], marker="o", lw=2) for n in names]
+    labels = [f"{n} (measured)" for n in names]
     if reference:
-        ax.plot([], [], "x", color="gray", label="simulator")
-    if capacity is not None and ks:
-        grid = np.linspace(max(1.0, min(ks) * 0.8), max(ks) * 1.1, 200)
-        ax.plot(grid, np.minimum(1, capacity / grid), "--", color="tab:cyan", label="min(1, C/K)")
-        for w in sorted({p.workers for p in chosen}, reverse=True):
-            ax.plot(grid, np.minimum(1, w * capacity / grid), ":", label=f"min(1, {w}·C/K)")
-    ax.set_xlabel("K (prefix kinds)")
-    ax.set_ylabel("request hit rate")
-    ax.set_ylim(0, 1.05)
-    title = f"Hit rate vs K (concurrency {c})" if c else "Hit rate vs K (open loop)"
-    ax.set_title(title + (f", C = {capacity:.2f}" if capacity is not None else ""))
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
+        handles.append(Line2D([], [], color="0.3", marker="x", ls="", ms=8, mew=2))
+        labels.append("simulator")
+    if capacity is not None:
+        handles += [Line2D([], [], color="0.45", ls="--"), Line2D([], [], color="0.2", ls=":")]
+        labels += ["min(1, C/K)", "min(1, W·C/K)"]
+    caption = f"Request hit rate vs K ({_load_label(c)})" + (f", C = {capacity:.2f}" if capacity is not None else "")
+    _title_and_legend(fig, caption, handles, labels, ncol=min(len(labels), 3))
     return fig
 
 
 def plot_ttft_cdf(points: list[Point], samples: dict[tuple[int, int, int, str], PointSamples]):
-    """TTFT CDFs at the lowest load level, hit (solid) and miss (dashed) per K."""
+    """TTFT CDFs at the lowest load level, one panel per fleet size (rows) and K (columns):
+    the topology is the colour, hits solid and misses dashed."""
+    from matplotlib.lines import Line2D
+
     plt = _pyplot()
     c = min(p.concurrency for p in points)
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    keys = sorted(k for k in samples if k[2] == c)
-    for i, key in enumerate(keys):
-        w, k, _, pol = key
-        color = colors[i % len(colors)]
-        for values, style, what in ((samples[key].hit, "-", "hit"), (samples[key].miss, "--", "miss")):
-            if values:
-                xs = np.sort(np.asarray(values)) * 1000
-                ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), style, color=color, where="post",
-                        label=f"{w}w {pol} K={k} {what} (n={len(xs)})")
-    ax.set_xscale("log")
-    ax.set_xlabel("TTFT (ms)")
-    ax.set_ylabel("fraction of requests")
-    ax.set_title(f"TTFT CDF, hit vs miss ({'concurrency ' + str(c) if c else 'open loop'})")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    keys = [k for k in samples if k[2] == c]
+    fleets = sorted({k[0] for k in keys}, reverse=True) or [0]
+    ks = sorted({k[1] for k in keys}) or [0]
+    names = _topologies([p for p in points if p.concurrency == c])
+    colors = _colors(names)
+    fig, axes = _grid(plt, len(fleets), len(ks), sharex=True, sharey=True)
+    for i, w in enumerate(fleets):
+        for j, k in enumerate(ks):
+            ax = axes[i][j]
+            for name in names:
+                point = samples.get((w, k, c, name))
+                if point is None:
+                    continue
+                for values, style in ((point.hit, "-"), (point.miss, "--")):
+                    if values:
+                        xs = np.sort(np.asarray(values)) * 1000
+                        ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), style, color=colors[name],
+                                where="post", lw=1.6)
+            ax.set_title(f"{w} workers, K = {k}", fontsize=9)
+            ax.set_xscale("log")
+            _plain_log_ticks(ax.xaxis)
+            ax.grid(alpha=0.3)
+            if i == len(fleets) - 1:
+                ax.set_xlabel("TTFT (ms)")
+            if j == 0:
+                ax.set_ylabel("fraction of requests")
+    handles = [Line2D([], [], color=colors[n], lw=2) for n in names]
+    handles += [Line2D([], [], color="0.3", ls="-"), Line2D([], [], color="0.3", ls="--")]
+    labels = [*names, "hit", "miss"]
+    _title_and_legend(fig, f"TTFT CDF, hits vs misses ({_load_label(c)})", handles, labels, ncol=len(labels))
     return fig
 
 
 def plot_ttft_vs_concurrency(points: list[Point]):
-    """TTFT p50 (solid) and p99 (dashed) vs concurrency, per topology and K."""
+    """TTFT p50 (solid) and p99 (dashed) vs concurrency, one panel per fleet size (rows) and K
+    (columns), the topology as the colour; concurrency levels are categories, evenly spaced."""
+    from matplotlib.lines import Line2D
+
     plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    groups = sorted({(p.workers, p.policy, p.prefixes) for p in points})
-    for i, (w, pol, k) in enumerate(groups):
-        series = sorted((p for p in points if (p.workers, p.policy, p.prefixes) == (w, pol, k)), key=lambda p: p.concurrency)
-        cs = [p.concurrency for p in series]
-        color = colors[i % len(colors)]
-        ax.plot(cs, [p.median("ttft_p50_ms") for p in series], "o-", color=color, label=f"{w}w {pol} K={k} p50")
-        ax.plot(cs, [p.median("ttft_p99_ms") for p in series], "s--", color=color, label=f"{w}w {pol} K={k} p99")
-    ax.set_xlabel("concurrency")
-    ax.set_ylabel("TTFT (ms)")
-    ax.set_yscale("log")
-    ax.set_title("TTFT p50 / p99 vs concurrency")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=7)
+    fleets = sorted({p.workers for p in points}, reverse=True)
+    ks = sorted({p.prefixes for p in points})
+    levels = sorted({p.concurrency for p in points})
+    at = {c: i for i, c in enumerate(levels)}
+    names = _topologies(points)
+    colors = _colors(names)
+    fig, axes = _grid(plt, len(fleets), len(ks), sharex=True, sharey=True)
+    for i, w in enumerate(fleets):
+        for j, k in enumerate(ks):
+            ax = axes[i][j]
+            for name in names:
+                series = sorted((p for p in points if (p.workers, p.prefixes, p.policy) == (w, k, name)),
+                                key=lambda p: p.concurrency)
+                xs = [at[p.concurrency] for p in series]
+                ax.plot(xs, [p.median("ttft_p50_ms") for p in series], "o-", color=colors[name], lw=1.8)
+                ax.plot(xs, [p.median("ttft_p99_ms") for p in series], "s--", color=colors[name], lw=1.2,
+                        ms=4)
+            ax.set_title(f"{w} workers, K = {k}", fontsize=9)
+            ax.set_yscale("log")
+            _plain_log_ticks(ax.yaxis)
+            ax.set_xticks(range(len(levels)), [str(c) for c in levels])
+            ax.set_xlim(-0.4, len(levels) - 0.6)
+            ax.grid(alpha=0.3)
+            if i == len(fleets) - 1:
+                ax.set_xlabel("concurrency")
+            if j == 0:
+                ax.set_ylabel("TTFT (ms)")
+    handles = [Line2D([], [], color=colors[n], lw=2) for n in names]
+    handles += [Line2D([], [], color="0.3", ls="-", marker="o"), Line2D([], [], color="0.3", ls="--", marker="s", ms=4)]
+    labels = [*names, "p50", "p99"]
+    _title_and_legend(fig, "TTFT p50 / p99 vs concurrency", handles, labels, ncol=len(labels))
     return fig
 
 
@@ -236,7 +351,6 @@ def write_plots(
     for name, fig in figures:
         path = out / name
         try:
-            fig.tight_layout()
             fig.savefig(path, dpi=110)
         except OSError as exc:
             raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None
@@ -249,34 +363,84 @@ def write_plots(
 # -- HTML -------------------------------------------------------------------------------------
 
 
-def write_html(path: Path, meta: dict, tables_html: str, pngs: list[Path]) -> Path:
-    """One self-contained page: run settings, the tables (as rendered in the terminal, with
-    their colours) and the plots as base64 PNGs."""
-    images = "\n".join(
-        f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
-        f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption>{html.escape(p.name)}</figcaption></figure>'
-        for p in pngs
-    )
+#: Settings too long for the page's settings block (they are in summary.json).
+_LONG_SETTING_CHARS = 300
+
+
+def _setting(value: object) -> str:
+    text = value if isinstance(value, str) else json.dumps(value)
+    if len(text) > _LONG_SETTING_CHARS:
+        if isinstance(value, dict) and isinstance(value.get("points"), list):
+            return f"{len(value['points'])} points (in summary.json)"
+        return f"{len(text):,} characters (in summary.json)"
+    return text
+
+
+def _summary_line(meta: dict) -> str:
+    """The run in one line: what was measured, on what, and whether it finished."""
+    parts = []
+    for key, label in (("engine", "engine"), ("workers", "workers"), ("topologies", "topologies"),
+                       ("timing", "timing"), ("trials", "trials")):
+        value = meta.get(key)
+        if value not in (None, [], ""):
+            shown = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
+            parts.append(f"{label} {shown}")
+    if meta.get("capacity_requests") is not None:
+        parts.append(f"C = {meta['capacity_requests']:.2f}")
+    line = " · ".join(parts)
+    if meta.get("partial"):
+        line += " · stopped early: what was measured"
+    return line
+
+
+def write_html(path: Path, meta: dict, tables_html: str, pngs: list[Path], lead_html: str | None = None) -> Path:
+    """One self-contained page that leads with the answer: the hit-rate table (``lead_html``,
+    when given apart) beside the hit-rate plot, then the other tables and plots; the run's
+    settings last, folded. Tables as rendered in the terminal (with their colours), plots as
+    base64 PNGs."""
+
+    def figure(p: Path) -> str:
+        return (f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
+                f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption>{html.escape(p.name)}</figcaption></figure>')
+
+    lead_pngs = [p for p in pngs if p.name == "hit_rate_vs_k.png"]
+    other_pngs = [p for p in pngs if p not in lead_pngs]
     settings = "".join(
-        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(json.dumps(v) if not isinstance(v, str) else v)}</td></tr>"
-        for k, v in meta.items()
+        f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_setting(v))}</td></tr>" for k, v in meta.items()
     )
+    command = str(meta.get("command") or "bench")
+    title = f"kvroute {command} report"
+    lead = lead_html if lead_html is not None else tables_html
+    rest = tables_html if lead_html is not None else ""
     page = f"""<!doctype html>
-<html><head><meta charset="utf-8"><title>kvroute bench report</title>
+<html lang="en"><head><meta charset="utf-8"><title>{html.escape(title)}</title>
+<meta name="viewport" content="width=device-width, initial-scale=1">
 <style>
-body {{ font-family: system-ui, sans-serif; margin: 2em; max-width: 80em; }}
-table.meta th {{ text-align: left; padding-right: 1em; }}
-pre {{ font-size: 13px; line-height: 1.25; }}
+body {{ font-family: system-ui, sans-serif; margin: 1.5em 2em; max-width: 96em; color: #222; }}
+h1 {{ margin-bottom: 0.2em; }}
+p.summary {{ color: #555; margin-top: 0; }}
+.lead {{ display: flex; flex-wrap: wrap; gap: 1.5em; align-items: flex-start; }}
+pre {{ font-size: 13px; line-height: 1.25; margin: 0; }}
 figure {{ display: inline-block; margin: 0 1em 1em 0; }}
-img {{ max-width: 42em; }}
+figcaption {{ color: #666; font-size: 12px; }}
+img {{ max-width: 100%; }}
+details {{ margin-top: 2em; }}
+summary {{ cursor: pointer; font-weight: 600; }}
+table.meta th {{ text-align: left; padding-right: 1em; vertical-align: top; }}
+table.meta td {{ font-family: ui-monospace, monospace; font-size: 13px; }}
 </style></head>
 <body>
-<h1>kvroute bench report</h1>
+<h1>{html.escape(title)}</h1>
+<p class="summary">{html.escape(_summary_line(meta))}</p>
+<section class="lead" id="answer">
+<div class="tables">{lead}</div>
+{"".join(figure(p) for p in lead_pngs)}
+</section>
+{f'<h2>Latency and throughput</h2><section id="tables">{rest}</section>' if rest else ""}
+{f'<h2>Plots</h2><section id="plots">{"".join(figure(p) for p in other_pngs)}</section>' if other_pngs else ""}
+<details id="settings"><summary>Settings</summary>
 <table class="meta">{settings}</table>
-<h2>Tables</h2>
-{tables_html}
-<h2>Plots</h2>
-{images}
+</details>
 </body></html>
 """
     try:

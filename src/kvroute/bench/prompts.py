@@ -1,7 +1,7 @@
 """What the bench sends: seeded workloads turned into ready-to-send HTTP requests.
 
 Three sources of requests, all deterministic so that every trial and every topology receives
-exactly the same requests in exactly the same order (EXPERIMENT.md rule 2):
+exactly the same requests in exactly the same order (docs/experiment.md rule 2):
 
 * the reference workload and its extensions (Zipf, mixed lengths) from ``kvroute.workload``;
 * multi-turn sessions: each turn repeats the whole previous conversation (system prefix, user

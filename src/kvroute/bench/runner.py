@@ -22,12 +22,8 @@ from dataclasses import dataclass, field
 
 import aiohttp
 
-from kvroute.bench.client import (
-    BenchClient,
-    run_closed_loop,
-    run_open_loop,
-    run_sequential,
-)
+from kvroute.analytic import capacity_for_mean_lengths
+from kvroute.bench.client import BenchClient, run_closed_loop, run_open_loop, run_sequential
 from kvroute.bench.prompts import BenchRequest, BenchWorkload, poisson_schedule
 from kvroute.bench.scrape import (
     CacheDelta,
@@ -36,7 +32,6 @@ from kvroute.bench.scrape import (
     window_token_hit_rate,
 )
 from kvroute.errors import UserError
-from kvroute.model import capacity_for_mean_lengths
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
 
 logger = logging.getLogger(__name__)
@@ -192,17 +187,15 @@ async def discover_model(url: str, timeout_s: float = 10.0, api_key: str | None 
     target = url.rstrip("/") + "/v1/models"
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
-        async with (
-            aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session,
-            session.get(target, headers=headers) as resp,
-        ):
-            if resp.status == 401:
-                what = "refused the API key" if api_key else "wants an API key"
-                raise UserError(f"GET {target} answered HTTP 401: the server {what} "
-                                "(--api-key, or the OPENAI_API_KEY environment variable)")
-            if resp.status != 200:
-                raise UserError(f"GET {target} answered HTTP {resp.status}: is this an OpenAI-compatible server?")
-            body = await resp.json(content_type=None)
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as session:
+            async with session.get(target, headers=headers) as resp:
+                if resp.status == 401:
+                    what = "refused the API key" if api_key else "wants an API key"
+                    raise UserError(f"GET {target} answered HTTP 401: the server {what} "
+                                    "(--api-key, or the OPENAI_API_KEY environment variable)")
+                if resp.status != 200:
+                    raise UserError(f"GET {target} answered HTTP {resp.status}: is this an OpenAI-compatible server?")
+                body = await resp.json(content_type=None)
     except (TimeoutError, aiohttp.ClientError, OSError) as exc:
         reason = str(exc) or type(exc).__name__
         raise UserError(f"cannot reach {url}: {reason}") from None
@@ -342,7 +335,7 @@ class BenchRunner:
         self.hooks.request_done(record)
 
     def _check_cached_tokens(self, records: list[RequestRecord], window: list[CacheDelta]) -> None:
-        """The classic pitfall (EXPERIMENT.md rule 5): vLLM omits ``prompt_tokens_details``
+        """The classic pitfall (docs/experiment.md rule 5): vLLM omits ``prompt_tokens_details``
         without ``--enable-prompt-tokens-details`` *and* whenever nothing was cached, so a
         run where no response carries it is ambiguous. The counters decide: hits there mean
         the field is missing; no hits mean every request really missed."""

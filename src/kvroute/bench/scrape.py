@@ -1,6 +1,6 @@
 """The workers' own account of cache hits: Prometheus counters scraped around a window.
 
-EXPERIMENT.md rule 4 measures hits two ways; this is the second. Each worker's ``/metrics``
+docs/experiment.md rule 4 measures hits two ways; this is the second. Each worker's ``/metrics``
 is scraped just before and just after the measured window, and the deltas of
 ``vllm:prefix_cache_hits_total`` and ``vllm:prefix_cache_queries_total`` (both in tokens,
 summed over label sets: one engine per set) give the window's token hit ratio. Counters
@@ -106,7 +106,7 @@ class MetricsScraper:
                 if resp.status != 200:
                     raise UserError(f"metrics {url}: HTTP {resp.status}")
                 text = await resp.text()
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             raise UserError(f"cannot scrape {url}: {type(exc).__name__}: {exc}") from None
         sample = parse_metrics(url, text)
         return sample
@@ -123,7 +123,7 @@ class MetricsScraper:
                 async with self.session.post(base + "/reset_prefix_cache") as resp:
                     if resp.status != 200:
                         return f"{base}: HTTP {resp.status}"
-            except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+            except (TimeoutError, aiohttp.ClientError, OSError) as exc:
                 return f"{base}: {type(exc).__name__}: {exc}"
             return None
 

@@ -4,22 +4,26 @@ from __future__ import annotations
 
 import argparse
 
-from kvroute.errors import UserError
-from kvroute.model import (
+from kvroute.analytic import (
     MODEL_PRESETS,
     ModelShape,
     dtype_bytes,
     kv_bytes_per_token,
     num_kv_blocks,
 )
+from kvroute.errors import UserError
 from kvroute.units import parse_bytes, parse_tokens
 from kvroute.workload import LengthDist, WorkloadSpec
 
 
-def add_workload_arguments(parser: argparse.ArgumentParser, prefixes_default: str) -> None:
+def add_workload_arguments(parser: argparse.ArgumentParser, prefixes_default: str | None,
+                           prefixes_preset: str | None = None) -> None:
+    """The workload's shape. ``prefixes_default`` None leaves ``--prefixes`` to the command's
+    preset, which ``prefixes_preset`` names in the help (e.g. "reference: 2,7,12,24")."""
     g = parser.add_argument_group("workload (the reference experiment's by default)")
+    shown = prefixes_preset if prefixes_default is None else "default %(default)s"
     g.add_argument("--prefixes", "-K", default=prefixes_default, metavar="K[,K...]",
-                   help="number of distinct shared prefixes; a comma list sweeps (default %(default)s)")
+                   help=f"number of distinct shared prefixes; a comma list sweeps ({shown})")
     g.add_argument("--prefix-tokens", default="2032", metavar="N|LO:HI|A,B",
                    help="prefix length: fixed, uniform range, or choices (default %(default)s)")
     g.add_argument("--suffix-tokens", default="339", metavar="N|LO:HI|A,B",
@@ -33,6 +37,9 @@ def add_workload_arguments(parser: argparse.ArgumentParser, prefixes_default: st
 
 
 def workload_spec(args: argparse.Namespace, prefixes: int) -> WorkloadSpec:
+    for flag, value in (("--requests", args.requests), ("--output-tokens", args.output_tokens)):
+        if value is not None and value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
     return WorkloadSpec(
         prefixes=prefixes,
         prefix_tokens=LengthDist.parse(args.prefix_tokens),

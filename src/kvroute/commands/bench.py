@@ -342,4 +342,4 @@ def _report(args, options: BenchOptions, setup: dict, points: list[Point], write
     if reference:
         meta["sim"] = {"timing": args.sim_timing, "points": [p.to_json() for p in reference]}
     paths = writer.write_reports(points, meta, capacity, tables_as_html(render), reference)
-    console.print(f"wrote {writer.out}/: {', '.join(p.name for p in paths)}, records.jsonl")
+    console.print(f"wrote {writer.out}/: {', '.join(p.name for p in [*paths, *writer.logs()])}")

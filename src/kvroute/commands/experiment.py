@@ -10,6 +10,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from kvroute import aio
+from kvroute.aio import Terminated, stop_on_sigterm
 from kvroute.bench.files import ResultsWriter, tables_as_html
 from kvroute.bench.progress import ProgressHooks, sweep_progress
 from kvroute.commands._common import add_workload_arguments, workload_spec
@@ -24,7 +25,7 @@ from kvroute.experiment import (
     run_experiment,
 )
 from kvroute.fleet import VllmServeOptions, external, launch_emulated, launch_vllm
-from kvroute.report import output_console, print_tables
+from kvroute.report import output_console, print_hit_rate_table, print_latency_tables, print_tables
 from kvroute.routing.policies import POLICIES
 from kvroute.tinymodel import TinyModelConfig
 from kvroute.units import parse_bytes
@@ -39,7 +40,7 @@ VLLM_MODEL_NAME = "tiny"
 NAME = "experiment"
 HELP = "run the reference experiment end to end: workers, Service baseline, bench, tables"
 DESCRIPTION = """\
-Run EXPERIMENT.md end to end and print its four tables, with the simulator's prediction and
+Run docs/experiment.md end to end and print its four tables, with the simulator's prediction and
 the formulas min(1, C/K) and min(1, W·C/K) beside the measured values. By default the workers
 are emulated vLLM workers (`kvroute emulate`, the reference GPU timing, run --time-scale times
 faster than real time; every time shown is scaled back to the reference GPUs' milliseconds),
@@ -110,7 +111,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                    help="KV memory per vLLM worker (default: the reference's pressure, see above)")
     g.add_argument("--enforce-eager", action="store_true",
                    help="start vLLM without torch.compile: ~30%% sooner, 30–45%% slower decoding")
-    add_workload_arguments(parser, prefixes_default=None)
+    add_workload_arguments(parser, prefixes_default=None, prefixes_preset="default 2,7,12,24; --quick: 2,12,24")
 
 
 def _plan(args: argparse.Namespace) -> ExperimentPlan:
@@ -170,6 +171,8 @@ def _vllm_options(args: argparse.Namespace, plan: ExperimentPlan) -> tuple[VllmI
 
 def run(args: argparse.Namespace) -> int:
     plan = _plan(args)
+    if args.engine == "urls":
+        external(args.worker)  # bad or missing --worker URLs: one line, before any output
     out = args.out or Path("kvroute-results") / time.strftime("experiment-%Y%m%d-%H%M%S")
     writer = ResultsWriter(out)
     console = output_console()
@@ -181,7 +184,7 @@ def run(args: argparse.Namespace) -> int:
         install, vllm_options = _vllm_options(args, plan)
 
     async def main() -> None:
-        with sweep_progress(console) as progress:
+        with stop_on_sigterm(), sweep_progress(console) as progress:
             hooks = ProgressHooks(progress, console, plan.total_trials)
 
             async def start_fleet(workers: int):
@@ -198,7 +201,7 @@ def run(args: argparse.Namespace) -> int:
     interrupted = False
     try:
         aio.run(main())
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Terminated):
         interrupted = True
     except UserError as exc:
         if not result.measured:
@@ -229,9 +232,11 @@ def run(args: argparse.Namespace) -> int:
         "partial": interrupted,
         "sim": {"points": [p.to_json() for p in result.predicted]},
     }
-    paths = writer.write_reports(result.measured, meta, result.capacity, tables_as_html(render),
-                                 result.predicted or None)
-    console.print(f"wrote {writer.out}/: {', '.join(p.name for p in paths)}, records.jsonl")
+    reference = result.predicted or None
+    lead = tables_as_html(lambda c: print_hit_rate_table(result.measured, result.capacity, c, reference))
+    rest = tables_as_html(lambda c: print_latency_tables(result.measured, c))
+    paths = writer.write_reports(result.measured, meta, result.capacity, rest, reference, lead_html=lead)
+    console.print(f"wrote {writer.out}/: {', '.join(p.name for p in [*paths, *writer.logs()])}")
     if interrupted:
         console.print("[yellow]stopped early[/yellow]: the tables show what was measured")
         return 130

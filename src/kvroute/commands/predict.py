@@ -1,6 +1,6 @@
 """``kvroute predict``: the analytic model's hit rates for a fleet, without running anything.
 
-A thin layer over ``kvroute.model``: parse flags, build the workload shape and the KV capacity,
+A thin layer over ``kvroute.analytic``: parse flags, build the workload shape and the KV capacity,
 call ``predict`` for every (policy, W, K) point, print one table and the notes on where each
 estimate holds, and optionally write the predictions as JSON.
 """
@@ -15,7 +15,7 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
-from kvroute import model
+from kvroute import analytic as model
 from kvroute.commands import _trace_predict as trace
 from kvroute.commands._common import model_shape
 from kvroute.errors import UserError
@@ -29,7 +29,7 @@ DESCRIPTION = """\
 Predict prefix-cache hit rates of W vLLM workers behind a balancer, from the model's KV size,
 --kv-cache-memory-bytes and the workload's shape. Nothing is started or sent.
 
-Reference experiment (EXPERIMENT.md): Qwen3-0.6B, 114,688 B of KV per token; 1 GiB per worker
+Reference experiment (docs/experiment.md): Qwen3-0.6B, 114,688 B of KV per token; 1 GiB per worker
 at block size 16 is 585 blocks (584 usable); a request of 2,032 prefix + 339 suffix tokens and
 64 output tokens leaves 152 blocks cached, so C = 584/152 = 3.84 requests fit per worker.
 
@@ -123,9 +123,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default="qwen3-0.6b",
         help="model preset (default qwen3-0.6b; tiny-cpu is vLLM on CPU with block size 128)",
     )
-    shape.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="N")
+    shape.add_argument("--kv-bytes-per-token", type=int, default=None, metavar="N",
+                       help="KV bytes per token instead of a model (block size 16 unless --block-size)")
     shape.add_argument(
-        "--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]"
+        "--model-shape", default=None, metavar="LAYERS,KV_HEADS,HEAD_DIM[,DTYPE]",
+        help="the model's KV geometry instead of a preset, e.g. 28,8,128,bfloat16 (Qwen3-0.6B)",
     )
     size = parser.add_mutually_exclusive_group()
     size.add_argument(

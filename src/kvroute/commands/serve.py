@@ -13,6 +13,7 @@ from kvroute import aio
 from kvroute.blocks import GPU_BLOCK_SIZE
 from kvroute.commands._common import add_policy_option_argument, parse_policy_options
 from kvroute.errors import UserError
+from kvroute.kvevents import EventsSettings, EventsSource
 from kvroute.proxy.app import (
     DEFAULT_PREDICTED_CAPACITY_BLOCKS,
     EVENTS_PREDICTED_TTL_S,
@@ -21,7 +22,6 @@ from kvroute.proxy.app import (
     tune_gc_for_serving,
 )
 from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
-from kvroute.proxy.pool import EventsSettings, EventsSource
 from kvroute.routing.policies import POLICIES
 from kvroute.units import parse_bytes
 
@@ -189,6 +189,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     discovery = None
     if args.worker_file:
         discovery = FileDiscovery(args.worker_file, args.discovery_interval)
+        discovery.check()  # a file missing at start is a mistake, not a list to wait for
     elif args.dns:
         discovery = DnsDiscovery.from_spec(args.dns, args.discovery_interval)
     elif args.k8s_service:

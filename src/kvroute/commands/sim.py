@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 
 from rich.progress import (
@@ -14,6 +13,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
+from kvroute.analytic import capacity_for_mean_lengths
 from kvroute.commands._common import (
     add_policy_option_argument,
     add_worker_arguments,
@@ -25,12 +25,11 @@ from kvroute.commands._common import (
 )
 from kvroute.engine import PRESETS, get_preset
 from kvroute.errors import UserError
-from kvroute.model import capacity_for_mean_lengths
-from kvroute.records import Point
+from kvroute.records import Point, write_points_json
 from kvroute.report import output_console, print_tables
 from kvroute.routing.policies import POLICIES, policy_parameters
 from kvroute.sim import WorkerConfig, run_point, sweep_points
-from kvroute.workload import generate, parse_int_list
+from kvroute.workload import Workload, generate, parse_int_list
 
 NAME = "sim"
 HELP = "simulate the reference experiment (or any sweep) on modelled vLLM workers"
@@ -38,7 +37,7 @@ DESCRIPTION = """\
 Run a sweep of the reference experiment on simulated vLLM workers: the same cache and
 scheduler model as the emulator, on a virtual clock, so the whole sweep takes seconds.
 
-With no flags it reproduces EXPERIMENT.md: 6 and 3 workers behind random balancing (what a
+With no flags it reproduces docs/experiment.md: 6 and 3 workers behind random balancing (what a
 Kubernetes Service does with a new connection per request), K in 2,7,12,24 prefixes,
 concurrency 4,8,16, 3 trials each (medians), 1 GiB of KV per worker for Qwen3-0.6B.
 Flags given explicitly override the preset's values.
@@ -49,8 +48,11 @@ examples:
   kvroute sim -W 6 -K 24 -c 8,16 --policy random,kv-aware   # the KV-aware router vs a Service
   kvroute sim -W 6 -K 2 -c 8 --policy kv-aware --policy-option share_factor=0.5   # tune its guard
   kvroute sim --prefixes 64 --zipf 1.2 --json zipf.json
-  kvroute sim --kv-cache-memory-bytes 2GiB --prefix-tokens 1000:4000
+  kvroute sim --kv-cache-memory-bytes 2GiB --prefix-tokens 1000:3600
 """
+
+#: ``vllm serve --max-model-len`` and ``kvroute emulate``'s default.
+DEFAULT_MAX_MODEL_LEN = 4096
 
 PRESET_VALUES = {
     "reference": {"workers": "6,3", "prefixes": "2,7,12,24", "concurrency": "4,8,16", "trials": 3, "policy": "random"},
@@ -78,8 +80,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cost-model preset for step times (default %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
                         help="write every point (medians and per-trial values) as JSON")
-    add_workload_arguments(parser, prefixes_default=None)
+    add_workload_arguments(parser, prefixes_default=None, prefixes_preset="reference: 2,7,12,24")
     add_worker_arguments(parser)
+    parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, metavar="TOKENS",
+                        help="context length of a worker, as vLLM's flag: every prompt plus its "
+                             "output must fit, or the engine refuses it (default %(default)s)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,6 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
     workloads = {k: generate(workload_spec(args, k)) for k in prefixes}
     for wl in workloads.values():
+        check_max_model_len(wl, args.max_model_len)
         config.check_fits(wl)
     points = sweep_points(workers, prefixes, concurrency, policies)
     console = output_console()
@@ -127,6 +133,26 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def check_max_model_len(workload: Workload, max_model_len: int) -> None:
+    """Refuse a workload the engine would refuse: vLLM (and the emulator) answer 400 to a
+    prompt of ``max_model_len`` tokens or more and cut the output of a longer request to
+    what the context leaves, so a simulated one would not be the request that runs.
+
+    Raises:
+        UserError: the longest prompt plus the output tokens exceed ``max_model_len``.
+    """
+    if max_model_len < 1:
+        raise UserError(f"--max-model-len must be >= 1, got {max_model_len}")
+    longest = max(r.prompt_tokens for r in workload.warmup + workload.requests)
+    output = workload.spec.output_tokens
+    if longest + output > max_model_len:
+        raise UserError(
+            f"a request of {longest:,} prompt + {output} output tokens is longer than "
+            f"--max-model-len {max_model_len}, which the engine refuses: shorten the prompts "
+            "(--prefix-tokens, --suffix-tokens) or raise --max-model-len"
+        )
+
+
 def sweep_policy_options(args: argparse.Namespace, policies: list[str]) -> dict[str, dict[str, object]]:
     """Each swept policy's options: ``--load-factor`` and every ``--policy-option`` it takes.
 
@@ -147,11 +173,3 @@ def sweep_policy_options(args: argparse.Namespace, policies: list[str]) -> dict[
             + "; ".join(f"{p}: {', '.join(t) or 'nothing'}" for p, t in takes.items()) + ")"
         )
     return per_policy
-
-
-def write_points_json(path: Path, points: list[Point], meta: dict) -> None:
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_text(json.dumps({"meta": meta, "points": [p.to_json() for p in points]}, indent=2))
-    except OSError as exc:
-        raise UserError(f"cannot write {path}: {exc.strerror or exc}") from None

@@ -2,7 +2,7 @@
 
 The KV capacity follows vLLM's rule for ``--kv-cache-memory-bytes``: the number of blocks is
 ``memory // (block_size * kv_bytes_per_token)``. Bytes per token come from a model preset
-(the reference experiment's Qwen3-0.6B in bf16, or the tiny CPU model of VLLM.md) unless given
+(the reference experiment's Qwen3-0.6B in bf16, or the tiny CPU model of docs/vllm.md) unless given
 explicitly.
 """
 
@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from kvroute import model as analytic
+from kvroute import analytic
 from kvroute.engine.cost import CostModel, get_preset
 from kvroute.errors import UserError
 
@@ -34,7 +34,7 @@ def _preset(name: str, served_model_name: str, timing: str) -> ModelPreset:
 
 
 #: Qwen3-0.6B in bf16 (114,688 B/token, block 16) and the tiny random Qwen3-style model that
-#: vLLM serves on CPU in this project's tests (512 B/token, block 128); see kvroute.model.
+#: vLLM serves on CPU in this project's tests (512 B/token, block 128); see kvroute.analytic.
 MODEL_PRESETS: dict[str, ModelPreset] = {
     p.name: p
     for p in (

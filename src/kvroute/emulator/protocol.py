@@ -110,14 +110,39 @@ class GenerationRequest:
 
 
 def parse_json_body(raw: bytes) -> dict:
-    """The request body as a JSON object, or a 400 like vLLM's."""
+    """The request body as a JSON object, or a 400 like vLLM's.
+
+    A lone UTF-16 surrogate (``"\\ud800"``, or its bytes ``ED A0 80``, which ``json.loads``
+    lets through) is not text any tokenizer can encode: a 400 here, not a 500 later.
+    """
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise validation_error(f"JSON decode error: {exc}") from None
     if not isinstance(body, dict):
         raise validation_error("Input should be a valid dictionary or object to extract fields from")
+    # Only a body with a \u escape or an ED lead byte can hold a surrogate: the walk is rare.
+    if (b"\\u" in raw or b"\xed" in raw) and _has_lone_surrogate(body):
+        raise validation_error("Input should be valid Unicode text: found a lone surrogate")
     return body
+
+
+def _has_lone_surrogate(value: Any) -> bool:
+    """Whether any string in a decoded JSON value (keys included) is not encodable UTF-8."""
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            try:
+                item.encode("utf-8")
+            except UnicodeEncodeError:
+                return True
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+    return False
 
 
 def _field(body: dict, name: str, kinds: tuple[type, ...], default: Any = None) -> Any:
@@ -191,7 +216,11 @@ def _check_n(body: dict) -> None:
 def _token_ids(values: list, ctx: ServingContext) -> list[int]:
     # One vectorized check instead of a Python loop: prompts are thousands of ids long.
     # (The caller has made sure every item is an int; JSON true/false become 1/0 here.)
-    ids = np.asarray(values, dtype=np.int64)
+    try:
+        ids = np.asarray(values, dtype=np.int64)
+    except OverflowError:  # an id past 64 bits, e.g. 2**70
+        first = next(v for v in values if not -(2**63) <= v < 2**63)
+        raise ApiError(f"Token id {first} is out of vocabulary", param="prompt") from None
     bad = (ids < 0) | (ids >= ctx.tokenizer.vocab_size)
     if bad.any():
         raise ApiError(f"Token id {int(ids[bad.argmax()])} is out of vocabulary", param="prompt")

@@ -36,6 +36,7 @@ from kvroute.emulator.protocol import (
 )
 from kvroute.emulator.worker import EmulatedWorker, make_output_generator
 from kvroute.errors import UserError
+from kvroute.logfilters import quiet_aiohttp_client_errors
 from kvroute.tokens import load_tokenizer
 
 #: Largest request body accepted (a 4k-token prompt as a JSON id list is ~30 kB; long chats
@@ -58,6 +59,14 @@ async def _json_body(request: web.Request) -> dict:
     return parse_json_body(await request.read())
 
 
+async def _expect(request: web.Request) -> None:
+    """``Expect: 100-continue`` gets its interim response; any other expectation is ignored,
+    as uvicorn (vLLM's server) does. (aiohttp's own handler answers 417 and echoes the value,
+    which fails with a 500 when the header is not ASCII.)"""
+    if request.version >= (1, 1) and request.headers.get("Expect", "").lower() == "100-continue":
+        await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+
+
 class EmulatorApp:
     """The aiohttp application of one worker.
 
@@ -73,12 +82,12 @@ class EmulatorApp:
         self.app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[self._errors])
         self.app.add_routes(
             [
-                web.post("/v1/completions", self.completions),
-                web.post("/v1/chat/completions", self.chat_completions),
+                web.post("/v1/completions", self.completions, expect_handler=_expect),
+                web.post("/v1/chat/completions", self.chat_completions, expect_handler=_expect),
                 web.get("/v1/models", self.models),
                 web.get("/health", self.health),
-                web.post("/tokenize", self.tokenize),
-                web.post("/reset_prefix_cache", self.reset_prefix_cache),
+                web.post("/tokenize", self.tokenize, expect_handler=_expect),
+                web.post("/reset_prefix_cache", self.reset_prefix_cache, expect_handler=_expect),
                 web.get("/metrics", self.metrics),
             ]
         )
@@ -223,6 +232,7 @@ async def serve_worker(worker: EmulatedWorker, host: str = "127.0.0.1", port: in
         UserError: the port cannot be bound.
     """
     await worker.start()
+    quiet_aiohttp_client_errors()  # vLLM answers malformed HTTP with a 400 and logs nothing
     app = EmulatorApp(worker)
     # handler_cancellation: a client disconnect cancels its handler, which aborts the request.
     runner = web.AppRunner(

@@ -228,10 +228,6 @@ class EmulatedWorker:
                 self.publisher.publish(EventBatch(ts=time.time(), events=events))
         return ok
 
-    @property
-    def num_in_flight(self) -> int:
-        return len(self._streams)
-
     # -- engine loop ---------------------------------------------------------------------------
 
     async def _run(self) -> None:

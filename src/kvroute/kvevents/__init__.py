@@ -1,12 +1,20 @@
 """KV cache events in vLLM's exact wire format: config, codec, publisher and subscriber.
 
-* :mod:`.config` - ``KVEventsConfig`` (vLLM's ``--kv-events-config``) and endpoint rules.
+* :mod:`.config` - ``KVEventsConfig`` (vLLM's ``--kv-events-config``), endpoint rules, and
+  ``EventsSettings`` / ``EventsSource`` (where a subscriber finds each worker's sockets).
 * :mod:`.wire` - msgpack payloads of both vLLM shapes, sans I/O.
 * :mod:`.publisher` - ``KVEventPublisher``, a ``ZmqEventPublisher`` twin for the emulator.
 * :mod:`.subscriber` - ``KVEventSubscriber``, asyncio consumer with gap replay, for the router.
 """
 
-from kvroute.kvevents.config import PUBLISHER_KINDS, KVEventsConfig, offset_endpoint, publisher_binds
+from kvroute.kvevents.config import (
+    PUBLISHER_KINDS,
+    EventsSettings,
+    EventsSource,
+    KVEventsConfig,
+    offset_endpoint,
+    publisher_binds,
+)
 from kvroute.kvevents.publisher import KVEventPublisher
 from kvroute.kvevents.subscriber import (
     EngineRestarted,
@@ -32,6 +40,8 @@ __all__ = [
     "END_SEQ",
     "EngineRestarted",
     "EventsReceived",
+    "EventsSettings",
+    "EventsSource",
     "GapDetected",
     "KVEventDecodeError",
     "KVEventPublisher",

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvroute.errors import UserError
 
@@ -186,3 +187,49 @@ def _expect_int(config: KVEventsConfig, name: str, minimum: int) -> None:
         raise UserError(f"kv-events-config {name} must be an integer, got {value!r}")
     if value < minimum:
         raise UserError(f"kv-events-config {name} must be >= {minimum}, got {value}")
+
+
+# -- the subscriber's side: where each worker publishes -------------------------------------
+
+
+@dataclass(frozen=True)
+class EventsSource:
+    """A worker's KV event sockets (ZeroMQ addresses)."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+
+
+@dataclass
+class EventsSettings:
+    """Where each worker publishes its KV events.
+
+    Attributes:
+        port: events port on every worker's host (``tcp://<worker host>:<port>``), for
+            discovered workers that all publish on the same port (one pod, one IP each).
+        replay_port: replay port on every worker's host, or None (gaps then reset the worker).
+        per_worker: explicit sockets by worker URL or name; they override ``port``.
+        topic: subscription prefix (vLLM's ``topic``).
+    """
+
+    port: int | None = None
+    replay_port: int | None = None
+    per_worker: dict[str, EventsSource] = field(default_factory=dict)
+    topic: str = ""
+
+    @property
+    def enabled(self) -> bool:
+        return self.port is not None or bool(self.per_worker)
+
+    def source_for(self, endpoint: Any) -> EventsSource | None:
+        """The sockets of a worker (anything with a worker ``url`` and ``name``, such as a
+        discovery ``Endpoint``): explicit ones first, else ``port`` on the worker's host."""
+        explicit = self.per_worker.get(endpoint.url) or self.per_worker.get(endpoint.name)
+        if explicit is not None:
+            return explicit
+        if self.port is None:
+            return None
+        host = urlsplit(endpoint.url).hostname or ""
+        host = f"[{host}]" if ":" in host else host
+        replay = f"tcp://{host}:{self.replay_port}" if self.replay_port is not None else None
+        return EventsSource(f"tcp://{host}:{self.port}", replay)

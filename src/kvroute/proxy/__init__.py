@@ -8,9 +8,9 @@ the worker holding most of its prefix, fed by the workers' KV events or by its o
 * :mod:`.metrics` — the router's Prometheus metrics.
 """
 
+from kvroute.kvevents import EventsSettings, EventsSource
 from kvroute.proxy.app import WORKER_HEADER, Router, RouterConfig, start_router
 from kvroute.proxy.discovery import DnsDiscovery, Endpoint, FileDiscovery, StaticDiscovery
-from kvroute.proxy.pool import EventsSettings, EventsSource
 
 __all__ = [
     "DnsDiscovery",

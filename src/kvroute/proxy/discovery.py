@@ -169,6 +169,15 @@ class FileDiscovery:
             return None
         return st.st_mtime_ns, st.st_size
 
+    def check(self) -> list[Endpoint]:
+        """Read the file once, as the first step of ``watch`` does, so that a command can
+        refuse to start on a missing or malformed file.
+
+        Raises:
+            UserError: when the file cannot be read or parsed.
+        """
+        return self._read()
+
     def _read(self) -> list[Endpoint]:
         try:
             text = self.path.read_text("utf-8")

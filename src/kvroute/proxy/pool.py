@@ -29,19 +29,20 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 import aiohttp
 
 from kvroute.kvevents import (
     EngineRestarted,
     EventsReceived,
+    EventsSettings,
+    EventsSource,
     GapDetected,
     KVEventSubscriber,
     MalformedPayload,
     ReplayFailed,
 )
-from kvroute.proxy.discovery import Discovery, Endpoint, url_host
+from kvroute.proxy.discovery import Discovery, Endpoint
 from kvroute.proxy.metrics import RouterMetrics
 from kvroute.routing import RoutingStep
 from kvroute.routing.policies import WorkerState, make_policy
@@ -52,47 +53,6 @@ logger = logging.getLogger(__name__)
 _SUBSCRIBER_RESTART_S = 1.0
 #: Longest ejection, whatever the number of ejections in a row.
 MAX_EJECTION_S = 300.0
-
-
-@dataclass(frozen=True)
-class EventsSource:
-    """A worker's KV event sockets (ZeroMQ addresses)."""
-
-    endpoint: str
-    replay_endpoint: str | None = None
-
-
-@dataclass
-class EventsSettings:
-    """Where each worker publishes its KV events.
-
-    Attributes:
-        port: events port on every worker's host (``tcp://<worker host>:<port>``), for
-            discovered workers that all publish on the same port (one pod, one IP each).
-        replay_port: replay port on every worker's host, or None (gaps then reset the worker).
-        per_worker: explicit sockets by worker URL or name; they override ``port``.
-        topic: subscription prefix (vLLM's ``topic``).
-    """
-
-    port: int | None = None
-    replay_port: int | None = None
-    per_worker: dict[str, EventsSource] = field(default_factory=dict)
-    topic: str = ""
-
-    @property
-    def enabled(self) -> bool:
-        return self.port is not None or bool(self.per_worker)
-
-    def source_for(self, endpoint: Endpoint) -> EventsSource | None:
-        explicit = self.per_worker.get(endpoint.url) or self.per_worker.get(endpoint.name)
-        if explicit is not None:
-            return explicit
-        if self.port is None:
-            return None
-        host = url_host(endpoint.url)
-        host = f"[{host}]" if ":" in host else host
-        replay = f"tcp://{host}:{self.replay_port}" if self.replay_port is not None else None
-        return EventsSource(f"tcp://{host}:{self.port}", replay)
 
 
 class Worker:

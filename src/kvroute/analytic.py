@@ -1,7 +1,7 @@
 """Analytic model of prefix-cache hit rates in a fleet of vLLM workers.
 
 Pure functions and dataclasses, no I/O: they turn a model's KV geometry, a worker's KV memory
-and a workload's shape into the numbers EXPERIMENT.md reasons with, and say where each holds.
+and a workload's shape into the numbers docs/experiment.md reasons with, and say where each holds.
 
 From memory to capacity (what vLLM does at start-up):
 
@@ -13,7 +13,7 @@ From memory to capacity (what vLLM does at start-up):
   all generated tokens but the last (which is sampled, never fed back). The reference request
   (2,371 prompt + 64 output tokens) leaves 2,434 // 16 = 152 blocks: 127 of its prefix, which
   the next request with that prefix reuses, and 25 of its own suffix and output, which nobody
-  reuses. So C = 584 / 152 ≈ 3.84 requests fit per worker. (EXPERIMENT.md's 3.95 divides
+  reuses. So C = 584 / 152 ≈ 3.84 requests fit per worker. (docs/experiment.md's 3.95 divides
   9,362 KV tokens by the 2,371-token prompt; it ignores the output tokens and the null block.)
 
 Four estimates of the hit rate, each valid somewhere else:
@@ -127,7 +127,7 @@ class ModelShape:
 
 
 #: The reference experiment's model, and the tiny random Qwen3-style model served by vLLM on CPU
-#: in this project's tests (VLLM.md): 2 layers, 2 KV heads, head_dim 32 → 512 B/token.
+#: in this project's tests (docs/vllm.md): 2 layers, 2 KV heads, head_dim 32 → 512 B/token.
 MODEL_PRESETS: dict[str, ModelShape] = {
     m.name: m
     for m in (

@@ -1,0 +1,179 @@
+"""The plots and report.html a bench or experiment run writes: small multiples that keep one
+colour per topology and one legend outside the data, categorical concurrency ticks, and a page
+that opens with the hit-rate table and plot and folds its settings away (checked in a real
+browser, headless Chromium, when the machine has one).
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from kvroute.bench.files import (
+    PointSamples,
+    plot_hit_rate,
+    plot_ttft_cdf,
+    plot_ttft_vs_concurrency,
+    write_html,
+    write_plots,
+)
+from kvroute.engine import get_preset
+from kvroute.records import Point
+from kvroute.report import print_hit_rate_table, print_latency_tables
+from kvroute.sim import WorkerConfig, run_point, sweep_points
+from kvroute.workload import WorkloadSpec, generate
+
+WORKERS, PREFIXES, LEVELS, TOPOLOGIES = (4, 2), (2, 8), (2, 4), ("random", "kv-aware")
+CAPACITY = 3.84
+
+
+@pytest.fixture(scope="module")
+def sweep() -> tuple[list[Point], dict]:
+    """A small real sweep from the simulator, labelled as the experiment labels its topologies,
+    and TTFT samples for each of its points."""
+    config = WorkerConfig(num_blocks=585, block_size=16, cost=get_preset("reference-gpu"))
+    workloads = {k: generate(WorkloadSpec(prefixes=k, requests=40, seed=1)) for k in PREFIXES}
+    names = {"random": "service", "kv-aware": "router"}
+    points = []
+    for sp in sweep_points(WORKERS, PREFIXES, LEVELS, TOPOLOGIES):
+        p = run_point(sp, workloads[sp.prefixes], config, 1, 0)
+        p.policy = names[p.policy]
+        points.append(p)
+    rng = np.random.default_rng(0)
+    samples = {
+        (p.workers, p.prefixes, p.concurrency, p.policy): PointSamples(
+            hit=list(rng.lognormal(-3, 0.3, 30)), miss=list(rng.lognormal(-2, 0.3, 10))
+        )
+        for p in points
+    }
+    return points, samples
+
+
+def _check_small_multiples(fig, rows: int, cols: int) -> None:
+    axes = fig.get_axes()
+    assert len(axes) == rows * cols
+    # One legend for the figure, none inside a panel, and it covers no panel.
+    assert len(fig.legends) == 1 and not any(ax.get_legend() for ax in axes)
+    fig.canvas.draw()
+    renderer = fig.canvas.get_renderer()
+    legend_box = fig.legends[0].get_window_extent(renderer)
+    title_box = fig._suptitle.get_window_extent(renderer)
+    for ax in axes:
+        panel = ax.get_window_extent(renderer)
+        assert not legend_box.overlaps(panel) and not title_box.overlaps(panel)
+    assert not legend_box.overlaps(title_box)
+    # The figure holds its legend.
+    assert legend_box.x0 >= 0 and legend_box.x1 <= fig.bbox.width and legend_box.y1 <= fig.bbox.height
+
+
+def _colours_by_topology(fig) -> dict[str, set]:
+    """Colour of every drawn line, per topology, read back through the figure legend."""
+    legend = fig.legends[0]
+    return {
+        text.get_text().split(" ")[0]: handle.get_color()
+        for text, handle in zip(legend.get_texts(), legend.legend_handles)
+    }
+
+
+def test_ttft_vs_concurrency_is_one_panel_per_fleet_and_k_with_categorical_ticks(sweep):
+    points, _ = sweep
+    fig = plot_ttft_vs_concurrency(points)
+    _check_small_multiples(fig, len(WORKERS), len(PREFIXES))
+    colours = _colours_by_topology(fig)
+    assert colours["service"] != colours["router"]
+    fig.canvas.draw()
+    for i, ax in enumerate(fig.get_axes()):
+        # Evenly spaced categories, labelled with the levels (on the bottom row: shared x).
+        assert list(ax.get_xticks()) == list(range(len(LEVELS)))
+        if i >= (len(WORKERS) - 1) * len(PREFIXES):
+            assert [t.get_text() for t in ax.get_xticklabels()] == [str(c) for c in LEVELS]
+        lines = ax.get_lines()
+        assert len(lines) == 2 * len(TOPOLOGIES)  # p50 and p99 per topology
+        # Colour says topology, style says percentile: each colour once solid, once dashed.
+        assert {(line.get_color(), line.get_linestyle()) for line in lines} == {
+            (colours[n], style) for n in ("service", "router") for style in ("-", "--")
+        }
+
+
+def test_ttft_cdf_is_one_panel_per_fleet_and_k(sweep):
+    points, samples = sweep
+    fig = plot_ttft_cdf(points, samples)
+    _check_small_multiples(fig, len(WORKERS), len(PREFIXES))
+    colours = _colours_by_topology(fig)
+    for ax in fig.get_axes():
+        assert {line.get_color() for line in ax.get_lines()} == {colours["service"], colours["router"]}
+        assert {line.get_linestyle() for line in ax.get_lines()} == {"-", "--"}  # hit, miss
+
+
+def test_hit_rate_is_one_panel_per_fleet_with_the_bounds(sweep):
+    points, _ = sweep
+    fig = plot_hit_rate(points, CAPACITY, reference=points)
+    _check_small_multiples(fig, 1, len(WORKERS))
+    labels = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert labels == ["service (measured)", "router (measured)", "simulator", "min(1, C/K)", "min(1, W·C/K)"]
+
+
+def _report(tmp_path: Path, points: list[Point], samples: dict) -> Path:
+    from kvroute.bench.files import tables_as_html
+
+    pngs = write_plots(tmp_path, points, samples, CAPACITY, points)
+    meta = {"command": "experiment", "engine": "emulator", "workers": list(WORKERS),
+            "topologies": ["service", "router"], "trials": 1, "capacity_requests": CAPACITY,
+            "partial": False, "sim": {"points": [p.to_json() for p in points] * 20}}
+    lead = tables_as_html(lambda c: print_hit_rate_table(points, CAPACITY, c, points))
+    rest = tables_as_html(lambda c: print_latency_tables(points, c))
+    return write_html(tmp_path / "report.html", meta, rest, pngs, lead)
+
+
+def test_report_leads_with_the_answer_and_folds_the_settings(sweep, tmp_path):
+    page = _report(tmp_path, *sweep).read_text()
+    assert "<title>kvroute experiment report</title>" in page
+    answer = page.index('id="answer"')
+    assert answer < page.index("1. Request hit rate") < page.index('alt="hit_rate_vs_k"') < page.index("2. TTFT")
+    assert page.index("2. TTFT") < page.index('alt="ttft_cdf"') < page.index('id="settings"')
+    settings = page[page.index('<details id="settings">'):]
+    assert "<details id=\"settings\"><summary>" in page  # collapsed: no `open`
+    # The simulator's points are summarized, not dumped (they are in summary.json).
+    assert f"{len(sweep[0]) * 20} points (in summary.json)" in settings
+    assert len(settings) < 5_000
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+
+
+@pytest.mark.skipif(CHROMIUM is None, reason="needs a Chromium (Debian: apt-get install chromium)")
+def test_report_in_a_real_browser_shows_the_answer_on_the_first_screen(sweep, tmp_path):
+    """Lay the page out in headless Chromium: a script measures where the hit-rate table and
+    plot land and whether the settings take any room, and writes it into the DOM; a
+    screenshot of the first screen is kept beside the report."""
+    report = _report(tmp_path, *sweep)
+    probe = tmp_path / "probe.html"
+    probe.write_text(report.read_text().replace("</body>", """<script>
+const box = (q) => document.querySelector(q).getBoundingClientRect();
+const out = {table: box("#answer pre").top, plot: box('#answer img').top,
+             plotHeight: box('#answer img').height, settings: box("#settings").height,
+             width: document.documentElement.scrollWidth};
+document.body.setAttribute("data-layout", JSON.stringify(out));
+</script></body>"""))
+    flags = ["--headless", "--no-sandbox", "--disable-gpu", "--hide-scrollbars", "--window-size=1400,1000"]
+    dom = subprocess.run([CHROMIUM, *flags, "--dump-dom", probe.as_uri()], capture_output=True,
+                         text=True, timeout=120, check=True).stdout
+    match = re.search(r'data-layout="([^"]+)"', dom)
+    assert match, dom[:500]
+    import html
+    import json
+
+    layout = json.loads(html.unescape(match.group(1)))
+    assert layout["table"] < 200  # the hit-rate table right under the title
+    assert layout["plotHeight"] > 200 and layout["plot"] + layout["plotHeight"] < 1000  # whole plot, first screen
+    assert layout["settings"] < 40  # folded: one summary line
+    assert layout["width"] <= 1400  # nothing runs off the side
+    shot = tmp_path / "report-first-screen.png"
+    subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", report.as_uri()], capture_output=True,
+                   timeout=120, check=True)
+    assert shot.read_bytes()[:4] == b"\x89PNG"
