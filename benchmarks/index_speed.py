@@ -33,8 +33,8 @@ import random
 import time
 
 import numpy as np
-from kvroute._native import bench_index_ingest, bench_index_lookup
 
+from kvroute._native import bench_index_ingest, bench_index_lookup
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import BlockRemoved, BlockStored
 from kvroute.routing.index import KvIndex

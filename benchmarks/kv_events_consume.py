@@ -39,8 +39,8 @@ import time
 import numpy as np
 import uvloop
 import zmq
-from kvroute._native import SequenceTracker
 
+from kvroute._native import SequenceTracker
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import BlockRemoved, BlockStored, EventBatch
 from kvroute.fleet import free_ports

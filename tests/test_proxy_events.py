@@ -13,8 +13,8 @@ import pytest
 from kvroute.blocks import BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.engine import BlockStored
-from kvroute.kvevents import EngineRestarted, EventsReceived, GapDetected, MalformedPayload, ReplayFailed
 from kvroute.engine.events import EventBatch
+from kvroute.kvevents import EngineRestarted, EventsReceived, GapDetected, MalformedPayload, ReplayFailed
 from kvroute.kvevents.wire import decode_native, encode_batch
 from kvroute.proxy import WORKER_HEADER, EventsSettings, EventsSource, RouterConfig, start_router
 from kvroute.proxy.metrics import RouterMetrics

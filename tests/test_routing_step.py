@@ -14,8 +14,8 @@ import pytest
 
 from kvroute.blocks import BlockHasher, PrefixHashCache
 from kvroute.engine import REFERENCE_GPU
-from kvroute.kvevents import EventsReceived
 from kvroute.engine.events import EventBatch
+from kvroute.kvevents import EventsReceived
 from kvroute.kvevents.wire import decode_native, encode_batch
 from kvroute.proxy.app import Router, RouterConfig, _Load
 from kvroute.proxy.discovery import Endpoint

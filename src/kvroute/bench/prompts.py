@@ -241,9 +241,12 @@ def session_workload(
     last_index: list[int | None] = [None] * sessions.sessions
     requests: list[BenchRequest] = []
     suffix_lens = spec.suffix_tokens.sample(rng, sessions.sessions)
+
+    def draw(n: int) -> np.ndarray:
+        return vocab[rng.integers(0, len(vocab), size=int(n))]
+
     for s in order:
         s = int(s)
-        draw = lambda n: vocab[rng.integers(0, len(vocab), size=int(n))]
         prefix_id = int(starts[s])
         if history[s] is None:
             segments = _segments(wl.prefixes[prefix_id], draw(suffix_lens[s]))

@@ -366,7 +366,7 @@ class Router:
         timeout = self.config.drain_timeout_s if timeout_s is None else timeout_s
         try:
             await asyncio.wait_for(self._idle.wait(), timeout)
-        except asyncio.TimeoutError:
+        except TimeoutError:
             logger.warning("drain: %d requests still in flight after %gs", self._in_flight, timeout)
             return False
         return True
@@ -486,7 +486,7 @@ class Router:
                         body=body,
                         headers={"Content-Type": upstream.headers.get("Content-Type", _JSON), WORKER_HEADER: worker.name},
                     )
-            except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
+            except (TimeoutError, aiohttp.ClientError) as exc:
                 problem = str(exc) or type(exc).__name__
                 self.metrics.upstream_errors.labels(worker.name, "connect").inc()
                 self.pool.mark_failed(worker, problem)
@@ -695,7 +695,7 @@ class Router:
                 except asyncio.CancelledError:
                     if watch is None or not watch.expired():
                         raise
-                    failure: BaseException | None = asyncio.TimeoutError()  # silent too long
+                    failure: BaseException | None = TimeoutError()  # silent too long
                 except _DIED as exc:
                     failure = exc
                 else:

@@ -274,7 +274,7 @@ class WorkerPool:
             ) as response:
                 await response.read()
                 return None if response.status == 200 else f"status {response.status}"
-        except (aiohttp.ClientError, asyncio.TimeoutError, OSError) as exc:
+        except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return str(exc) or type(exc).__name__
 
     # --- KV events ----------------------------------------------------------------------------

@@ -20,8 +20,8 @@ import random
 from pathlib import Path
 
 from kvroute.engine import get_preset
-from kvroute.sim import WorkerConfig, run_trial, trial_seed
 from kvroute.routing.policies import make_policy, policy_parameters
+from kvroute.sim import WorkerConfig, run_trial, trial_seed
 from kvroute.workload import LengthDist, WorkloadSpec, generate
 
 HERE = Path(__file__).parent
