@@ -46,3 +46,24 @@ def test_the_traces_exercise_what_they_are_for():
     assert True in resets and False in resets
     assert traces["multi_turn"]["stats"][2] > 0.8 * traces["multi_turn"]["stats"][1]
     assert any(step[1] == 0 and step[0] == 512 for step in traces["zipf_mixed_chunked"]["steps"])
+
+
+def _load_sim_golden():
+    path = Path(__file__).parent / "data" / "golden" / "sim_round_robin.py"
+    spec = importlib.util.spec_from_file_location("sim_round_robin", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["sim_round_robin"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+sim_golden = _load_sim_golden()
+
+
+@pytest.mark.parametrize("run", sim_golden.RUNS, ids=lambda r: r[0])
+def test_the_simulator_reproduces_its_golden_round_robin_runs(run):
+    """``kvroute.sim`` on the native engine gives the records the Python engine gave (the
+    same file the Rust event loop's tests read)."""
+    text = (Path(__file__).parent / "data" / "golden" / "sim_round_robin.txt").read_text()
+    block = text.split(f"run {run[0]}\n", 1)[1].split("\nend\n", 1)[0]
+    assert sim_golden.record(run)[5:-1] == block.splitlines()[4:]

@@ -1,6 +1,7 @@
 """Golden runs of the simulator (``kvroute.sim.run_trial``) with the round-robin policy.
 
-Recorded from the Python simulator (``src/kvroute/sim.py`` over the pure-Python engine) for the
+Recorded from the Python simulator (``src/kvroute/sim.py`` over the pure-Python engine, at
+commit 19c5014, stepping one step at a time) for the
 Rust event loop (``crates/kvroute-core/src/sim.rs``) to reproduce exactly: its tests read
 ``sim_round_robin.txt``. So that Rust can rebuild the very same prompts without numpy, the
 tokens come from a small formula (``token``, splitmix64 over the prefix or request number and
@@ -112,7 +113,10 @@ def build(run) -> tuple[Workload, WorkerConfig, list[str]]:
 def record(run) -> list[str]:
     work, config, out = build(run)
     workers, concurrency = run[1], run[2]
-    result = run_trial(work, workers, concurrency, config, make_policy("round-robin"))
+    # Single steps (coalesce=False): the Python simulator's coalesced decode runs equal them
+    # except with zero-time steps (instant_ties), where a run lumped steps an arrival at the
+    # same instant would have fallen between.
+    result = run_trial(work, workers, concurrency, config, make_policy("round-robin"), coalesce=False)
     out.append(f"duration {result.duration_s!r}")
     for s in result.window_stats:
         out.append(f"window {s.requests} {s.queries} {s.hits} {s.preempted_requests} "
