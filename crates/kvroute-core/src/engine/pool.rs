@@ -127,6 +127,12 @@ pub struct BlockPool {
     more_holders: BlockHashMap<VecDeque<BlockId>>,
     pending_events: Vec<KvCacheEvent>,
     version: u64,
+    /// Per block, how many times it was taken from the free queue: a block whose count is
+    /// unchanged has held the same hash all along (see `find_longest_hit_memo`).
+    generation: Vec<u64>,
+    /// The last hit found for a chain, by the chain's first hash: its blocks and their
+    /// generations then. Bounded; any entry may be dropped.
+    hit_memo: BlockHashMap<Vec<(BlockId, u64)>>,
 }
 
 impl BlockPool {
@@ -161,6 +167,8 @@ impl BlockPool {
             more_holders: BlockHashMap::default(),
             pending_events: Vec::new(),
             version: 0,
+            generation: vec![0; num_blocks],
+            hit_memo: BlockHashMap::default(),
         };
         for b in 1..num_blocks as u32 {
             pool.push_free(b);
@@ -261,6 +269,53 @@ impl BlockPool {
         hit
     }
 
+    /// `find_longest_hit`, answered mostly from the last hit found for the same first hash.
+    ///
+    /// A remembered block still answers the lookup of its position while its generation is
+    /// unchanged (it was never taken, so it held that hash all along and no holder older than
+    /// it can have appeared: new holders are always younger) and the hash at that position is
+    /// the one it holds. Checking that reads two small arrays instead of probing the hash
+    /// table, whose random accesses were most of a many-worker simulation's lookups (a
+    /// waiting request is looked up again at each step until admitted, and requests sharing
+    /// a prefix look up the same chain). Past the remembered part, the table answers.
+    pub fn find_longest_hit_memo(
+        &mut self,
+        block_hashes: &[u64],
+        max_blocks: usize,
+    ) -> Vec<BlockId> {
+        let limit = max_blocks.min(block_hashes.len());
+        if !self.enable_caching || limit == 0 {
+            return Vec::new();
+        }
+        let mut memo = self.hit_memo.remove(&block_hashes[0]).unwrap_or_default();
+        let mut n = 0;
+        while n < memo.len().min(limit) {
+            let (b, g) = memo[n];
+            if self.generation[b as usize] != g
+                || self.block_hash[b as usize] != Some(block_hashes[n])
+            {
+                break;
+            }
+            n += 1;
+        }
+        memo.truncate(n);
+        while n < limit {
+            match self.cached.get(&block_hashes[n]) {
+                Some(&b) => memo.push((b, self.generation[b as usize])),
+                None => break,
+            }
+            n += 1;
+        }
+        let hit: Vec<BlockId> = memo.iter().map(|&(b, _)| b).collect();
+        if !memo.is_empty() {
+            if self.hit_memo.len() >= 4 * self.num_blocks {
+                self.hit_memo.clear();
+            }
+            self.hit_memo.insert(block_hashes[0], memo);
+        }
+        hit
+    }
+
     /// How many of `blocks` sit in the free queue (a touch would take them out of it).
     pub fn num_evictable(&self, blocks: &[BlockId]) -> usize {
         blocks.iter().filter(|&&b| self.in_free[b as usize]).count()
@@ -298,6 +353,7 @@ impl BlockPool {
             let b = self.head;
             self.unlink(b);
             self.ref_cnt[b as usize] = 1;
+            self.generation[b as usize] += 1;
             if let Some(h) = self.block_hash[b as usize].take() {
                 self.forget_holder(b, h);
                 if self.emit_events {
@@ -672,5 +728,69 @@ mod tests {
         pool.cache_full_blocks(&blocks, &[81, 82], 0, 2, seq(&toks(8)));
         assert!(pool.take_events().is_empty());
         assert!(pool.find_longest_hit(&[81], 1).is_empty());
+    }
+
+    #[test]
+    fn the_memoized_lookup_answers_as_the_table_does() {
+        // Random admissions (hits touched, new blocks taken, some cached), frees and resets
+        // over a few shared chains with repeats; after each, both lookups of every chain agree.
+        let mut x = 0x1234_5678_9ABC_DEF0u64;
+        let mut rnd = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let chains: Vec<Vec<u64>> = (0..4u64)
+            .map(|c| {
+                (0..24)
+                    .map(|i| {
+                        if i > 0 && i % 7 == 0 {
+                            1000 * c
+                        } else {
+                            1000 * c + i
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        for num_blocks in [8usize, 20, 40] {
+            let mut pool = BlockPool::new(num_blocks, BS, true, false);
+            let mut running: Vec<Vec<BlockId>> = vec![];
+            for _ in 0..3000 {
+                match rnd(6) {
+                    0..=2 => {
+                        let chain = &chains[rnd(4) as usize];
+                        let len = 1 + rnd(chain.len() as u64) as usize;
+                        let hit = pool.find_longest_hit_memo(&chain[..len], len - 1);
+                        let need = len - hit.len();
+                        if need > pool.num_free_blocks() - pool.num_evictable(&hit) {
+                            continue;
+                        }
+                        pool.touch(&hit);
+                        let mut blocks = hit.clone();
+                        blocks.extend(pool.get_new_blocks(need).unwrap());
+                        let upto = hit.len() + rnd(need as u64 + 1) as usize;
+                        pool.cache_full_blocks(&blocks, chain, hit.len(), upto, seq(&[]));
+                        running.push(blocks);
+                    }
+                    3 | 4 if !running.is_empty() => {
+                        let blocks = running.swap_remove(rnd(running.len() as u64) as usize);
+                        pool.free_blocks(blocks.into_iter().rev());
+                    }
+                    _ => {
+                        pool.reset_prefix_cache();
+                    }
+                }
+                for chain in &chains {
+                    for len in [1, 5, 12, 24] {
+                        assert_eq!(
+                            pool.find_longest_hit_memo(&chain[..len], len),
+                            pool.find_longest_hit(&chain[..len], len)
+                        );
+                    }
+                }
+            }
+        }
     }
 }

@@ -472,7 +472,9 @@ impl Engine {
                 let max_blocks = (num_tokens - 1) / bs;
                 if self.pool.enable_caching() {
                     extend_hashes(&self.hasher, slot, num_tokens / bs);
-                    hit = self.pool.find_longest_hit(&slot.block_hashes, max_blocks);
+                    hit = self
+                        .pool
+                        .find_longest_hit_memo(&slot.block_hashes, max_blocks);
                 }
             }
             let num_hit = hit.len() * bs;
