@@ -1,6 +1,6 @@
 //! How fast is the simulator's event loop? One trial of the reference shapes (2,032-token
 //! prefixes, 339-token suffixes, 64 output tokens, 585 blocks of 16 tokens, reference-gpu
-//! timing) with a round-robin placement; prints the wall time and µs per request.
+//! timing, prefixes in a shuffled order) with a round-robin placement; prints the wall time and µs per request.
 //! The goal: 1,000,000 requests × 64 workers × K = 256 × c = 512 in < 10 s.
 //!
 //!     cargo run --release -p kvroute-core --example sim_speed [REQUESTS] [WORKERS] [K] [C]
@@ -80,7 +80,11 @@ fn main() {
         .map(|_| (0..2032).map(|_| rng.token()).collect())
         .collect();
     let warmup = requests(&mut rng, 0..k as u32, 339);
-    let order: Vec<u32> = (0..n).map(|i| (i % k) as u32).collect();
+    // Each prefix equally often, in a seeded shuffled order (as kvroute.workload does).
+    let mut order: Vec<u32> = (0..n).map(|i| (i % k) as u32).collect();
+    for i in (1..n).rev() {
+        order.swap(i, (rng.next() % (i as u64 + 1)) as usize);
+    }
     let measured = requests(&mut rng, order.into_iter(), 339);
     let trial = Trial {
         workers,

@@ -147,8 +147,8 @@ impl std::error::Error for SimError {}
 
 /// What a heap entry does when its time comes.
 enum Event {
-    /// A request reaches worker `worker`'s engine.
-    Arrive { sent: Sent, request: NewRequest },
+    /// A request reaches its worker's engine: `arrivals[slot]` holds it.
+    Arrive { slot: usize },
     /// Worker `worker`'s step in flight ends.
     StepEnd { worker: usize },
 }
@@ -202,7 +202,12 @@ pub struct Simulation<'p> {
     heap: BinaryHeap<Entry>,
     seq: u64,
     busy: Vec<bool>,
-    in_step: Vec<Option<StepResult>>,
+    /// Requests on their way to an engine (kept out of the heap so its entries stay small),
+    /// and the free slots among them.
+    arrivals: Vec<Option<(Sent, NewRequest)>>,
+    free_arrivals: Vec<usize>,
+    /// Per worker, its step in flight (reused from step to step).
+    in_step: Vec<StepResult>,
     /// Per worker, the send records of its step in flight's outputs (aligned with them).
     step_sents: Vec<Vec<Sent>>,
     /// Per worker, per engine request key: the request's send record.
@@ -244,7 +249,9 @@ impl<'p> Simulation<'p> {
             heap: BinaryHeap::new(),
             seq: 0,
             busy: vec![false; workers],
-            in_step: (0..workers).map(|_| None).collect(),
+            arrivals: Vec::new(),
+            free_arrivals: Vec::new(),
+            in_step: (0..workers).map(|_| StepResult::default()).collect(),
             step_sents: vec![Vec::new(); workers],
             sent: vec![Vec::new(); workers],
         }
@@ -384,13 +391,24 @@ impl<'p> Simulation<'p> {
             send_time: self.now,
             placed,
         };
-        self.push(arrival, Event::Arrive { sent, request });
+        let slot = match self.free_arrivals.pop() {
+            Some(slot) => {
+                self.arrivals[slot] = Some((sent, request));
+                slot
+            }
+            None => {
+                self.arrivals.push(Some((sent, request)));
+                self.arrivals.len() - 1
+            }
+        };
+        self.push(arrival, Event::Arrive { slot });
     }
 
     /// Run worker `w`'s next step from now.
     fn start_step(&mut self, w: usize) {
         self.busy[w] = true;
-        let result = self.engines[w].step(self.now);
+        let mut result = std::mem::take(&mut self.in_step[w]);
+        self.engines[w].step_into(self.now, &mut result);
         let end = result.end;
         // The engine releases a finished request's key at once, and an arrival before this
         // step ends may reuse it: take the send records of this step's outputs now.
@@ -401,7 +419,7 @@ impl<'p> Simulation<'p> {
             sents.push(if out.finished { slot.take() } else { *slot }.expect("a sent request"));
         }
         self.step_sents[w] = sents;
-        self.in_step[w] = Some(result);
+        self.in_step[w] = result;
         self.push(end, Event::StepEnd { worker: w });
     }
 
@@ -435,7 +453,9 @@ impl<'p> Simulation<'p> {
             };
             self.now = t;
             match event {
-                Event::Arrive { sent, request } => {
+                Event::Arrive { slot } => {
+                    let (sent, request) = self.arrivals[slot].take().expect("an arrival");
+                    self.free_arrivals.push(slot);
                     let w = sent.placed.worker;
                     let key = self.engines[w]
                         .add_request(request)
@@ -451,7 +471,7 @@ impl<'p> Simulation<'p> {
                 }
                 Event::StepEnd { worker: w } => {
                     self.busy[w] = false;
-                    let mut result = self.in_step[w].take().expect("a step in flight");
+                    let mut result = std::mem::take(&mut self.in_step[w]);
                     if self.wants_events
                         && let Some(batch) = result.events.take()
                     {
@@ -487,6 +507,7 @@ impl<'p> Simulation<'p> {
                         }
                     }
                     self.step_sents[w] = sents;
+                    self.in_step[w] = result;
                     if self.engines[w].has_work() {
                         self.start_step(w);
                     }

@@ -379,11 +379,24 @@ impl Engine {
 
     /// Schedule and run one step starting at `now`.
     pub fn step(&mut self, now: f64) -> StepResult {
-        let mut result = StepResult {
-            start: now,
-            ..StepResult::default()
-        };
-        self.schedule(&mut result);
+        let mut result = StepResult::default();
+        self.step_into(now, &mut result);
+        result
+    }
+
+    /// `step`, writing into `result` (cleared first) so a driver that steps millions of
+    /// times reuses its vectors instead of allocating them per step.
+    pub fn step_into(&mut self, now: f64, result: &mut StepResult) {
+        result.start = now;
+        result.end = now;
+        result.prefill_tokens = 0;
+        result.decode_seqs = 0;
+        result.scheduled.clear();
+        result.preempted.clear();
+        result.outputs.clear();
+        result.events = None;
+        let result = &mut *result;
+        self.schedule(result);
         for &(key, n) in &result.scheduled {
             let r = self.req(key);
             if r.num_computed_tokens >= r.prompt.len() {
@@ -397,7 +410,7 @@ impl Engine {
                 .cost
                 .step_time(result.prefill_tokens, result.decode_seqs);
         result.end = end;
-        self.update(&mut result);
+        self.update(result);
         if self.pool.emit_events() && self.pool.has_events() {
             result.events = Some(EventBatch {
                 ts: end,
@@ -405,7 +418,6 @@ impl Engine {
                 data_parallel_rank: None,
             });
         }
-        result
     }
 
     // -- scheduling --------------------------------------------------------------------------
