@@ -116,8 +116,11 @@ pub struct TrialResult {
 pub enum SimError {
     /// A request needs more blocks than an empty worker has: it would wait forever.
     DoesNotFit {
+        /// The request's position in its set.
         index: usize,
+        /// Blocks its prompt and output need.
         blocks: usize,
+        /// Usable blocks of a worker.
         capacity: usize,
     },
     /// Malformed input (a bad prefix id, offsets, a zero output, unsorted send times).

@@ -88,7 +88,9 @@ impl TokenSeq<'_> {
 /// Not enough free blocks for a request for `wanted` (only `free` are).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct OutOfBlocks {
+    /// Blocks asked for.
     pub wanted: usize,
+    /// Blocks free.
     pub free: usize,
 }
 

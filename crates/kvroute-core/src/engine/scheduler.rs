@@ -115,12 +115,19 @@ impl Request {
 /// What a driver records of a request (its state after the step that reported it).
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RequestSummary {
+    /// Tokens generated so far.
     pub num_output: usize,
+    /// Tokens whose KV is computed (or found cached).
     pub num_computed_tokens: usize,
+    /// Prompt tokens found cached at its first admission; -1 before.
     pub num_cached_tokens: i64,
+    /// Its first blocks that hold cached hashes.
     pub num_cached_blocks: usize,
+    /// Times it was preempted.
     pub num_preemptions: u32,
+    /// End of the step that produced its first token.
     pub first_token_time: Option<f64>,
+    /// End of the step that produced its last token.
     pub finish_time: Option<f64>,
 }
 
@@ -142,7 +149,9 @@ pub struct RequestOutput {
 /// One engine step: scheduled at `start`, outputs ready at `end`.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct StepResult {
+    /// When the step was scheduled.
     pub start: f64,
+    /// When its outputs are ready (`start` + the cost model's step time).
     pub end: f64,
     /// Prompt tokens computed in the step (chunks included).
     pub prefill_tokens: usize,
@@ -161,11 +170,17 @@ pub struct StepResult {
 /// vLLM's prefix-cache counters (tokens), cumulative.
 #[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
 pub struct PrefixCacheStats {
+    /// Requests admitted for the first time.
     pub requests: u64,
+    /// Their tokens looked up (prompt and any generated tokens).
     pub queries: u64,
+    /// Of those, tokens found cached.
     pub hits: u64,
+    /// Re-admissions of preempted requests (vLLM counts them apart).
     pub preempted_requests: u64,
+    /// Their tokens looked up.
     pub preempted_queries: u64,
+    /// Of those, tokens found cached.
     pub preempted_hits: u64,
 }
 
