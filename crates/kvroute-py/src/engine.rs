@@ -110,6 +110,23 @@ fn py_batch<'py>(py: Python<'py>, batch: CoreBatch) -> PyResult<Bound<'py, PyAny
         .call1((batch.ts, events, batch.data_parallel_rank))
 }
 
+// -- block hashes from Python ------------------------------------------------------------------
+
+/// A 64-bit block hash from a Python int: kvroute's hashes are unsigned, but a caller may key
+/// blocks by Python's own `hash()` (signed); those are taken modulo 2^64.
+fn hash_of(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    obj.extract::<u64>()
+        .or_else(|_| obj.extract::<i64>().map(|v| v as u64))
+}
+
+/// A list of block hashes (see `hash_of`).
+fn hashes_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if let Ok(v) = obj.extract::<Vec<u64>>() {
+        return Ok(v);
+    }
+    obj.try_iter()?.map(|item| hash_of(&item?)).collect()
+}
+
 // -- pool views --------------------------------------------------------------------------------
 
 fn free_queue_dict<'py>(py: Python<'py>, p: &pool::BlockPool) -> PyResult<Bound<'py, PyDict>> {
@@ -227,13 +244,18 @@ impl BlockPool {
     fn _more_holders<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         more_holders_dict(py, &self.inner)
     }
-    fn get_cached_block(&self, block_hash: u64) -> Option<u32> {
-        self.inner.get_cached_block(block_hash)
+    fn get_cached_block(&self, block_hash: &Bound<'_, PyAny>) -> PyResult<Option<u32>> {
+        Ok(self.inner.get_cached_block(hash_of(block_hash)?))
     }
     /// Blocks of the longest cached prefix of ``block_hashes`` (at most ``max_blocks``).
-    fn find_longest_hit(&self, block_hashes: Vec<u64>, max_blocks: i64) -> Vec<u32> {
-        self.inner
-            .find_longest_hit(&block_hashes, max_blocks.max(0) as usize)
+    fn find_longest_hit(
+        &self,
+        block_hashes: &Bound<'_, PyAny>,
+        max_blocks: i64,
+    ) -> PyResult<Vec<u32>> {
+        Ok(self
+            .inner
+            .find_longest_hit(&hashes_of(block_hashes)?, max_blocks.max(0) as usize))
     }
     fn num_evictable(&self, blocks: Vec<u32>) -> usize {
         self.inner.num_evictable(&blocks)
@@ -254,11 +276,12 @@ impl BlockPool {
         &mut self,
         py: Python<'_>,
         blocks: Vec<u32>,
-        block_hashes: Vec<u64>,
+        block_hashes: &Bound<'_, PyAny>,
         num_cached: usize,
         num_full: usize,
         token_ids: &Bound<'_, PyAny>,
     ) -> PyResult<()> {
+        let block_hashes = hashes_of(block_hashes)?;
         if num_full > blocks.len() || num_full > block_hashes.len() {
             return Err(PyValueError::new_err(
                 "num_full exceeds the blocks or hashes given",
@@ -355,12 +378,13 @@ impl EnginePool {
     fn _more_holders<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         more_holders_dict(py, self.engine.borrow(py).core.pool())
     }
-    fn get_cached_block(&self, py: Python<'_>, block_hash: u64) -> Option<u32> {
-        self.engine
-            .borrow(py)
-            .core
-            .pool()
-            .get_cached_block(block_hash)
+    fn get_cached_block(
+        &self,
+        py: Python<'_>,
+        block_hash: &Bound<'_, PyAny>,
+    ) -> PyResult<Option<u32>> {
+        let h = hash_of(block_hash)?;
+        Ok(self.engine.borrow(py).core.pool().get_cached_block(h))
     }
     #[getter]
     fn version(&self, py: Python<'_>) -> u64 {
@@ -370,14 +394,16 @@ impl EnginePool {
     fn find_longest_hit(
         &self,
         py: Python<'_>,
-        block_hashes: Vec<u64>,
+        block_hashes: &Bound<'_, PyAny>,
         max_blocks: i64,
-    ) -> Vec<u32> {
-        self.engine
+    ) -> PyResult<Vec<u32>> {
+        let hashes = hashes_of(block_hashes)?;
+        Ok(self
+            .engine
             .borrow(py)
             .core
             .pool()
-            .find_longest_hit(&block_hashes, max_blocks.max(0) as usize)
+            .find_longest_hit(&hashes, max_blocks.max(0) as usize))
     }
     fn num_evictable(&self, py: Python<'_>, blocks: Vec<u32>) -> usize {
         self.engine.borrow(py).core.pool().num_evictable(&blocks)
@@ -471,9 +497,10 @@ impl EngineRequest {
         prompt_token_ids: &Bound<'_, PyAny>,
         output_token_ids: &Bound<'_, PyAny>,
         arrival_time: f64,
-        block_hashes: Option<Vec<u64>>,
+        block_hashes: Option<&Bound<'_, PyAny>>,
         max_tokens: i64,
     ) -> PyResult<Self> {
+        let block_hashes = block_hashes.map(hashes_of).transpose()?;
         let prompt_arr = token_array(py, prompt_token_ids)?;
         let output_arr = token_array(py, output_token_ids)?;
         let prompt = extract_tokens(py, &prompt_arr)?;
