@@ -368,6 +368,11 @@ impl BlockPool {
     }
 
     fn forget_holder(&mut self, block: BlockId, block_hash: u64) {
+        if self.more_holders.is_empty() {
+            // The usual case: every cached hash has exactly one holder.
+            self.cached.remove(&block_hash);
+            return;
+        }
         let Some(more) = self.more_holders.get_mut(&block_hash) else {
             self.cached.remove(&block_hash);
             return;
