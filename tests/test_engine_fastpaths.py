@@ -1,15 +1,9 @@
-"""The engine's fast paths equal the straightforward ones (property tests).
+"""The native BlockPool equals the straightforward one (property tests).
 
-Two fast paths exist for speed, and each is checked against the plain version it replaces:
-
-* ``BlockPool`` moves runs of blocks with bulk dict operations and keeps ref counts implicitly;
-  ``ReferencePool`` below is the plain per-block version (an ``OrderedDict`` free queue and
-  explicit counts, as vLLM's ``block_pool.py`` reads). Random operation sequences must give the
-  same blocks, lookups, counts and events.
-* ``Engine.decode_run_length`` / ``run_decode_steps`` run stretches of decode steps at once,
-  also while a waiting request provably stays blocked. Driving an engine by runs must give every
-  request the same cached tokens, first-token and finish step, and leave the same cache, as
-  stepping one step at a time.
+``ReferencePool`` below is the plain per-block pool (an ``OrderedDict`` free queue and explicit
+counts, as vLLM's ``block_pool.py`` reads); random operation sequences must give the native
+``BlockPool`` the same blocks, lookups, counts, holders and events. An engine driven through
+random requests must keep every free block carrying exactly the hash the lookup table says.
 """
 
 from __future__ import annotations
@@ -133,34 +127,28 @@ pool_ops = st.lists(
     num_blocks=st.integers(2, 60),
     ops=pool_ops,
     repeat_hash=st.booleans(),
-    tracked=st.booleans(),
     emit_events=st.booleans(),
 )
-def test_block_pool_matches_the_straightforward_pool(
-    num_blocks, ops, repeat_hash, tracked, emit_events
-):
-    """Also with ``track_block_hashes=False``, where the caller (as the engine does) passes
-    each freed block's hash: its blocks below the cached count hold its hashes, the rest none."""
-    _run_pool_ops(num_blocks, ops, repeat_hash, tracked, emit_events)
+def test_block_pool_matches_the_straightforward_pool(num_blocks, ops, repeat_hash, emit_events):
+    _run_pool_ops(num_blocks, ops, repeat_hash, emit_events)
 
 
-@pytest.mark.parametrize("tracked", [True, False])
 @pytest.mark.parametrize("seed", range(4))
-def test_block_pool_matches_the_straightforward_pool_on_long_runs(seed, tracked):
-    """Long seeded runs reach what short examples rarely do: bulk takes that rebuild the free
-    queue while cached blocks stay in it, and hashes cached twice within one bulk run."""
+def test_block_pool_matches_the_straightforward_pool_on_long_runs(seed):
+    """Long seeded runs reach what short examples rarely do: long free queues whose cached
+    blocks are touched out of the middle, and hashes cached twice within one run."""
     rng = random.Random(seed)
     kinds = ["admit", "admit", "admit", "extend", "finish", "finish", "reset"]
     ops = [
         (rng.choice(kinds), rng.randrange(3), rng.randint(1, 20), rng.randrange(1000))
         for _ in range(1500)
     ]
-    _run_pool_ops(rng.randint(20, 60), ops, rng.random() < 0.5, tracked, emit_events=seed % 2 == 0)
+    _run_pool_ops(rng.randint(20, 60), ops, rng.random() < 0.5, emit_events=seed % 2 == 0)
 
 
-def _run_pool_ops(num_blocks, ops, repeat_hash, tracked, emit_events):
+def _run_pool_ops(num_blocks, ops, repeat_hash, emit_events):
     """Apply ``ops`` to a BlockPool and a ReferencePool; after each, compare all their state."""
-    fast = BlockPool(num_blocks, 4, emit_events=emit_events, track_block_hashes=tracked)
+    fast = BlockPool(num_blocks, 4, emit_events=emit_events)
     ref = ReferencePool(num_blocks, 4)
     running: list[tuple[list[int], list[int], int]] = []  # blocks, hashes, cached blocks
     for op, chain, length, pick in ops:
@@ -194,24 +182,22 @@ def _run_pool_ops(num_blocks, ops, repeat_hash, tracked, emit_events):
             fast.take_events()  # AllBlocksCleared, which the reference does not model
         elif op == "finish" and running:
             blocks, hashes, cached = running.pop(pick % len(running))
-            if tracked:
-                fast.free_blocks(blocks[::-1])
-            else:
-                held = hashes[:cached] + [None] * (len(blocks) - cached)
-                fast.free_blocks(blocks[::-1], held[::-1])
+            fast.free_blocks(blocks[::-1])
             ref.free_blocks(blocks[::-1])
         assert fast.num_free_blocks == ref.num_free_blocks
-        assert list(fast.free_queue) == list(ref.free_queue)
-        assert [fast.ref_cnt[b] for b in range(num_blocks)] == ref.ref_cnt
+        free_queue = fast.free_queue
+        assert list(free_queue) == list(ref.free_queue)
+        assert fast.ref_cnt == ref.ref_cnt
         assert {h: fast.get_cached_block(h) for h in ref.cached} == {
             h: bs[0] for h, bs in ref.cached.items()
         }
-        assert len(fast.cached) == len(ref.cached)
+        cached = fast.cached
+        assert len(cached) == len(ref.cached)
         # Every holder of every hash, oldest first (who takes over when a holder is evicted).
         more = fast._more_holders
-        assert {h: [b, *more.get(h, ())] for h, b in fast.cached.items()} == ref.cached
+        assert {h: [b, *more.get(h, ())] for h, b in cached.items()} == ref.cached
         # Free blocks carry the hash they hold (what taking them evicts).
-        assert list(fast.free_queue.items()) == [(b, ref.block_hash[b]) for b in ref.free_queue]
+        assert list(free_queue.items()) == [(b, ref.block_hash[b]) for b in ref.free_queue]
         if emit_events:
             assert _events(fast) == ref.events
         else:
@@ -219,7 +205,7 @@ def _run_pool_ops(num_blocks, ops, repeat_hash, tracked, emit_events):
         ref.events.clear()
 
 
-# -- the engine's decode runs --------------------------------------------------------------
+# -- the engine's pool stays consistent ----------------------------------------------------
 
 BS = 4
 _rng = np.random.default_rng(7)
@@ -238,57 +224,15 @@ engine_requests = st.lists(
 )
 
 
-def _drive(config, requests, coalesce: bool):
-    """Run ``requests`` (arriving at given step numbers) to completion; return what each saw."""
-    num_blocks, budget, max_seqs = config
-    cost = CostModel("t", 1.0, 0.0, 0.0, 0.0, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
-    engine = Engine(num_blocks, BS, cost, BlockHasher(BS))
-    made = []
-    for i, (arrive, prefix, used, own, out) in enumerate(requests):
-        prompt = np.concatenate([_PREFIXES[prefix][:used], np.arange(600 + 20 * i, 600 + 20 * i + own)])
-        if len(prompt) == 0:
-            prompt = np.array([1])
-        made.append((arrive, EngineRequest(str(i), prompt, np.arange(900, 900 + out), 0.0)))
-    pending = sorted(made, key=lambda x: x[0])
-    step = 0
-    seen: dict[str, tuple] = {}
-    first: dict[str, int] = {}
-    while pending or engine.has_work:
-        while pending and pending[0][0] <= step:
-            engine.add_request(pending.pop(0)[1])
-        if not engine.has_work:
-            step = pending[0][0]
-            continue
-        run = engine.decode_run_length() if coalesce else 0
-        if run:
-            # A run stops before the next arrival, as the simulator cuts it there.
-            run = min(run, pending[0][0] - step) if pending else run
-            result = engine.run_decode_steps(float(step), run)
-            step += run
-        else:
-            result = engine.step(float(step))
-            step += 1
-        for o in result.outputs:
-            if o.first_token:
-                first[o.request.request_id] = step
-            if o.finished:
-                r = o.request
-                seen[r.request_id] = (r.num_cached_tokens, first.get(r.request_id), step, r.num_preemptions)
-        assert step < 100_000, "engine stalled"
-        _assert_free_blocks_carry_their_hashes(engine.pool)
-    cache = sorted((h, len(engine.pool._more_holders.get(h, ())) + 1) for h in engine.pool.cached)
-    stats = engine.stats
-    return seen, cache, (stats.requests, stats.queries, stats.hits, stats.preempted_requests, stats.preempted_hits)
-
-
-def _assert_free_blocks_carry_their_hashes(pool: BlockPool) -> None:
-    """The engine's pool does not track hashes itself (the engine passes them when freeing):
-    every free block must carry exactly the hash the lookup table says it holds."""
+def _assert_free_blocks_carry_their_hashes(pool) -> None:
+    """Every free block carries exactly the hash the lookup table says it holds."""
     more = pool._more_holders
-    holds = {b: h for h, first in pool.cached.items() for b in [first, *more.get(h, ())]}
-    assert len(holds) == len(pool.cached) + sum(map(len, pool._more_holders.values()))
-    assert {b: h for b, h in pool.free_queue.items() if h is not None} == {
-        b: h for b, h in holds.items() if b in pool.free_queue
+    cached = pool.cached
+    holds = {b: h for h, first in cached.items() for b in [first, *more.get(h, ())]}
+    assert len(holds) == len(cached) + sum(map(len, more.values()))
+    free_queue = pool.free_queue
+    assert {b: h for b, h in free_queue.items() if h is not None} == {
+        b: h for b, h in holds.items() if b in free_queue
     }
 
 
@@ -297,20 +241,32 @@ def _assert_free_blocks_carry_their_hashes(pool: BlockPool) -> None:
     config=st.tuples(st.integers(12, 40), st.sampled_from([8, 16, 64, 8192]), st.sampled_from([2, 3, 256])),
     requests=engine_requests,
 )
-def test_decode_runs_equal_single_steps(config, requests):
-    num_blocks = config[0]
+def test_engine_keeps_its_pool_consistent(config, requests):
+    num_blocks, budget, max_seqs = config
     longest = max(used + own + out for _, _, used, own, out in requests)
     if -(-(longest + 1) // BS) > num_blocks - 1:
         return  # cannot fit an empty worker (the simulator rejects such workloads)
-    assert _drive(config, requests, coalesce=True) == _drive(config, requests, coalesce=False)
-
-
-def test_decode_runs_continue_while_the_waiting_head_is_blocked():
-    """The case runs were extended for: a full cache with a queue in front of it."""
-    cost = CostModel("t", 1.0, 0.0, 0.0, 0.0)
-    engine = Engine(12, BS, cost, BlockHasher(BS))  # 11 usable blocks
-    engine.add_request(EngineRequest("a", np.arange(1, 25), np.arange(100, 120), 0.0))  # 6+ blocks
-    engine.add_request(EngineRequest("b", np.arange(50, 74), np.arange(100, 120), 0.0))
-    engine.step(0.0)  # a is admitted, b does not fit
-    assert engine.num_running == 1 and engine.num_waiting == 1
-    assert engine.decode_run_length() == 19  # a decodes until it finishes, b stays blocked
+    cost = CostModel("t", 1.0, 0.0, 0.0, 0.0, max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+    engine = Engine(num_blocks, BS, cost, BlockHasher(BS))
+    pending = []
+    for i, (arrive, prefix, used, own, out) in enumerate(requests):
+        prompt = np.concatenate([_PREFIXES[prefix][:used], np.arange(600 + 20 * i, 600 + 20 * i + own)])
+        if len(prompt) == 0:
+            prompt = np.array([1])
+        pending.append((arrive, EngineRequest(str(i), prompt, np.arange(900, 900 + out), 0.0)))
+    pending.sort(key=lambda x: x[0])
+    step = 0
+    finished = set()
+    while pending or engine.has_work:
+        while pending and pending[0][0] <= step:
+            engine.add_request(pending.pop(0)[1])
+        if not engine.has_work:
+            step = pending[0][0]
+            continue
+        result = engine.step(float(step))
+        step += 1
+        finished |= {o.request.request_id for o in result.outputs if o.finished}
+        assert step < 100_000, "engine stalled"
+        _assert_free_blocks_carry_their_hashes(engine.pool)
+    assert finished == {str(i) for i in range(len(requests))}
+    assert engine.pool.num_free_blocks == num_blocks - 1

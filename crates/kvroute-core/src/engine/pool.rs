@@ -1,1 +1,803 @@
-//! (being written)
+//! `BlockPool`: the KV block allocator and prefix cache of one vLLM v1 worker.
+//!
+//! Follows `vllm/v1/core/block_pool.py` and its `FreeKVCacheBlockQueue`:
+//!
+//! * Block 0 is the null block: taken at start-up and never handed out, so usable capacity is
+//!   `num_blocks - 1`.
+//! * Free blocks (ref count 0) sit in an LRU queue. Blocks freed together are appended in the
+//!   order given; a finished request frees its blocks in reverse, so its tail is evicted first
+//!   and the shared head of a prompt survives longest.
+//! * New blocks come from the head of the free queue. A block that still holds a cached hash
+//!   is evicted only then, when its memory is reused (`BlockRemoved`), never when its request
+//!   ends.
+//! * A prefix-cache hit "touches" blocks: ref count +1, and a block at ref count 0 leaves the
+//!   free queue (it can no longer be evicted while in use). The queue is a doubly linked list
+//!   threaded through two arrays indexed by block id, so leaving it from the middle is O(1),
+//!   as in vLLM.
+//! * Identical content is not deduplicated: two blocks can carry the same hash (one per
+//!   request that computed it), and each is stored and later removed with its own event. A
+//!   lookup answers the oldest holder.
+//!
+//! Events are collected as data (`crate::engine::events`) when `emit_events` is on, for the
+//! engine to hand out per step.
+
+use std::collections::{HashMap, VecDeque};
+use std::hash::{BuildHasherDefault, Hasher};
+
+use crate::engine::events::{BlockRemoved, BlockStored, KvCacheEvent};
+
+/// A KV block's id: its index in the pool.
+pub type BlockId = u32;
+
+/// The reserved null block.
+pub const NULL_BLOCK: BlockId = 0;
+
+/// End of the free queue's links.
+const NIL: u32 = u32::MAX;
+
+/// Hashes a block hash for a table keyed by it. Block hashes are already xxh3 output, so one
+/// multiply spreads them enough; SipHash would be most of a lookup's cost.
+#[derive(Default, Clone, Copy)]
+pub struct BlockHashHasher(u64);
+
+impl Hasher for BlockHashHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (n ^ (n >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    }
+}
+
+/// A map keyed by block hash.
+pub type BlockHashMap<V> = HashMap<u64, V, BuildHasherDefault<BlockHashHasher>>;
+
+/// Tokens of a request's sequence (prompt then generated tokens), read by `BlockStored`.
+#[derive(Clone, Copy, Debug)]
+pub struct TokenSeq<'a> {
+    /// The prompt.
+    pub prompt: &'a [u32],
+    /// The tokens generated after it (only as many as the sequence has reached matter).
+    pub output: &'a [u32],
+}
+
+impl TokenSeq<'_> {
+    /// Tokens `[lo, hi)` of the sequence, as the event carries them.
+    pub fn range(&self, lo: usize, hi: usize) -> Vec<i64> {
+        let p = self.prompt.len();
+        let mut out = Vec::with_capacity(hi - lo);
+        if lo < p {
+            out.extend(self.prompt[lo..hi.min(p)].iter().map(|&t| i64::from(t)));
+        }
+        if hi > p {
+            out.extend(
+                self.output[lo.max(p) - p..hi - p]
+                    .iter()
+                    .map(|&t| i64::from(t)),
+            );
+        }
+        out
+    }
+}
+
+/// Not enough free blocks for a request for `wanted` (only `free` are).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct OutOfBlocks {
+    /// Blocks asked for.
+    pub wanted: usize,
+    /// Blocks free.
+    pub free: usize,
+}
+
+impl std::fmt::Display for OutOfBlocks {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "cannot get {} free blocks, only {} free",
+            self.wanted, self.free
+        )
+    }
+}
+
+impl std::error::Error for OutOfBlocks {}
+
+/// The KV blocks of one worker: ref counts, the LRU free queue and the prefix cache.
+#[derive(Clone, Debug)]
+pub struct BlockPool {
+    num_blocks: usize,
+    block_size: usize,
+    enable_caching: bool,
+    emit_events: bool,
+    ref_cnt: Vec<u32>,
+    /// The hash each block holds while it is cached (in use or free), else None.
+    block_hash: Vec<Option<u64>>,
+    /// Free-queue links by block id (NIL at the ends).
+    prev: Vec<u32>,
+    next: Vec<u32>,
+    in_free: Vec<bool>,
+    head: u32,
+    tail: u32,
+    num_free: usize,
+    /// hash -> the oldest block holding it (what a lookup returns).
+    cached: BlockHashMap<BlockId>,
+    /// hash -> younger holders of the same hash, oldest first (rare: vLLM does not dedup).
+    more_holders: BlockHashMap<VecDeque<BlockId>>,
+    pending_events: Vec<KvCacheEvent>,
+    version: u64,
+    /// Per block, how many times it was taken from the free queue: a block whose count is
+    /// unchanged has held the same hash all along (see `find_longest_hit_memo`).
+    generation: Vec<u64>,
+    /// The last hit found for a chain, by the chain's first hash: its blocks and their
+    /// generations then. Bounded; any entry may be dropped.
+    hit_memo: BlockHashMap<Vec<(BlockId, u64)>>,
+}
+
+impl BlockPool {
+    /// A pool of `num_blocks` blocks (the null block included, so at least 2) of
+    /// `block_size` tokens; `enable_caching` false is `--no-enable-prefix-caching`;
+    /// `emit_events` collects KV events for a publisher.
+    pub fn new(
+        num_blocks: usize,
+        block_size: usize,
+        enable_caching: bool,
+        emit_events: bool,
+    ) -> Self {
+        assert!(
+            num_blocks >= 2,
+            "need at least 2 KV blocks (one is the null block)"
+        );
+        assert!(num_blocks < NIL as usize, "too many blocks");
+        let mut pool = Self {
+            num_blocks,
+            block_size,
+            enable_caching,
+            emit_events,
+            ref_cnt: vec![0; num_blocks],
+            block_hash: vec![None; num_blocks],
+            prev: vec![NIL; num_blocks],
+            next: vec![NIL; num_blocks],
+            in_free: vec![false; num_blocks],
+            head: NIL,
+            tail: NIL,
+            num_free: 0,
+            cached: BlockHashMap::default(),
+            more_holders: BlockHashMap::default(),
+            pending_events: Vec::new(),
+            version: 0,
+            generation: vec![0; num_blocks],
+            hit_memo: BlockHashMap::default(),
+        };
+        for b in 1..num_blocks as u32 {
+            pool.push_free(b);
+        }
+        pool
+    }
+
+    // -- queries ---------------------------------------------------------------------------
+
+    /// Total blocks, the null block included.
+    pub fn num_blocks(&self) -> usize {
+        self.num_blocks
+    }
+
+    /// Tokens per block.
+    pub fn block_size(&self) -> usize {
+        self.block_size
+    }
+
+    /// Whether prefix caching is on.
+    pub fn enable_caching(&self) -> bool {
+        self.enable_caching
+    }
+
+    /// Whether KV events are collected.
+    pub fn emit_events(&self) -> bool {
+        self.emit_events
+    }
+
+    /// Blocks in the free queue (cached or not).
+    pub fn num_free_blocks(&self) -> usize {
+        self.num_free
+    }
+
+    /// Bumped whenever a change could let a waiting request in: a block returns to the free
+    /// queue, blocks become cached, or the cache is reset. (Taking blocks or evicting them
+    /// only ever makes admission harder.) The scheduler skips re-trying a blocked head while
+    /// it is unchanged.
+    pub fn version(&self) -> u64 {
+        self.version
+    }
+
+    /// Ref count of `block`, as vLLM's `KVCacheBlock.ref_cnt`.
+    pub fn ref_cnt(&self, block: BlockId) -> u32 {
+        self.ref_cnt[block as usize]
+    }
+
+    /// The hash `block` holds (cached, in use or free), if any.
+    pub fn block_hash(&self, block: BlockId) -> Option<u64> {
+        self.block_hash[block as usize]
+    }
+
+    /// Fraction of usable blocks held by requests (vLLM's `kv_cache_usage_perc`): cached but
+    /// free blocks do not count, so an idle worker reads 0 even with a full cache.
+    pub fn usage(&self) -> f64 {
+        1.0 - self.num_free as f64 / (self.num_blocks - 1) as f64
+    }
+
+    /// The oldest block holding `block_hash`, if any.
+    pub fn get_cached_block(&self, block_hash: u64) -> Option<BlockId> {
+        self.cached.get(&block_hash).copied()
+    }
+
+    /// Every holder of `block_hash`, oldest first.
+    pub fn holders(&self, block_hash: u64) -> Vec<BlockId> {
+        let mut out: Vec<BlockId> = self.cached.get(&block_hash).copied().into_iter().collect();
+        if let Some(more) = self.more_holders.get(&block_hash) {
+            out.extend(more.iter().copied());
+        }
+        out
+    }
+
+    /// Cached hashes (each once, however many blocks hold it), in no particular order.
+    pub fn cached_hashes(&self) -> impl Iterator<Item = u64> + '_ {
+        self.cached.keys().copied()
+    }
+
+    /// The free queue from head (evicted first) to tail.
+    pub fn free_queue(&self) -> FreeQueueIter<'_> {
+        FreeQueueIter {
+            pool: self,
+            at: self.head,
+        }
+    }
+
+    /// Blocks of the longest cached prefix of `block_hashes` (at most `max_blocks`).
+    pub fn find_longest_hit(&self, block_hashes: &[u64], max_blocks: usize) -> Vec<BlockId> {
+        let mut hit = Vec::new();
+        if !self.enable_caching {
+            return hit;
+        }
+        for h in &block_hashes[..max_blocks.min(block_hashes.len())] {
+            match self.cached.get(h) {
+                Some(&b) => hit.push(b),
+                None => break,
+            }
+        }
+        hit
+    }
+
+    /// `find_longest_hit`, answered mostly from the last hit found for the same first hash.
+    ///
+    /// A remembered block still answers the lookup of its position while its generation is
+    /// unchanged (it was never taken, so it held that hash all along and no holder older than
+    /// it can have appeared: new holders are always younger) and the hash at that position is
+    /// the one it holds. Checking that reads two small arrays instead of probing the hash
+    /// table, whose random accesses were most of a many-worker simulation's lookups (a
+    /// waiting request is looked up again at each step until admitted, and requests sharing
+    /// a prefix look up the same chain). Past the remembered part, the table answers.
+    pub fn find_longest_hit_memo(
+        &mut self,
+        block_hashes: &[u64],
+        max_blocks: usize,
+    ) -> Vec<BlockId> {
+        let limit = max_blocks.min(block_hashes.len());
+        if !self.enable_caching || limit == 0 {
+            return Vec::new();
+        }
+        let mut memo = self.hit_memo.remove(&block_hashes[0]).unwrap_or_default();
+        let mut n = 0;
+        while n < memo.len().min(limit) {
+            let (b, g) = memo[n];
+            if self.generation[b as usize] != g
+                || self.block_hash[b as usize] != Some(block_hashes[n])
+            {
+                break;
+            }
+            n += 1;
+        }
+        memo.truncate(n);
+        while n < limit {
+            match self.cached.get(&block_hashes[n]) {
+                Some(&b) => memo.push((b, self.generation[b as usize])),
+                None => break,
+            }
+            n += 1;
+        }
+        let hit: Vec<BlockId> = memo.iter().map(|&(b, _)| b).collect();
+        if !memo.is_empty() {
+            if self.hit_memo.len() >= 4 * self.num_blocks {
+                self.hit_memo.clear();
+            }
+            self.hit_memo.insert(block_hashes[0], memo);
+        }
+        hit
+    }
+
+    /// How many of `blocks` sit in the free queue (a touch would take them out of it).
+    pub fn num_evictable(&self, blocks: &[BlockId]) -> usize {
+        blocks.iter().filter(|&&b| self.in_free[b as usize]).count()
+    }
+
+    // -- mutations -------------------------------------------------------------------------
+
+    /// Take hit blocks into use: ref count +1, out of the free queue if they were free.
+    pub fn touch(&mut self, blocks: &[BlockId]) {
+        for &b in blocks {
+            if self.in_free[b as usize] {
+                self.unlink(b);
+            }
+            self.ref_cnt[b as usize] += 1;
+        }
+    }
+
+    /// Take `n` blocks from the head of the free queue, evicting the hashes they hold.
+    pub fn get_new_blocks(&mut self, n: usize) -> Result<Vec<BlockId>, OutOfBlocks> {
+        if n > self.num_free {
+            return Err(OutOfBlocks {
+                wanted: n,
+                free: self.num_free,
+            });
+        }
+        let mut out = Vec::with_capacity(n);
+        self.take_into(n, &mut out);
+        Ok(out)
+    }
+
+    /// `get_new_blocks` appending to `out`; the caller has checked there are `n` free.
+    pub(crate) fn take_into(&mut self, n: usize, out: &mut Vec<BlockId>) {
+        debug_assert!(n <= self.num_free);
+        for _ in 0..n {
+            let b = self.head;
+            self.unlink(b);
+            self.ref_cnt[b as usize] = 1;
+            self.generation[b as usize] += 1;
+            if let Some(h) = self.block_hash[b as usize].take() {
+                self.forget_holder(b, h);
+                if self.emit_events {
+                    self.pending_events
+                        .push(KvCacheEvent::Removed(BlockRemoved::plain(vec![h])));
+                }
+            }
+            out.push(b);
+        }
+    }
+
+    fn forget_holder(&mut self, block: BlockId, block_hash: u64) {
+        if self.more_holders.is_empty() {
+            // The usual case: every cached hash has exactly one holder.
+            self.cached.remove(&block_hash);
+            return;
+        }
+        let Some(more) = self.more_holders.get_mut(&block_hash) else {
+            self.cached.remove(&block_hash);
+            return;
+        };
+        if self.cached.get(&block_hash) == Some(&block) {
+            let next = more.pop_front().expect("younger holders are never empty");
+            self.cached.insert(block_hash, next);
+        } else if let Some(i) = more.iter().position(|&b| b == block) {
+            more.remove(i);
+        }
+        if more.is_empty() {
+            self.more_holders.remove(&block_hash);
+        }
+    }
+
+    /// Register blocks `[num_cached, num_full)` of a request as cached.
+    ///
+    /// `blocks` and `block_hashes` are the request's (at least `num_full` of each);
+    /// `num_cached` of its blocks are cached already (hits or earlier steps); `tokens` is its
+    /// sequence, for the `BlockStored` event.
+    pub fn cache_full_blocks(
+        &mut self,
+        blocks: &[BlockId],
+        block_hashes: &[u64],
+        num_cached: usize,
+        num_full: usize,
+        tokens: TokenSeq<'_>,
+    ) {
+        if !self.enable_caching || num_cached >= num_full {
+            return;
+        }
+        self.version += 1;
+        for i in num_cached..num_full {
+            let (b, h) = (blocks[i], block_hashes[i]);
+            self.block_hash[b as usize] = Some(h);
+            match self.cached.entry(h) {
+                std::collections::hash_map::Entry::Vacant(e) => {
+                    e.insert(b);
+                }
+                std::collections::hash_map::Entry::Occupied(_) => {
+                    self.more_holders.entry(h).or_default().push_back(b);
+                }
+            }
+        }
+        if self.emit_events {
+            let bs = self.block_size;
+            self.pending_events
+                .push(KvCacheEvent::Stored(BlockStored::plain(
+                    block_hashes[num_cached..num_full].to_vec(),
+                    if num_cached > 0 {
+                        Some(block_hashes[num_cached - 1])
+                    } else {
+                        None
+                    },
+                    tokens.range(num_cached * bs, num_full * bs),
+                    bs,
+                )));
+        }
+    }
+
+    /// Drop one reference from each block; those reaching 0 join the free queue's tail in
+    /// the given order (callers pass a request's blocks reversed: tail evicted first). A
+    /// cached block keeps its hash in the queue until it is reused.
+    pub fn free_blocks(&mut self, ordered_blocks: impl IntoIterator<Item = BlockId>) {
+        self.version += 1;
+        for b in ordered_blocks {
+            let r = &mut self.ref_cnt[b as usize];
+            debug_assert!(*r > 0, "freeing a free block");
+            *r -= 1;
+            if *r == 0 {
+                self.push_free(b);
+            }
+        }
+    }
+
+    /// Forget every cached hash, as `/reset_prefix_cache` does. Like vLLM, refuses (returns
+    /// false) while any request holds blocks.
+    pub fn reset_prefix_cache(&mut self) -> bool {
+        if self.num_free != self.num_blocks - 1 {
+            return false;
+        }
+        self.cached.clear();
+        self.more_holders.clear();
+        self.block_hash.fill(None);
+        self.version += 1;
+        if self.emit_events {
+            self.pending_events.push(KvCacheEvent::AllCleared);
+        }
+        true
+    }
+
+    /// The events collected since the last call.
+    pub fn take_events(&mut self) -> Vec<KvCacheEvent> {
+        std::mem::take(&mut self.pending_events)
+    }
+
+    /// Whether any events are waiting to be taken.
+    pub fn has_events(&self) -> bool {
+        !self.pending_events.is_empty()
+    }
+
+    // -- the free queue ----------------------------------------------------------------------
+
+    fn push_free(&mut self, b: BlockId) {
+        let i = b as usize;
+        self.prev[i] = self.tail;
+        self.next[i] = NIL;
+        if self.tail == NIL {
+            self.head = b;
+        } else {
+            self.next[self.tail as usize] = b;
+        }
+        self.tail = b;
+        self.in_free[i] = true;
+        self.num_free += 1;
+    }
+
+    fn unlink(&mut self, b: BlockId) {
+        let i = b as usize;
+        let (p, n) = (self.prev[i], self.next[i]);
+        if p == NIL {
+            self.head = n;
+        } else {
+            self.next[p as usize] = n;
+        }
+        if n == NIL {
+            self.tail = p;
+        } else {
+            self.prev[n as usize] = p;
+        }
+        self.in_free[i] = false;
+        self.num_free -= 1;
+    }
+}
+
+/// The free queue, head first: each block with the hash it holds.
+pub struct FreeQueueIter<'a> {
+    pool: &'a BlockPool,
+    at: u32,
+}
+
+impl Iterator for FreeQueueIter<'_> {
+    type Item = (BlockId, Option<u64>);
+    fn next(&mut self) -> Option<Self::Item> {
+        if self.at == NIL {
+            return None;
+        }
+        let b = self.at;
+        self.at = self.pool.next[b as usize];
+        Some((b, self.pool.block_hash[b as usize]))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    //! One test per rule of vLLM's block pool (as tests/test_engine_pool.py).
+    use super::*;
+
+    const BS: usize = 4;
+
+    fn toks(n: usize) -> Vec<u32> {
+        (0..n as u32).collect()
+    }
+
+    fn seq(t: &[u32]) -> TokenSeq<'_> {
+        TokenSeq {
+            prompt: t,
+            output: &[],
+        }
+    }
+
+    fn removed(pool: &mut BlockPool) -> Vec<u64> {
+        pool.take_events()
+            .into_iter()
+            .flat_map(|e| match e {
+                KvCacheEvent::Removed(r) => r.block_hashes,
+                other => panic!("unexpected {other:?}"),
+            })
+            .collect()
+    }
+
+    #[test]
+    fn null_block_is_reserved() {
+        let mut pool = BlockPool::new(5, BS, true, false);
+        assert_eq!(pool.num_free_blocks(), 4);
+        let taken = pool.get_new_blocks(4).unwrap();
+        assert!(!taken.contains(&NULL_BLOCK));
+        assert_eq!(
+            pool.get_new_blocks(1),
+            Err(OutOfBlocks { wanted: 1, free: 0 })
+        );
+    }
+
+    #[test]
+    fn new_blocks_come_from_the_head_of_the_free_queue() {
+        let mut pool = BlockPool::new(6, BS, true, false);
+        assert_eq!(pool.get_new_blocks(2).unwrap(), vec![1, 2]);
+        pool.free_blocks([2, 1]);
+        assert_eq!(pool.get_new_blocks(5).unwrap(), vec![3, 4, 5, 2, 1]);
+    }
+
+    #[test]
+    fn finished_request_frees_tail_first_so_its_tail_is_evicted_first() {
+        let mut pool = BlockPool::new(4, BS, true, true);
+        let blocks = pool.get_new_blocks(3).unwrap();
+        let t = toks(12);
+        pool.cache_full_blocks(&blocks, &[11, 12, 13], 0, 3, seq(&t));
+        pool.take_events();
+        pool.free_blocks(blocks.iter().rev().copied());
+        pool.get_new_blocks(1).unwrap();
+        assert_eq!(removed(&mut pool), vec![13]);
+        assert!(pool.get_cached_block(11).is_some() && pool.get_cached_block(13).is_none());
+    }
+
+    #[test]
+    fn touch_on_hit_takes_blocks_out_of_the_free_queue_and_counts_refs() {
+        let mut pool = BlockPool::new(4, BS, true, false);
+        let blocks = pool.get_new_blocks(2).unwrap();
+        pool.cache_full_blocks(&blocks, &[21, 22], 0, 2, seq(&[]));
+        pool.free_blocks(blocks.iter().rev().copied());
+        assert_eq!(pool.num_free_blocks(), 3);
+        let hit = pool.find_longest_hit(&[21, 22, 99], 3);
+        assert_eq!(hit, blocks);
+        pool.touch(&hit);
+        assert_eq!(pool.num_free_blocks(), 1);
+        pool.touch(&hit);
+        assert_eq!(
+            hit.iter().map(|&b| pool.ref_cnt(b)).collect::<Vec<_>>(),
+            vec![2, 2]
+        );
+        pool.free_blocks(hit.iter().rev().copied());
+        assert_eq!(pool.num_free_blocks(), 1);
+        pool.free_blocks(hit.iter().rev().copied());
+        assert_eq!(pool.num_free_blocks(), 3);
+    }
+
+    #[test]
+    fn touching_a_block_in_the_middle_of_the_free_queue_keeps_the_rest_in_order() {
+        let mut pool = BlockPool::new(6, BS, true, false);
+        let blocks = pool.get_new_blocks(5).unwrap();
+        pool.cache_full_blocks(&blocks, &[1, 2, 3, 4, 5], 0, 5, seq(&[]));
+        pool.free_blocks(blocks.iter().copied());
+        pool.touch(&[3]);
+        let queue: Vec<_> = pool.free_queue().map(|(b, _)| b).collect();
+        assert_eq!(queue, vec![1, 2, 4, 5]);
+        pool.free_blocks([3]);
+        let queue: Vec<_> = pool.free_queue().collect();
+        assert_eq!(
+            queue,
+            vec![
+                (1, Some(1)),
+                (2, Some(2)),
+                (4, Some(4)),
+                (5, Some(5)),
+                (3, Some(3))
+            ]
+        );
+    }
+
+    #[test]
+    fn cached_blocks_are_evicted_only_when_reused_not_when_freed() {
+        let mut pool = BlockPool::new(3, BS, true, true);
+        let blocks = pool.get_new_blocks(2).unwrap();
+        let t = toks(8);
+        pool.cache_full_blocks(&blocks, &[31, 32], 0, 2, seq(&t));
+        pool.free_blocks(blocks.iter().rev().copied());
+        assert!(matches!(pool.take_events()[..], [KvCacheEvent::Stored(_)]));
+        assert_eq!(pool.find_longest_hit(&[31, 32], 2), blocks);
+        pool.get_new_blocks(2).unwrap();
+        assert_eq!(removed(&mut pool), vec![32, 31]);
+        assert!(pool.find_longest_hit(&[31, 32], 2).is_empty());
+    }
+
+    #[test]
+    fn identical_blocks_are_not_deduplicated() {
+        let mut pool = BlockPool::new(4, BS, true, true);
+        let a = pool.get_new_blocks(1).unwrap();
+        let b = pool.get_new_blocks(1).unwrap();
+        let t = toks(4);
+        pool.cache_full_blocks(&a, &[41], 0, 1, seq(&t));
+        pool.cache_full_blocks(&b, &[41], 0, 1, seq(&t));
+        assert_eq!(pool.take_events().len(), 2);
+        assert_eq!(pool.get_cached_block(41), Some(a[0]));
+        assert_eq!(pool.holders(41), vec![a[0], b[0]]);
+        pool.free_blocks([a[0], b[0]]);
+        pool.get_new_blocks(3).unwrap();
+        assert_eq!(removed(&mut pool), vec![41, 41]);
+        assert_eq!(pool.get_cached_block(41), None);
+    }
+
+    #[test]
+    fn a_younger_holder_takes_over_when_the_oldest_is_evicted() {
+        let mut pool = BlockPool::new(4, BS, true, false);
+        let a = pool.get_new_blocks(1).unwrap();
+        let b = pool.get_new_blocks(1).unwrap();
+        pool.cache_full_blocks(&a, &[7], 0, 1, seq(&[]));
+        pool.cache_full_blocks(&b, &[7], 0, 1, seq(&[]));
+        pool.free_blocks([a[0]]);
+        pool.get_new_blocks(2).unwrap(); // block 3 (never used), then a
+        assert_eq!(pool.get_cached_block(7), Some(b[0]));
+    }
+
+    #[test]
+    fn block_stored_carries_tokens_and_parent() {
+        let mut pool = BlockPool::new(5, BS, true, true);
+        let blocks = pool.get_new_blocks(3).unwrap();
+        let prompt: Vec<u32> = (100..106).collect();
+        let output: Vec<u32> = (106..112).collect();
+        let t = TokenSeq {
+            prompt: &prompt,
+            output: &output,
+        };
+        pool.cache_full_blocks(&blocks, &[51, 52, 53], 0, 1, t);
+        pool.cache_full_blocks(&blocks, &[51, 52, 53], 1, 3, t);
+        let ev = pool.take_events();
+        assert_eq!(
+            ev[0],
+            KvCacheEvent::Stored(BlockStored::plain(vec![51], None, (100..104).collect(), BS))
+        );
+        assert_eq!(
+            ev[1],
+            KvCacheEvent::Stored(BlockStored::plain(
+                vec![52, 53],
+                Some(51),
+                (104..112).collect(),
+                BS
+            ))
+        );
+    }
+
+    #[test]
+    fn reset_clears_cache_only_when_nothing_is_in_use() {
+        let mut pool = BlockPool::new(4, BS, true, true);
+        let blocks = pool.get_new_blocks(1).unwrap();
+        pool.cache_full_blocks(&blocks, &[61], 0, 1, seq(&toks(4)));
+        pool.take_events();
+        assert!(!pool.reset_prefix_cache());
+        pool.free_blocks(blocks.iter().copied());
+        assert!(pool.reset_prefix_cache());
+        assert_eq!(pool.take_events(), vec![KvCacheEvent::AllCleared]);
+        assert!(pool.find_longest_hit(&[61], 1).is_empty());
+        pool.get_new_blocks(3).unwrap();
+        assert!(pool.take_events().is_empty());
+    }
+
+    #[test]
+    fn usage_counts_only_blocks_held_by_requests() {
+        let mut pool = BlockPool::new(5, BS, true, false);
+        let blocks = pool.get_new_blocks(2).unwrap();
+        assert_eq!(pool.usage(), 0.5);
+        pool.cache_full_blocks(&blocks, &[71, 72], 0, 2, seq(&[]));
+        pool.free_blocks(blocks.iter().copied());
+        assert_eq!(pool.usage(), 0.0);
+    }
+
+    #[test]
+    fn without_caching_nothing_is_cached_or_found() {
+        let mut pool = BlockPool::new(5, BS, false, true);
+        let blocks = pool.get_new_blocks(2).unwrap();
+        pool.cache_full_blocks(&blocks, &[81, 82], 0, 2, seq(&toks(8)));
+        assert!(pool.take_events().is_empty());
+        assert!(pool.find_longest_hit(&[81], 1).is_empty());
+    }
+
+    #[test]
+    fn the_memoized_lookup_answers_as_the_table_does() {
+        // Random admissions (hits touched, new blocks taken, some cached), frees and resets
+        // over a few shared chains with repeats; after each, both lookups of every chain agree.
+        let mut x = 0x1234_5678_9ABC_DEF0u64;
+        let mut rnd = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let chains: Vec<Vec<u64>> = (0..4u64)
+            .map(|c| {
+                (0..24)
+                    .map(|i| {
+                        if i > 0 && i % 7 == 0 {
+                            1000 * c
+                        } else {
+                            1000 * c + i
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        for num_blocks in [8usize, 20, 40] {
+            let mut pool = BlockPool::new(num_blocks, BS, true, false);
+            let mut running: Vec<Vec<BlockId>> = vec![];
+            for _ in 0..3000 {
+                match rnd(6) {
+                    0..=2 => {
+                        let chain = &chains[rnd(4) as usize];
+                        let len = 1 + rnd(chain.len() as u64) as usize;
+                        let hit = pool.find_longest_hit_memo(&chain[..len], len - 1);
+                        let need = len - hit.len();
+                        if need > pool.num_free_blocks() - pool.num_evictable(&hit) {
+                            continue;
+                        }
+                        pool.touch(&hit);
+                        let mut blocks = hit.clone();
+                        blocks.extend(pool.get_new_blocks(need).unwrap());
+                        let upto = hit.len() + rnd(need as u64 + 1) as usize;
+                        pool.cache_full_blocks(&blocks, chain, hit.len(), upto, seq(&[]));
+                        running.push(blocks);
+                    }
+                    3 | 4 if !running.is_empty() => {
+                        let blocks = running.swap_remove(rnd(running.len() as u64) as usize);
+                        pool.free_blocks(blocks.into_iter().rev());
+                    }
+                    _ => {
+                        pool.reset_prefix_cache();
+                    }
+                }
+                for chain in &chains {
+                    for len in [1, 5, 12, 24] {
+                        assert_eq!(
+                            pool.find_longest_hit_memo(&chain[..len], len),
+                            pool.find_longest_hit(&chain[..len], len)
+                        );
+                    }
+                }
+            }
+        }
+    }
+}
