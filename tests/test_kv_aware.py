@@ -301,15 +301,13 @@ def test_two_replicas_fed_the_same_events_agree(k, concurrency):
     answers every request at the same moment from the same events: they agree."""
     workload = generate(WorkloadSpec(prefixes=k, seed=2))
     config = REFERENCE
-    from kvroute.blocks import PrefixHashCache
     from kvroute.sim import Simulation
 
     sim = Simulation(6, config, make_policy("kv-aware", random.Random(1)))
     sim.routing.start_journal()
-    prefix_hashes = PrefixHashCache(sim.hasher)
     output = workload.vocab[: workload.spec.output_tokens]
-    sim.run(workload.warmup, 1, prefix_hashes, output)
-    sim.run(workload.requests, concurrency, prefix_hashes, output)
+    sim.run(workload.warmup, 1, output)
+    sim.run(workload.requests, concurrency, output)
     agree, total = _replica_agreement(sim.routing.journal(), make_policy("kv-aware", random.Random(2)), KvIndex(HASHER))
     assert total == len(workload.requests) + len(workload.warmup)
     assert agree / total >= 0.99

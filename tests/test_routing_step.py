@@ -12,7 +12,7 @@ import random
 
 import pytest
 
-from kvroute.blocks import BlockHasher, PrefixHashCache
+from kvroute.blocks import BlockHasher
 from kvroute.engine import REFERENCE_GPU
 from kvroute.engine.events import EventBatch
 from kvroute.kvevents import EventsReceived
@@ -39,10 +39,9 @@ def simulate(policy_name: str, seed: int, spec: WorkloadSpec, concurrency: int):
     sim = Simulation(WORKERS, CONFIG, policy, index=index)
     sim.routing.start_journal()
     workload = generate(spec)
-    prefix_hashes = PrefixHashCache(sim.hasher)
     output = workload.vocab[: workload.spec.output_tokens]
-    sim.run(workload.warmup, 1, prefix_hashes, output)
-    sim.run(workload.requests, concurrency, prefix_hashes, output)
+    sim.run(workload.warmup, 1, output)
+    sim.run(workload.requests, concurrency, output)
     return sim.routing.journal(), sim.states, index, sim.names
 
 

@@ -1,12 +1,12 @@
 """Simulator: the reference experiment's exact first-contact counts, the C/K shape, policy
-effects, determinism, and exactness of coalesced decode runs."""
+effects, determinism."""
 
 import random
 
 import numpy as np
 import pytest
 
-from kvroute.blocks import BlockHasher, PrefixHashCache
+from kvroute.blocks import BlockHasher
 from kvroute.cli import main
 from kvroute.engine import REFERENCE_GPU
 from kvroute.errors import UserError
@@ -68,19 +68,6 @@ def test_same_seed_same_results_other_seed_other_order():
         (r.prefix_id, r.cached_tokens, r.ttft_s, r.worker) for r in b
     ]
     assert [r.prefix_id for r in a] != [r.prefix_id for r in c]
-
-
-@pytest.mark.parametrize("workers, k, c", [(6, 24, 16), (3, 12, 8), (2, 7, 4)])
-def test_coalesced_decode_runs_equal_single_steps(workers, k, c):
-    workload = generate(WorkloadSpec(prefixes=k, seed=1))
-    results = [
-        run_trial(workload, workers, c, REFERENCE, make_policy("random", random.Random(2)), coalesce=flag)
-        for flag in (False, True)
-    ]
-    single, coalesced = (r.records for r in results)
-    assert [(r.cached_tokens, r.worker) for r in single] == [(r.cached_tokens, r.worker) for r in coalesced]
-    assert np.allclose([r.ttft_s for r in single], [r.ttft_s for r in coalesced], rtol=0, atol=1e-9)
-    assert np.allclose([r.e2e_s for r in single], [r.e2e_s for r in coalesced], rtol=0, atol=1e-9)
 
 
 def test_request_too_large_for_a_worker_is_a_user_error():
@@ -173,16 +160,6 @@ def test_workload_rejects_an_empty_prompt():
         generate(spec)
 
 
-def test_prefix_hash_cache_matches_plain_hashing():
-    hasher = BlockHasher(16)
-    cache = PrefixHashCache(hasher)
-    wl = generate(WorkloadSpec(prefixes=2, requests=6, prefix_tokens=LengthDist.fixed(40)))
-    for r in wl.requests:
-        assert cache.prompt_hashes(r.prefix_id, r.prefix_len, r.prompt_token_ids) == hasher.hash_blocks(
-            r.prompt_token_ids
-        )
-
-
 def test_sim_cli_writes_json_with_the_point_contract(tmp_path, capsys):
     out = tmp_path / "points.json"
     rc = main(["sim", "--workers", "6", "--prefixes", "2,24", "--concurrency", "8", "--trials", "2",
@@ -234,10 +211,9 @@ def test_kv_aware_simulation_index_tracks_the_engines_and_accounting_returns_to_
     workload = generate(WorkloadSpec(prefixes=12, requests=120, seed=5))
     sim = Simulation(3, REFERENCE, make_policy("kv-aware", random.Random(0)))
     assert isinstance(sim.index, KvIndex)
-    prefix_hashes = PrefixHashCache(sim.hasher)
     output = workload.vocab[:64]
-    sim.run(workload.warmup, 1, prefix_hashes, output)
-    sim.run(workload.requests, 8, prefix_hashes, output)
+    sim.run(workload.warmup, 1, output)
+    sim.run(workload.requests, 8, output)
     later = sim.now + 60  # predicted entries have expired: only events speak
     for prefix in workload.prefixes:
         hashes = sim.hasher.hash_blocks(prefix)
@@ -247,7 +223,7 @@ def test_kv_aware_simulation_index_tracks_the_engines_and_accounting_returns_to_
     assert all(s.in_flight == 0 and s.in_flight_tokens == 0 for s in sim.states)
 
 
-def test_policies_without_the_index_keep_coalesced_runs_and_no_index():
+def test_policies_without_the_index_have_no_index_and_no_events():
     from kvroute.sim import Simulation
 
     sim = Simulation(2, REFERENCE, make_policy("random", random.Random(0)))

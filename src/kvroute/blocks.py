@@ -20,7 +20,7 @@ import numpy as np
 
 from kvroute._native import DEFAULT_HASH_SEED, GPU_BLOCK_SIZE, BlockHasher
 
-__all__ = ["DEFAULT_HASH_SEED", "GPU_BLOCK_SIZE", "BlockHasher", "PrefixHashCache", "as_token_array"]
+__all__ = ["DEFAULT_HASH_SEED", "GPU_BLOCK_SIZE", "BlockHasher", "as_token_array"]
 
 _TOKEN_DTYPE = np.dtype("<u4")
 
@@ -28,28 +28,3 @@ _TOKEN_DTYPE = np.dtype("<u4")
 def as_token_array(token_ids: Sequence[int] | np.ndarray) -> np.ndarray:
     """Return token ids as a contiguous little-endian uint32 array (no copy when possible)."""
     return np.ascontiguousarray(token_ids, dtype=_TOKEN_DTYPE)
-
-
-class PrefixHashCache:
-    """Memoizes the block hashes of shared prefixes, so a workload with a few long shared
-    prefixes and many short unique suffixes hashes each prefix once.
-
-    The first ``len(prefix) // block_size`` blocks of a prompt depend only on the prefix; the
-    blocks after that (including the block that straddles the prefix/suffix boundary) are hashed
-    per prompt.
-    """
-
-    def __init__(self, hasher: BlockHasher) -> None:
-        self.hasher = hasher
-        self._by_key: dict[object, list[int]] = {}
-
-    def prompt_hashes(
-        self, key: object, prefix_len: int, token_ids: Sequence[int] | np.ndarray
-    ) -> list[int]:
-        """Block hashes of ``token_ids`` whose first ``prefix_len`` tokens are the prefix
-        identified by ``key``."""
-        shared = self._by_key.get(key)
-        if shared is None:
-            shared = self.hasher.hash_blocks(token_ids, stop_block=prefix_len // self.hasher.block_size)
-            self._by_key[key] = shared
-        return self.hasher.extend(list(shared), token_ids)

@@ -9,7 +9,7 @@ send to the end of the step that produced the first token.
 Routing is the live router's own step (:class:`kvroute.routing.RoutingStep`: look-up, policy,
 prediction, load accounting). A policy that ``needs_overlap`` (kv-aware) routes with a
 router-side ``KvIndex``, fed as the live router's is: each engine's KV events (engines then emit
-them, which turns off coalesced decode runs) at the end of the step that produced them, and a
+them) at the end of the step that produced them, and a
 predicted entry for every prompt when it is routed. A request is in flight from its send to its
 completion, and its tokens still to prefill count until its first token.
 
@@ -20,14 +20,15 @@ so its tables line up with a bench run's.
 
 from __future__ import annotations
 
-import bisect
-import heapq
 import random
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
-from kvroute.blocks import BlockHasher, PrefixHashCache
-from kvroute.engine import CostModel, Engine, EngineRequest, PrefixCacheStats
+import numpy as np
+
+from kvroute import _native
+from kvroute.blocks import BlockHasher, as_token_array
+from kvroute.engine import CostModel, Engine, PrefixCacheStats
 from kvroute.errors import UserError
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
 from kvroute.routing import RoutingStep
@@ -73,16 +74,17 @@ class TrialResult:
         return summarize(self.records, self.duration_s, self.metrics_token_hit_rate)
 
 
-_ARRIVE, _STEP_END, _RUN_END = 0, 1, 2
-
-
 class Simulation:
-    """Workers, a policy and a virtual clock.
+    """Workers, a routing step and a virtual clock; each :meth:`run` is the native event loop
+    (``kvroute_core::sim``) over these engines and this step, which keep their state between
+    runs (a warmup, then the measured requests).
 
     Args:
         workers: number of workers W.
         config: each worker's configuration.
-        policy: the balancing policy (fresh per trial: it may hold state).
+        policy: the balancing policy (fresh per trial: it holds state); a native one from
+            ``make_policy`` runs entirely in Rust, one written in Python (a test's oracle) is
+            called back per request.
         index: the router's index; by default a fresh one when the policy ``needs_overlap``
             and none otherwise. Pass one to inspect it afterwards or to observe its events.
     """
@@ -92,11 +94,9 @@ class Simulation:
         workers: int,
         config: WorkerConfig,
         policy: Policy,
-        coalesce: bool = True,
         index: KvIndex | None = None,
     ) -> None:
         self.config = config
-        self.coalesce = coalesce
         self.policy = policy
         self.hasher = BlockHasher(config.block_size)
         if index is None and policy.needs_overlap:
@@ -114,146 +114,58 @@ class Simulation:
         self.names = [f"worker-{i}" for i in range(workers)]
         for name in self.names:
             self.routing.add_worker(name)
-        self.busy = [False] * workers
-        # A worker in a coalesced decode run: (start, its steps' end times, run id). Runs are cut
-        # short when a request arrives for that worker mid-run (see _interrupt_run).
-        self.runs: list[tuple[float, list[float], int] | None] = [None] * workers
         self.now = 0.0
-        self._heap: list[tuple[float, int, int, object]] = []
-        self._seq = 0
 
     @property
     def states(self) -> list[WorkerState]:
         """Each worker's load accounting now (snapshots)."""
         return [self.routing.state(i) for i in range(len(self.names))]
 
-    def _push(self, t: float, kind: int, data: object) -> None:
-        self._seq += 1
-        heapq.heappush(self._heap, (t, self._seq, kind, data))
-
-    def _start_step(self, w: int) -> None:
-        engine = self.engines[w]
-        self.busy[w] = True
-        steps = engine.decode_run_length() if self.coalesce else 0
-        if steps:
-            ends = engine.decode_step_ends(self.now, steps)
-            self._seq += 1
-            self.runs[w] = (self.now, ends, self._seq)
-            heapq.heappush(self._heap, (ends[-1], self._seq, _RUN_END, (w, self._seq)))
-            return
-        result = engine.step(self.now)
-        self._push(result.end, _STEP_END, (w, result))
-
-    def _interrupt_run(self, w: int, sent_at: float) -> None:
-        """A request (sent at ``sent_at``) arrives at worker ``w`` during a coalesced run: the
-        steps that started before now run without it; the run ends after them so the next
-        step can admit it. Decided as single steps would be: the step in flight is the first
-        whose end is after now; at an exact tie with a step's end, the arrival goes first
-        (joins the next step) only if it was sent before that step began (its event is the
-        older one in the heap)."""
-        start, ends, run_id = self.runs[w]
-        steps = len(ends)
-        if ends[-1] == start:
-            return  # zero-time steps (the instant preset): the whole run is one instant
-        done = bisect.bisect_left(ends, self.now) + 1
-        if done <= steps and ends[done - 1] == self.now:
-            if sent_at > (ends[done - 2] if done >= 2 else start):
-                done += 1
-        if done >= steps:
-            return  # the last step of the run had started already
-        self.runs[w] = None
-        result = self.engines[w].run_decode_steps(start, done)
-        self._push(result.end, _STEP_END, (w, result))
-
     def run(
         self,
         requests: list[RequestSpec],
         concurrency: int,
-        prefix_hashes: PrefixHashCache,
         output_token_ids,
+        send_times: list[float] | None = None,
     ) -> list[RequestRecord]:
-        """Send ``requests`` from ``concurrency`` closed-loop clients; return their records in
-        request order."""
-        records: list[RequestRecord | None] = [None] * len(requests)
-        start = self.now
-        pending = iter(enumerate(requests))
-        sent: dict[str, tuple[int, RequestSpec, float, int, int]] = {}
-        frontend = self.config.cost.frontend_s
-        index = self.index
-        routing = self.routing
-
-        def send() -> None:
-            item = next(pending, None)
-            if item is None:
-                return
-            pos, spec = item
-            prompt = spec.prompt_token_ids
-            hashes = prefix_hashes.prompt_hashes(spec.prefix_id, spec.prefix_len, prompt)
-            w, _, prefill = routing.route(hashes, len(prompt), self.now)
-            rid = f"{pos}"
-            request = EngineRequest(
-                rid,
-                prompt,
-                output_token_ids[: spec.output_tokens],
-                self.now + frontend,
-                block_hashes=hashes,
+        """Send ``requests`` from ``concurrency`` closed-loop clients (or each at its
+        ``send_times`` entry, seconds on this simulation's clock: open loop); return their
+        records in request order. Every request generates the first tokens of
+        ``output_token_ids``."""
+        if not requests:
+            return []
+        prefixes: dict[int, np.ndarray] = {}
+        for r in requests:
+            prefixes.setdefault(r.prefix_id, r.prefix)
+        table = [prefixes.get(i, _EMPTY) for i in range(max(prefixes) + 1)]
+        lengths = np.fromiter((len(r.suffix) for r in requests), dtype=np.uint64, count=len(requests))
+        offsets = np.zeros(len(requests) + 1, dtype=np.uint64)
+        np.cumsum(lengths, out=offsets[1:])
+        suffixes = np.concatenate([r.suffix for r in requests]) if offsets[-1] else _EMPTY
+        out = _native.simulate(
+            self.engines, self.routing, self.now, table,
+            np.fromiter((r.prefix_id for r in requests), dtype=np.uint32, count=len(requests)),
+            as_token_array(suffixes), offsets,
+            np.fromiter((r.output_tokens for r in requests), dtype=np.uint32, count=len(requests)),
+            as_token_array(output_token_ids),
+            concurrency=None if send_times is not None else concurrency,
+            send_times=send_times,
+        )
+        self.now = out["now"]
+        names = self.names
+        return [
+            RequestRecord(
+                index=spec.index, prefix_id=spec.prefix_id, send_time=send, prompt_tokens=prompt,
+                cached_tokens=cached, ttft_s=ttft, e2e_s=e2e, output_tokens=n_out, worker=names[w],
             )
-            sent[rid] = (pos, spec, self.now, w, prefill)
-            self._push(self.now + frontend, _ARRIVE, (w, request))
+            for spec, w, cached, prompt, send, ttft, e2e, n_out in zip(
+                requests, out["worker"], out["cached_tokens"], out["prompt_tokens"], out["send_time"],
+                out["ttft_s"], out["e2e_s"], out["output_tokens"],
+            )
+        ]
 
-        for _ in range(concurrency):
-            send()
-        while self._heap:
-            t, _, kind, data = heapq.heappop(self._heap)
-            self.now = t
-            if kind == _RUN_END:
-                w, run_id = data
-                run = self.runs[w]
-                if run is None or run[2] != run_id:
-                    continue  # cut short by an arrival
-                self.runs[w] = None
-                kind, data = _STEP_END, (w, self.engines[w].run_decode_steps(run[0], len(run[1])))
-            if kind == _ARRIVE:
-                w, request = data
-                if self.runs[w] is not None and not self.engines[w].waiting:
-                    # (With a queue, the run was offered only because its head stays
-                    # blocked in every step, and a newcomer waits behind the head.)
-                    self._interrupt_run(w, sent[request.request_id][2])
-                self.engines[w].add_request(request)
-                if not self.busy[w]:
-                    self._start_step(w)
-                continue
-            w, result = data
-            self.busy[w] = False
-            if index is not None and result.events is not None:
-                routing.apply(w, result.events.events, self.now)
-            for out in result.outputs:
-                if out.first_token:
-                    # Prefill done: what the live router learns from the first response byte.
-                    routing.first_token(w, sent[out.request.request_id][4])
-                if not out.finished:
-                    continue
-                req = out.request
-                pos, spec, t_sent, w_sent, _ = sent.pop(req.request_id)
-                routing.finished(w_sent)
-                records[pos] = RequestRecord(
-                    index=spec.index,
-                    prefix_id=spec.prefix_id,
-                    send_time=t_sent - start,
-                    prompt_tokens=spec.prompt_tokens,
-                    cached_tokens=req.num_cached_tokens,
-                    ttft_s=req.first_token_time - t_sent,
-                    e2e_s=req.finish_time - t_sent,
-                    output_tokens=req.num_output,
-                    worker=self.names[w_sent],
-                )
-                send()
-            if self.engines[w].has_work:
-                self._start_step(w)
-        missing = [i for i, r in enumerate(records) if r is None]
-        if missing:  # an engine stalled with work it could never admit
-            raise RuntimeError(f"simulation ended with {len(missing)} requests unfinished")
-        return records  # type: ignore[return-value]
+
+_EMPTY = np.zeros(0, dtype=np.uint32)
 
 
 def run_trial(
@@ -262,21 +174,17 @@ def run_trial(
     concurrency: int,
     config: WorkerConfig,
     policy: Policy,
-    coalesce: bool = True,
     index: KvIndex | None = None,
 ) -> TrialResult:
-    """One trial: fresh workers, warmup one at a time, then the measured requests.
-
-    ``coalesce`` runs stretches of identical decode steps at once (same results, faster);
-    ``index`` is the router's index (see ``Simulation``)."""
+    """One trial: fresh workers, warmup one at a time, then the measured requests
+    (``index``: the router's index, see ``Simulation``)."""
     config.check_fits(workload)
-    sim = Simulation(workers, config, policy, coalesce, index)
-    prefix_hashes = PrefixHashCache(sim.hasher)
+    sim = Simulation(workers, config, policy, index)
     output = workload.vocab[: workload.spec.output_tokens]
-    sim.run(workload.warmup, 1, prefix_hashes, output)
+    sim.run(workload.warmup, 1, output)
     before = [_copy_stats(e.stats) for e in sim.engines]
     t0 = sim.now
-    records = sim.run(workload.requests, concurrency, prefix_hashes, output)
+    records = sim.run(workload.requests, concurrency, output)
     window = [_delta(e.stats, b) for e, b in zip(sim.engines, before)]
     return TrialResult(records, sim.now - t0, window)
 

@@ -239,6 +239,22 @@ impl<'p> Simulation<'p> {
                 )
             })
             .collect();
+        Self::with_engines(engines, 0.0, config, placement, prefixes, output)
+    }
+
+    /// A simulation over existing `engines` whose clock reads `now`: how a driver that keeps
+    /// its engines between runs (the Python `kvroute.sim.Simulation`) continues. The engines
+    /// must be idle, and emit KV events exactly when `placement` wants them.
+    pub fn with_engines(
+        engines: Vec<Engine>,
+        now: f64,
+        config: WorkerConfig,
+        placement: &'p mut dyn Placement,
+        prefixes: Vec<Arc<[u32]>>,
+        output: Arc<[u32]>,
+    ) -> Self {
+        let workers = engines.len();
+        let wants_events = placement.wants_events();
         let n = prefixes.len();
         Self {
             config,
@@ -248,7 +264,7 @@ impl<'p> Simulation<'p> {
             prefixes,
             prefix_hashes: vec![None; n],
             output,
-            now: 0.0,
+            now,
             heap: BinaryHeap::new(),
             seq: 0,
             busy: vec![false; workers],
@@ -258,6 +274,11 @@ impl<'p> Simulation<'p> {
             step_sents: vec![Vec::new(); workers],
             sent: vec![Vec::new(); workers],
         }
+    }
+
+    /// The engines back, and the clock, once the runs are over.
+    pub fn into_engines(self) -> (Vec<Engine>, f64) {
+        (self.engines, self.now)
     }
 
     /// The virtual clock (seconds since the simulation started).

@@ -25,7 +25,7 @@ use crate::tokens::extract_tokens;
 // -- cost model --------------------------------------------------------------------------------
 
 /// A cost model from any object with `CostModel`'s fields (the Python dataclass).
-fn cost_of(obj: &Bound<'_, PyAny>) -> PyResult<cost::CostModel> {
+pub(crate) fn cost_of(obj: &Bound<'_, PyAny>) -> PyResult<cost::CostModel> {
     Ok(cost::CostModel {
         name: obj.getattr("name")?.extract()?,
         step_base_s: obj.getattr("step_base_s")?.extract()?,
@@ -648,11 +648,11 @@ impl PrefixCacheStats {
 ///     emit_events: collect KV events per step (the emulator publishes them).
 #[pyclass(module = "kvroute._native", subclass)]
 pub struct Engine {
-    core: scheduler::Engine,
+    pub(crate) core: scheduler::Engine,
     /// The Python handle of each live request, by key.
     handles: Vec<Option<Py<EngineRequest>>>,
     ids: HashMap<String, RequestKey>,
-    cost_obj: Py<PyAny>,
+    pub(crate) cost_obj: Py<PyAny>,
     hasher_obj: Py<BlockHasher>,
 }
 

@@ -11,6 +11,7 @@ mod blocks;
 mod engine;
 mod kvevents;
 mod routing;
+mod sim;
 mod tokens;
 
 #[pymodule]
@@ -19,5 +20,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine::register(m)?;
     routing::register(m)?;
     kvevents::register(m)?;
+    sim::register(m)?;
     Ok(())
 }

@@ -714,10 +714,11 @@ fn check_aligned(request: &RequestView, workers: usize) -> PyResult<()> {
 
 /// A policy written in Python (a test's oracle): called with ``RequestView`` and
 /// ``WorkerState`` objects; its first error is kept and raised after the step.
-struct ForeignPolicy<'a, 'py> {
-    policy: &'a Bound<'py, PyAny>,
-    needs_overlap: bool,
-    error: Option<PyErr>,
+pub(crate) struct ForeignPolicy<'a, 'py> {
+    pub(crate) policy: &'a Bound<'py, PyAny>,
+    pub(crate) needs_overlap: bool,
+    /// The first error the Python policy raised (its choice then reads 0).
+    pub(crate) error: Option<PyErr>,
 }
 
 impl Choose for ForeignPolicy<'_, '_> {
@@ -773,10 +774,10 @@ impl Choose for ForeignPolicy<'_, '_> {
 ///     block_size: tokens per KV block (what an overlap is worth in prefill tokens).
 #[pyclass(module = "kvroute._native")]
 pub struct RoutingStep {
-    inner: routing::RoutingStep,
-    policy: Py<PyAny>,
-    native: Option<Py<PyPolicy>>,
-    index: Option<Py<PyKvIndex>>,
+    pub(crate) inner: routing::RoutingStep,
+    pub(crate) policy: Py<PyAny>,
+    pub(crate) native: Option<Py<PyPolicy>>,
+    pub(crate) index: Option<Py<PyKvIndex>>,
 }
 
 #[pymethods]

@@ -28,12 +28,3 @@ class Engine(_native.Engine):
     """
 
     __slots__ = ()
-
-    def decode_run_length(self) -> int:
-        """Decode steps a driver may run at once: always 0 (step one at a time).
-
-        The Python engine offered runs of identical decode steps to save interpreter time;
-        the native engine steps fast enough without them, so no run is ever offered and a
-        driver that asks (``kvroute.sim.Simulation(coalesce=True)``) steps singly.
-        """
-        return 0

@@ -113,10 +113,11 @@ def build(run) -> tuple[Workload, WorkerConfig, list[str]]:
 def record(run) -> list[str]:
     work, config, out = build(run)
     workers, concurrency = run[1], run[2]
-    # Single steps (coalesce=False): the Python simulator's coalesced decode runs equal them
-    # except with zero-time steps (instant_ties), where a run lumped steps an arrival at the
-    # same instant would have fallen between.
-    result = run_trial(work, workers, concurrency, config, make_policy("round-robin"), coalesce=False)
+    # Recorded from the Python simulator's single steps (coalesce=False, at 19c5014): its
+    # coalesced decode runs equalled them except with zero-time steps (instant_ties), where a
+    # run lumped steps an arrival at the same instant would have fallen between. Today's
+    # simulator only steps singly.
+    result = run_trial(work, workers, concurrency, config, make_policy("round-robin"))
     out.append(f"duration {result.duration_s!r}")
     for s in result.window_stats:
         out.append(f"window {s.requests} {s.queries} {s.hits} {s.preempted_requests} "

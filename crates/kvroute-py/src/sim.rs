@@ -1,0 +1,205 @@
+//! The simulator's native event loop (`kvroute_core::sim`) for Python: `simulate` runs one
+//! request set on the engines and routing step of a `kvroute.sim.Simulation`, all in Rust.
+//!
+//! The Python objects keep their state between runs: the engines are taken out of their
+//! Python handles for the run and put back after it, and the routing step, its index and its
+//! policy are borrowed for the run, so a test can look at all of them afterwards.
+
+use std::sync::Arc;
+
+use kvroute_core::engine::events::KvCacheEvent;
+use kvroute_core::engine::scheduler;
+use kvroute_core::index::KvIndex;
+use kvroute_core::placement::{Placed, Placement};
+use kvroute_core::policies::Choose;
+use kvroute_core::routing;
+use kvroute_core::sim::{RequestSet, SimError, Simulation, WorkerConfig};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyDict;
+
+use crate::engine::{Engine, cost_of};
+use crate::routing::{ForeignPolicy, RoutingStep};
+use crate::tokens::extract_tokens;
+
+/// The routing step of a Python `RoutingStep`, borrowed for one run: sim worker `i` is the
+/// step's slot `i`.
+struct BorrowedStep<'a> {
+    step: &'a mut routing::RoutingStep,
+    index: Option<&'a mut KvIndex>,
+    policy: &'a mut dyn Choose,
+}
+
+impl Placement for BorrowedStep<'_> {
+    fn wants_events(&self) -> bool {
+        self.index.is_some()
+    }
+
+    fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
+        let r = self.step.route(
+            self.index.as_deref_mut(),
+            self.policy,
+            block_hashes,
+            prompt_tokens,
+            None,
+            now,
+        );
+        Placed {
+            worker: r.worker,
+            prefill_tokens: r.prefill_tokens,
+        }
+    }
+
+    fn first_token(&mut self, placed: Placed) {
+        self.step.first_token(placed.worker, placed.prefill_tokens);
+    }
+
+    fn finished(&mut self, placed: Placed) {
+        self.step.finished(placed.worker);
+    }
+
+    fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
+        if let Some(index) = self.index.as_deref_mut() {
+            self.step.apply_events(index, worker, events, now);
+        }
+    }
+}
+
+/// A `uint32`/`uint64` array from Python as a `Vec<usize>` (offsets).
+fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
+    if let Ok(buffer) = pyo3::buffer::PyBuffer::<u64>::get(obj) {
+        return Ok(buffer.to_vec(py)?.into_iter().map(|v| v as usize).collect());
+    }
+    obj.extract::<Vec<usize>>()
+}
+
+/// Run one request set through the native simulator.
+///
+/// Args:
+///     engines: the workers' ``Engine`` objects (idle); slot ``i`` of ``routing`` is worker ``i``.
+///     routing: the ``RoutingStep`` (with a native policy) that places the requests.
+///     now: the simulation clock when the run starts.
+///     prefixes: the shared prefixes' token arrays, by prefix id.
+///     prefix_ids, suffix_tokens, suffix_offsets, output_tokens: the requests (see
+///         ``kvroute_core::sim::RequestSet``).
+///     output: the tokens every request generates (request ``i`` the first ``output_tokens[i]``).
+///     concurrency: closed-loop clients, or None with ``send_times`` (open loop).
+///     send_times: each request's send time (open loop).
+///
+/// Returns:
+///     A dict: ``now`` (the clock after the run) and one list per record field (``worker``,
+///     ``cached_tokens``, ``prompt_tokens``, ``send_time``, ``ttft_s``, ``e2e_s``,
+///     ``output_tokens``), in request order.
+#[pyfunction]
+#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None))]
+#[allow(clippy::too_many_arguments)]
+fn simulate<'py>(
+    py: Python<'py>,
+    engines: Vec<Bound<'py, Engine>>,
+    routing: Bound<'py, RoutingStep>,
+    now: f64,
+    prefixes: Vec<Bound<'py, PyAny>>,
+    prefix_ids: &Bound<'py, PyAny>,
+    suffix_tokens: &Bound<'py, PyAny>,
+    suffix_offsets: &Bound<'py, PyAny>,
+    output_tokens: &Bound<'py, PyAny>,
+    output: &Bound<'py, PyAny>,
+    concurrency: Option<usize>,
+    send_times: Option<Vec<f64>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let Some(first) = engines.first() else {
+        return Err(PyValueError::new_err("no engines"));
+    };
+    let requests = RequestSet {
+        prefix_ids: extract_tokens(py, prefix_ids)?,
+        suffix_tokens: extract_tokens(py, suffix_tokens)?,
+        suffix_offsets: offsets(py, suffix_offsets)?,
+        output_tokens: extract_tokens(py, output_tokens)?,
+    };
+    let prefixes: Vec<Arc<[u32]>> = prefixes
+        .iter()
+        .map(|p| extract_tokens(py, p).map(Arc::from))
+        .collect::<PyResult<_>>()?;
+    let output: Arc<[u32]> = extract_tokens(py, output)?.into();
+    let config = {
+        let e = first.borrow();
+        WorkerConfig {
+            num_blocks: e.core.pool().num_blocks(),
+            cost: cost_of(e.cost_obj.bind(py))?,
+            hasher: *e.core.hasher(),
+            enable_caching: e.core.pool().enable_caching(),
+        }
+    };
+    let mut step = routing.borrow_mut();
+    if step.inner.slot_count() != engines.len() {
+        return Err(PyValueError::new_err(
+            "the routing step must have one slot per engine",
+        ));
+    }
+    let native = step.native.as_ref().map(|p| p.clone_ref(py));
+    let foreign_obj = step.policy.clone_ref(py);
+    let foreign_bound = foreign_obj.bind(py);
+    let index_obj = step.index.as_ref().map(|i| i.clone_ref(py));
+    let mut index = index_obj.as_ref().map(|i| i.borrow_mut(py));
+    let mut native_policy = native.as_ref().map(|p| p.borrow_mut(py));
+    // A policy written in Python (a test's oracle) is asked through the binding's adapter.
+    let mut foreign = ForeignPolicy {
+        policy: foreign_bound,
+        needs_overlap: native.is_none() && foreign_bound.getattr("needs_overlap")?.is_truthy()?,
+        error: None,
+    };
+    let policy: &mut dyn Choose = match native_policy.as_deref_mut() {
+        Some(p) => &mut p.inner,
+        None => &mut foreign,
+    };
+    // The engines leave their Python handles for the run (a placeholder stands in).
+    let mut taken = Vec::with_capacity(engines.len());
+    for e in &engines {
+        let mut e = e.borrow_mut();
+        if e.core.has_work() {
+            return Err(PyValueError::new_err("the engines must be idle"));
+        }
+        let placeholder =
+            scheduler::Engine::new(2, e.core.cost().clone(), *e.core.hasher(), true, false);
+        taken.push(std::mem::replace(&mut e.core, placeholder));
+    }
+    let mut placement = BorrowedStep {
+        step: &mut step.inner,
+        index: index.as_deref_mut().map(|i| &mut i.inner),
+        policy,
+    };
+    let mut sim = Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);
+    let result = match (concurrency, &send_times) {
+        (Some(c), None) => sim.run_closed_loop(&requests, c),
+        (None, Some(times)) => sim.run_open_loop(&requests, times),
+        _ => Err(SimError::BadInput(
+            "give either concurrency or send_times".into(),
+        )),
+    };
+    let (back, now) = sim.into_engines();
+    for (e, core) in engines.iter().zip(back) {
+        e.borrow_mut().core = core;
+    }
+    if let Some(e) = foreign.error.take() {
+        return Err(e);
+    }
+    let records = result.map_err(|e| match e {
+        SimError::Unfinished(_) => PyRuntimeError::new_err(e.to_string()),
+        _ => PyValueError::new_err(e.to_string()),
+    })?;
+    let out = PyDict::new(py);
+    out.set_item("now", now)?;
+    out.set_item("worker", records.iter().map(|r| r.worker).collect::<Vec<_>>())?;
+    out.set_item("cached_tokens", records.iter().map(|r| r.cached_tokens).collect::<Vec<_>>())?;
+    out.set_item("prompt_tokens", records.iter().map(|r| r.prompt_tokens).collect::<Vec<_>>())?;
+    out.set_item("send_time", records.iter().map(|r| r.send_time).collect::<Vec<_>>())?;
+    out.set_item("ttft_s", records.iter().map(|r| r.ttft_s).collect::<Vec<_>>())?;
+    out.set_item("e2e_s", records.iter().map(|r| r.e2e_s).collect::<Vec<_>>())?;
+    out.set_item("output_tokens", records.iter().map(|r| r.output_tokens).collect::<Vec<_>>())?;
+    Ok(out)
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(simulate, m)?)?;
+    Ok(())
+}
