@@ -14,6 +14,7 @@ from rich.progress import (
 )
 
 from kvroute.analytic import capacity_for_mean_lengths
+from kvroute.commands import _trace_sim as trace_sim
 from kvroute.commands._common import (
     add_policy_option_argument,
     add_worker_arguments,
@@ -49,6 +50,8 @@ examples:
   kvroute sim -W 6 -K 2 -c 8 --policy kv-aware --policy-option share_factor=0.5   # tune its guard
   kvroute sim --prefixes 64 --zipf 1.2 --json zipf.json
   kvroute sim --kv-cache-memory-bytes 2GiB --prefix-tokens 1000:3600
+  kvroute sim --trace conversation_trace.jsonl -W 8 --policy random,prefix-hash,kv-aware \
+      --kv-capacity-tokens 3M --max-model-len 200000     # a Mooncake trace, open loop
 """
 
 #: ``vllm serve --max-model-len`` and ``kvroute emulate``'s default.
@@ -82,6 +85,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="write every point (medians and per-trial values) as JSON")
     add_workload_arguments(parser, prefixes_default=None, prefixes_preset="reference: 2,7,12,24")
     add_worker_arguments(parser)
+    trace_sim.add_arguments(parser)
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, metavar="TOKENS",
                         help="context length of a worker, as vLLM's flag: every prompt plus its "
                              "output must fit, or the engine refuses it (default %(default)s)")
@@ -99,6 +103,8 @@ def run(args: argparse.Namespace) -> int:
     if args.load_factor is not None and args.load_factor < 0:
         raise UserError("--load-factor must be >= 0")
     options = sweep_policy_options(args, policies)
+    if args.trace is not None:
+        return trace_sim.run(args, policies, options, kv_geometry)
     num_blocks, block_size, _ = kv_geometry(args)
     config = WorkerConfig(num_blocks, block_size, get_preset(args.timing))
 

@@ -162,6 +162,9 @@ class Trace:
     common_head: int = 0
     vocab: np.ndarray = field(default_factory=lambda: DEFAULT_VOCAB, repr=False)
     seed: int = 0
+    #: hash id -> its 512 synthesized tokens: requests share most of their blocks (that is what
+    #: a trace measures), so each block is drawn once. 2 KiB per distinct id.
+    _blocks: dict[int, np.ndarray] = field(default_factory=dict, repr=False, compare=False)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -234,7 +237,13 @@ class Trace:
             raise UserError(f"{self.path}:{request.line}: a text prompt has no token ids")
         if not request.hash_ids:
             return np.zeros(0, dtype=np.uint32)
-        blocks = [block_tokens(h, self.vocab, self.seed) for h in request.hash_ids]
+        cache = self._blocks
+        blocks = []
+        for h in request.hash_ids:
+            tokens = cache.get(h)
+            if tokens is None:
+                tokens = cache[h] = block_tokens(h, self.vocab, self.seed)
+            blocks.append(tokens)
         return np.concatenate(blocks)[: request.input_length]
 
     def replay(self, time_scale: float = 1.0) -> Iterator[ReplayRequest]:

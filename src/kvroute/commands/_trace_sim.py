@@ -1,0 +1,101 @@
+"""``kvroute sim --trace``: a trace replayed open loop through the simulator, for each policy
+and fleet size (see :mod:`kvroute.trace.simulate`).
+
+The flags (``add_arguments``) and the run (``run``) for ``kvroute.commands.sim``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from rich import box
+from rich.table import Table
+
+from kvroute.engine import get_preset
+from kvroute.errors import UserError
+from kvroute.report import output_console
+from kvroute.routing.policies import make_policy, policy_parameters
+from kvroute.sim import WorkerConfig, trial_seed
+from kvroute.trace import load_trace
+from kvroute.trace.simulate import simulate_trace
+from kvroute.workload import parse_int_list
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    g = parser.add_argument_group("trace (instead of a workload shape)")
+    g.add_argument("--trace", type=Path, default=None, metavar="JSONL",
+                   help="replay a trace by its timestamps: Mooncake's format (hash_ids) or kvroute's, "
+                        "auto-detected; prompts are synthesized per hash id")
+    g.add_argument("--time-scale", type=float, default=1.0, metavar="X",
+                   help="send the trace X times faster than recorded (default 1)")
+    g.add_argument("--start", type=float, default=0.0, metavar="S",
+                   help="window: sessions starting this many seconds after the first request")
+    g.add_argument("--duration", type=float, default=None, metavar="S",
+                   help="window length in seconds (sessions starting inside it come whole)")
+    g.add_argument("--max-requests", type=int, default=None, metavar="N",
+                   help="at most N requests, whole sessions in order of first arrival")
+    g.add_argument("--cut-sessions", action="store_true",
+                   help="a plain time window: only the requests arriving in it, sessions cut")
+
+
+def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict], kv_geometry) -> int:
+    if args.time_scale <= 0:
+        raise UserError("--time-scale must be > 0")
+    workers = parse_int_list(args.workers or "8", "--workers")
+    num_blocks, block_size, _ = kv_geometry(args)
+    config = WorkerConfig(num_blocks, block_size, get_preset(args.timing))
+    trace = load_trace(args.trace).select(args.start, args.duration, args.max_requests, args.cut_sessions)
+    if not len(trace):
+        raise UserError(f"{args.trace}: no request in the selected window")
+    console = output_console()
+    table = Table(title=f"{args.trace.name}: {len(trace)} requests, {num_blocks - 1} KV blocks of "
+                        f"{block_size} per worker ({(num_blocks - 1) * block_size:,} tokens), "
+                        f"timing {args.timing}, time scale {args.time_scale:g}",
+                  box=box.SIMPLE_HEAVY)
+    for column in ("W", "policy", "simulated", "refused", "request hit", "token hit",
+                   "TTFT p50 ms", "TTFT p99 ms", "busiest ÷ mean", "sim s"):
+        table.add_column(column, justify="right" if column not in ("policy",) else "left")
+    points = []
+    with console.status("simulating…") as status:
+        for w in workers:
+            for name in policies:
+                status.update(f"simulating W={w} {name}")
+                opts = dict(options[name])
+                if "block_size" in policy_parameters(name):
+                    opts.setdefault("block_size", block_size)  # as kvroute serve sets it
+                policy = make_policy(name, rng=random.Random(trial_seed(args.seed, 0)), **opts)
+                try:
+                    result = simulate_trace(trace, w, config, policy, args.max_model_len, args.time_scale)
+                except ValueError as exc:  # a request larger than a worker's whole cache
+                    raise UserError(str(exc)) from None
+                stats = result.stats()
+                busiest = result.busiest_share(w)
+                points.append({"workers": w, "policy": name, "refused_max_model_len": result.refused,
+                               "busiest_over_mean": busiest, **stats.to_json()})
+                table.add_row(
+                    str(w), name, f"{stats.requests:,}", f"{result.refused:,}",
+                    f"{stats.request_hit_rate:.1%}", f"{stats.token_hit_rate:.1%}",
+                    _ms(stats.ttft_p50_ms), _ms(stats.ttft_p99_ms), f"{busiest:.2f}",
+                    f"{result.duration_s:,.0f}",
+                )
+    console.print(table)
+    if any(p["refused_max_model_len"] for p in points):
+        console.print(f"refused: requests whose prompt and output exceed --max-model-len {args.max_model_len} "
+                      "(raise it to simulate them)")
+    if args.json:
+        try:
+            args.json.write_text(json.dumps({"command": "sim --trace", "trace": str(args.trace),
+                                             "requests": len(trace), "num_blocks": num_blocks,
+                                             "block_size": block_size, "timing": args.timing,
+                                             "time_scale": args.time_scale, "points": points}, indent=2) + "\n")
+        except OSError as exc:
+            raise UserError(f"cannot write {args.json}: {exc.strerror or exc}") from None
+        console.print(f"wrote {args.json}")
+    return 0
+
+
+def _ms(value: float | None) -> str:
+    return "—" if value is None else f"{value:,.0f}"
