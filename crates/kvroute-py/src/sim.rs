@@ -189,13 +189,31 @@ fn simulate<'py>(
     })?;
     let out = PyDict::new(py);
     out.set_item("now", now)?;
-    out.set_item("worker", records.iter().map(|r| r.worker).collect::<Vec<_>>())?;
-    out.set_item("cached_tokens", records.iter().map(|r| r.cached_tokens).collect::<Vec<_>>())?;
-    out.set_item("prompt_tokens", records.iter().map(|r| r.prompt_tokens).collect::<Vec<_>>())?;
-    out.set_item("send_time", records.iter().map(|r| r.send_time).collect::<Vec<_>>())?;
-    out.set_item("ttft_s", records.iter().map(|r| r.ttft_s).collect::<Vec<_>>())?;
+    out.set_item(
+        "worker",
+        records.iter().map(|r| r.worker).collect::<Vec<_>>(),
+    )?;
+    out.set_item(
+        "cached_tokens",
+        records.iter().map(|r| r.cached_tokens).collect::<Vec<_>>(),
+    )?;
+    out.set_item(
+        "prompt_tokens",
+        records.iter().map(|r| r.prompt_tokens).collect::<Vec<_>>(),
+    )?;
+    out.set_item(
+        "send_time",
+        records.iter().map(|r| r.send_time).collect::<Vec<_>>(),
+    )?;
+    out.set_item(
+        "ttft_s",
+        records.iter().map(|r| r.ttft_s).collect::<Vec<_>>(),
+    )?;
     out.set_item("e2e_s", records.iter().map(|r| r.e2e_s).collect::<Vec<_>>())?;
-    out.set_item("output_tokens", records.iter().map(|r| r.output_tokens).collect::<Vec<_>>())?;
+    out.set_item(
+        "output_tokens",
+        records.iter().map(|r| r.output_tokens).collect::<Vec<_>>(),
+    )?;
     Ok(out)
 }
 
