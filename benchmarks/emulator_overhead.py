@@ -51,7 +51,7 @@ def _instrument(running) -> dict:
 async def _one(url: str, model: str, prompt: list[int], max_tokens: int) -> tuple[str, float, int]:
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
             "stream_options": {"include_usage": True}}
-    # A new connection per request (EXPERIMENT.md rule 1).
+    # A new connection per request (docs/experiment.md, rule 1).
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(force_close=True)) as s:
         start = time.perf_counter()
         async with s.post(f"{url}/v1/completions", json=body) as r:

@@ -147,9 +147,9 @@ def vllm_encode(batch: EventBatch, base: type) -> bytes:
     return msgspec.msgpack.encode(VllmEventBatch(batch.ts, events, batch.data_parallel_rank))
 
 
-# --- (1) an independent subscriber, written from VLLM.md's description ---------------------------
+# --- (1) an independent subscriber, written from docs/vllm.md's description ---------------------------
 
-# VLLM.md: "BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
+# docs/vllm.md: "BlockStored: block_hashes, parent_block_hash, token_ids, block_size, lora_id, medium,
 # lora_name, extra_keys, group_idx, kv_cache_spec_kind"; "BlockRemoved: block_hashes, medium,
 # group_idx"; "AllBlocksCleared: no fields"; older versions send positional arrays, tag first.
 DOC_FIELDS = {
@@ -163,7 +163,7 @@ DOC_FIELDS = {
 
 
 def doc_decode(payload: bytes) -> tuple[float, list[dict[str, Any]], int | None]:
-    """Decode a payload into plain Python the way VLLM.md describes it, without kvroute."""
+    """Decode a payload into plain Python the way docs/vllm.md describes it, without kvroute."""
     batch = msgspec.msgpack.decode(payload)
     assert isinstance(batch, list), "payload is an array [ts, events, data_parallel_rank]"
     ts, events, *rest = batch

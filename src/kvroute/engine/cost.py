@@ -7,7 +7,7 @@ engine reads those fields. Presets:
 
 * ``reference-gpu`` — the reference experiment's Qwen3-0.6B on shared GPUs (TTFT p50 ≈ 40 ms
   on a hit, ≈ 105–113 ms on a miss at concurrency 4 on 6 workers, as measured there).
-* ``cpu-tiny`` — vLLM on a 2-core machine with the tiny Qwen3-style model (VLLM.md).
+* ``cpu-tiny`` — vLLM on a 2-core machine with the tiny Qwen3-style model (docs/vllm.md).
 * ``instant`` — every step takes zero time; for protocol tests and router soak runs.
 """
 

@@ -28,7 +28,6 @@ import asyncio
 import contextlib
 import logging
 import time
-from collections.abc import Callable
 
 import aiohttp
 
@@ -121,7 +120,6 @@ class WorkerPool:
         health_timeout_s: a check slower than this fails.
         eject_after_failures: consecutive failed requests that eject a worker (0: never).
         eject_base_s: length of a first ejection; the n-th in a row lasts n times as long.
-        on_change: called after the available set changed (the router recomputes its view).
         routing: the router's routing step (workers get their slots there); by default one
             of the pool's own, for the load accounting alone.
     """
@@ -135,7 +133,6 @@ class WorkerPool:
         policy_name: str,
         health_interval_s: float = 2.0,
         health_timeout_s: float = 1.0,
-        on_change: Callable[[], None] | None = None,
         *,
         eject_after_failures: int = 3,
         eject_base_s: float = 5.0,
@@ -149,7 +146,6 @@ class WorkerPool:
         self.policy_name = policy_name
         self.health_interval_s = health_interval_s
         self.health_timeout_s = health_timeout_s
-        self.on_change = on_change
         self.eject_after_failures = eject_after_failures
         self.eject_base_s = eject_base_s
         self.workers: dict[str, Worker] = {}
@@ -172,8 +168,6 @@ class WorkerPool:
         self._available = [w for w in self.workers.values() if w.available]
         self._available_slots = [w.slot for w in self._available]
         self.metrics.workers_available.set(len(self._available))
-        if self.on_change is not None:
-            self.on_change()
 
     def update(self, endpoints: list[Endpoint]) -> None:
         """Make the pool match ``endpoints`` (a discovery source's complete list)."""
