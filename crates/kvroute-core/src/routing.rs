@@ -304,41 +304,28 @@ impl RoutingStep {
     }
 }
 
-/// A routing step with its own index and policy: the [`Placement`] the simulator's native
-/// loop drives (workers `0..n` named as the caller says).
-pub struct RoutingPlacement<P: Choose> {
+/// A routing step with its index and policy, borrowed as the [`Placement`] the simulator's
+/// native loop drives (simulated worker `i` is the step's slot `i`). Borrowed, not owned, so
+/// a driver that keeps them between runs (the Python `kvroute.sim.Simulation`) can look at
+/// them afterwards.
+pub struct StepPlacement<'a> {
     /// The step (load accounting, journal).
-    pub step: RoutingStep,
+    pub step: &'a mut RoutingStep,
     /// The router's index (None: the policy needs none and events are not wanted).
-    pub index: Option<KvIndex>,
+    pub index: Option<&'a mut KvIndex>,
     /// The policy.
-    pub policy: P,
+    pub policy: &'a mut dyn Choose,
 }
 
-impl<P: Choose> RoutingPlacement<P> {
-    /// Workers named `names`, slots `0..names.len()` in that order.
-    pub fn new(block_size: usize, names: &[String], index: Option<KvIndex>, policy: P) -> Self {
-        let mut step = RoutingStep::new(block_size);
-        for n in names {
-            step.add_worker(n);
-        }
-        Self {
-            step,
-            index,
-            policy,
-        }
-    }
-}
-
-impl<P: Choose> Placement for RoutingPlacement<P> {
+impl Placement for StepPlacement<'_> {
     fn wants_events(&self) -> bool {
         self.index.is_some()
     }
 
     fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
         let r = self.step.route(
-            self.index.as_mut(),
-            &mut self.policy,
+            self.index.as_deref_mut(),
+            self.policy,
             block_hashes,
             prompt_tokens,
             None,
@@ -359,8 +346,8 @@ impl<P: Choose> Placement for RoutingPlacement<P> {
     }
 
     fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
-        if let Some(ix) = self.index.as_mut() {
-            self.step.apply_events(ix, worker, events, now);
+        if let Some(index) = self.index.as_deref_mut() {
+            self.step.apply_events(index, worker, events, now);
         }
     }
 }
@@ -375,12 +362,19 @@ mod tests {
     #[test]
     fn load_accounting_follows_the_overlap() {
         let hasher = BlockHasher::new(16, DEFAULT_HASH_SEED).unwrap();
-        let index = KvIndex::new(hasher, Some(2.0), None, None).unwrap();
-        let policy = Policy::KvAware(Box::new(
+        let mut index = KvIndex::new(hasher, Some(2.0), None, None).unwrap();
+        let mut policy = Policy::KvAware(Box::new(
             KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap(),
         ));
-        let names: Vec<String> = (0..3).map(|i| format!("w{i}")).collect();
-        let mut p = RoutingPlacement::new(16, &names, Some(index), policy);
+        let mut step = RoutingStep::new(16);
+        for i in 0..3 {
+            step.add_worker(&format!("w{i}"));
+        }
+        let mut p = StepPlacement {
+            step: &mut step,
+            index: Some(&mut index),
+            policy: &mut policy,
+        };
         let tokens: Vec<u32> = (0..100).collect();
         let hashes = hasher.hash_blocks(&tokens, None, 0, None);
         let first = p.place(&hashes, 100, 0.0);

@@ -7,12 +7,9 @@
 
 use std::sync::Arc;
 
-use kvroute_core::engine::events::KvCacheEvent;
 use kvroute_core::engine::scheduler;
-use kvroute_core::index::KvIndex;
-use kvroute_core::placement::{Placed, Placement};
 use kvroute_core::policies::Choose;
-use kvroute_core::routing;
+use kvroute_core::routing::StepPlacement;
 use kvroute_core::sim::{RequestSet, SimError, Simulation, WorkerConfig};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -21,49 +18,6 @@ use pyo3::types::PyDict;
 use crate::engine::{Engine, cost_of};
 use crate::routing::{ForeignPolicy, RoutingStep};
 use crate::tokens::extract_tokens;
-
-/// The routing step of a Python `RoutingStep`, borrowed for one run: sim worker `i` is the
-/// step's slot `i`.
-struct BorrowedStep<'a> {
-    step: &'a mut routing::RoutingStep,
-    index: Option<&'a mut KvIndex>,
-    policy: &'a mut dyn Choose,
-}
-
-impl Placement for BorrowedStep<'_> {
-    fn wants_events(&self) -> bool {
-        self.index.is_some()
-    }
-
-    fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
-        let r = self.step.route(
-            self.index.as_deref_mut(),
-            self.policy,
-            block_hashes,
-            prompt_tokens,
-            None,
-            now,
-        );
-        Placed {
-            worker: r.worker,
-            prefill_tokens: r.prefill_tokens,
-        }
-    }
-
-    fn first_token(&mut self, placed: Placed) {
-        self.step.first_token(placed.worker, placed.prefill_tokens);
-    }
-
-    fn finished(&mut self, placed: Placed) {
-        self.step.finished(placed.worker);
-    }
-
-    fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
-        if let Some(index) = self.index.as_deref_mut() {
-            self.step.apply_events(index, worker, events, now);
-        }
-    }
-}
 
 /// A `uint32`/`uint64` array from Python as a `Vec<usize>` (offsets).
 fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
@@ -163,7 +117,7 @@ fn simulate<'py>(
             scheduler::Engine::new(2, e.core.cost().clone(), *e.core.hasher(), true, false);
         taken.push(std::mem::replace(&mut e.core, placeholder));
     }
-    let mut placement = BorrowedStep {
+    let mut placement = StepPlacement {
         step: &mut step.inner,
         index: index.as_deref_mut().map(|i| &mut i.inner),
         policy,

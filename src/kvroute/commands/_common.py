@@ -158,3 +158,16 @@ def _option_value(text: str) -> object:
         except ValueError:
             pass
     return text
+
+
+def add_trace_window_arguments(group: argparse._ArgumentGroup) -> None:
+    """``--start``, ``--duration``, ``--max-requests`` and ``--cut-sessions``: which part of a
+    ``--trace`` a command uses (``kvroute.trace.Trace.select``), the same for every command."""
+    group.add_argument("--start", type=float, default=0.0, metavar="S",
+                       help="with --trace: sessions starting S seconds after its first request (default 0)")
+    group.add_argument("--duration", type=float, default=None, metavar="S",
+                       help="with --trace: a window of S seconds; sessions starting in it come whole")
+    group.add_argument("--max-requests", type=int, default=None, metavar="N",
+                       help="with --trace: at most N requests, whole sessions in order of first arrival")
+    group.add_argument("--cut-sessions", action="store_true",
+                       help="with --trace: a plain time window, only the requests arriving in it")

@@ -15,6 +15,7 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
+from kvroute.commands._common import add_trace_window_arguments
 from kvroute.errors import UserError
 from kvroute.report import output_console
 from kvroute.trace import load_trace
@@ -34,14 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("trace (instead of a workload shape)")
     g.add_argument("--trace", type=Path, default=None, metavar="JSONL",
                    help="analyze a trace: Mooncake's format (hash_ids) or kvroute's, auto-detected")
-    g.add_argument("--start", type=float, default=0.0, metavar="S",
-                   help="window: sessions starting this many seconds after the first request")
-    g.add_argument("--duration", type=float, default=None, metavar="S",
-                   help="window length in seconds (sessions starting inside it come whole)")
-    g.add_argument("--max-requests", type=int, default=None, metavar="N",
-                   help="at most N requests, whole sessions in order of first arrival")
-    g.add_argument("--cut-sessions", action="store_true",
-                   help="a plain time window: only the requests arriving in it, sessions cut")
+    add_trace_window_arguments(g)
     g.add_argument("--warmup", type=float, default=0.0, metavar="S",
                    help="requests of the first S seconds fill the caches but are not counted")
     g.add_argument("--seed", type=int, default=0, help="random balancing's draws (default 0)")

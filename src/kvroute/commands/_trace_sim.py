@@ -14,6 +14,7 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
+from kvroute.commands._common import add_trace_window_arguments
 from kvroute.engine import get_preset
 from kvroute.errors import UserError
 from kvroute.report import output_console
@@ -31,14 +32,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "auto-detected; prompts are synthesized per hash id")
     g.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="send the trace X times faster than recorded (default 1)")
-    g.add_argument("--start", type=float, default=0.0, metavar="S",
-                   help="window: sessions starting this many seconds after the first request")
-    g.add_argument("--duration", type=float, default=None, metavar="S",
-                   help="window length in seconds (sessions starting inside it come whole)")
-    g.add_argument("--max-requests", type=int, default=None, metavar="N",
-                   help="at most N requests, whole sessions in order of first arrival")
-    g.add_argument("--cut-sessions", action="store_true",
-                   help="a plain time window: only the requests arriving in it, sessions cut")
+    add_trace_window_arguments(g)
 
 
 def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict], kv_geometry) -> int:

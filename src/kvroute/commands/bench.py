@@ -33,6 +33,7 @@ from kvroute.bench.runner import (
     simulate_points,
 )
 from kvroute.commands._common import (
+    add_trace_window_arguments,
     add_worker_arguments,
     add_workload_arguments,
     kv_geometry,
@@ -119,14 +120,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "a trace is sent X times faster and measured times are multiplied by X")
     w.add_argument("--closed-loop", action="store_true",
                    help="with --trace: ignore its timestamps; --concurrency clients send it in order")
-    w.add_argument("--start", type=float, default=0.0, metavar="S",
-                   help="with --trace: sessions starting S seconds after its first request (default 0)")
-    w.add_argument("--duration", type=float, default=None, metavar="S",
-                   help="with --trace: a window of S seconds; sessions starting in it are sent whole")
-    w.add_argument("--max-requests", type=int, default=None, metavar="N",
-                   help="with --trace: at most N requests, whole sessions in order of first arrival")
-    w.add_argument("--cut-sessions", action="store_true",
-                   help="with --trace: a plain time window, only the requests arriving in it")
+    add_trace_window_arguments(w)
 
     add_worker_arguments(
         parser,
