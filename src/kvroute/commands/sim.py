@@ -50,8 +50,8 @@ examples:
   kvroute sim -W 6 -K 2 -c 8 --policy kv-aware --policy-option share_factor=0.5   # tune its guard
   kvroute sim --prefixes 64 --zipf 1.2 --json zipf.json
   kvroute sim --kv-cache-memory-bytes 2GiB --prefix-tokens 1000:3600
-  kvroute sim --trace conversation_trace.jsonl -W 8 --policy random,prefix-hash,kv-aware \
-      --kv-capacity-tokens 3M --max-model-len 200000     # a Mooncake trace, open loop
+  kvroute sim --trace conversation_trace.jsonl -W 8 --policy random,kv-aware --kv-capacity-tokens 3M --max-model-len 200000
+  kvroute sim --trace synthetic_trace.jsonl --duration 300 --max-model-len 200000   # a 5-minute window
 """
 
 #: ``vllm serve --max-model-len`` and ``kvroute emulate``'s default.
