@@ -360,6 +360,14 @@ impl KvIndex {
                 "predicted_ttl must be >= 0, got {ttl}"
             )));
         }
+        if let Some(MemoryBound::Bytes(b)) = bound
+            && b < ENTRY_BYTES
+        {
+            // A bound in bytes that holds no entry would forget every event at once.
+            return Err(IndexConfigError(format!(
+                "a memory bound of {b} bytes holds no entry ({ENTRY_BYTES} bytes each)"
+            )));
+        }
         Ok(Self {
             hasher,
             predicted_ttl,
@@ -981,6 +989,8 @@ mod tests {
         ix.apply("w", &[removed(&a, &[0])]);
         assert_eq!(ix.stats().unknown_removals, 1);
         assert_eq!(MemoryBound::Bytes(ENTRY_BYTES * 3).blocks(), 3);
+        let bound = Some(MemoryBound::Bytes(ENTRY_BYTES - 1));
+        assert!(KvIndex::new(own(), Some(2.0), None, bound).is_err());
     }
 
     #[test]

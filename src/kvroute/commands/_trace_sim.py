@@ -21,7 +21,7 @@ from kvroute.report import output_console
 from kvroute.routing.policies import make_policy, policy_parameters
 from kvroute.sim import WorkerConfig, trial_seed
 from kvroute.trace import load_trace
-from kvroute.trace.simulate import simulate_trace
+from kvroute.trace.simulate import busiest_share, simulate_trace
 from kvroute.workload import parse_int_list
 
 
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
                 except ValueError as exc:  # a request larger than a worker's whole cache
                     raise UserError(str(exc)) from None
                 stats = result.stats()
-                busiest = result.busiest_share(w)
+                busiest = busiest_share(stats, w)
                 points.append({"workers": w, "policy": name, "refused_max_model_len": result.refused,
                                "busiest_over_mean": busiest, **stats.to_json()})
                 table.add_row(

@@ -63,7 +63,7 @@ from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import EventsSettings, Worker, WorkerPool
 from kvroute.proxy.prompts import BadRequest, PromptHasher, PromptInfo
 from kvroute.routing import RoutingStep
-from kvroute.routing.index import INDEX_ENTRY_BYTES, KvIndex
+from kvroute.routing.index import KvIndex
 from kvroute.routing.policies import make_policy, policy_parameters
 from kvroute.tokens import load_tokenizer
 
@@ -270,8 +270,6 @@ class Router:
         else:
             ttl = config.predicted_ttl_s
             capacity = config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
-        if config.index_max_bytes is not None and config.index_max_bytes < INDEX_ENTRY_BYTES:
-            raise ValueError(f"index_max_bytes must be at least {INDEX_ENTRY_BYTES} (one entry)")
         self.index = KvIndex(block_hasher, predicted_ttl=ttl, predicted_capacity_blocks=capacity,
                              max_bytes=config.index_max_bytes)
         options = dict(config.policy_options)

@@ -41,14 +41,11 @@ class TraceRun:
     def stats(self) -> TrialStats:
         return summarize(self.records, self.duration_s, None)
 
-    def busiest_share(self, workers: int) -> float:
-        """Requests of the busiest worker ÷ the mean per worker (1.0: perfectly even)."""
-        if not self.records:
-            return 0.0
-        counts: dict[str, int] = {}
-        for r in self.records:
-            counts[r.worker] = counts.get(r.worker, 0) + 1
-        return max(counts.values()) * workers / len(self.records)
+
+def busiest_share(stats: TrialStats, workers: int) -> float:
+    """Requests of the busiest worker ÷ the mean per worker (1.0: perfectly even)."""
+    served = stats.worker_requests
+    return max(served.values()) * workers / sum(served.values()) if served else 0.0
 
 
 def simulate_trace(
