@@ -82,10 +82,19 @@ class ReferencePool:
             self.events.append(("stored", tuple(block_hashes[num_cached:num_full])))
 
     def free_blocks(self, ordered_blocks: list[int]) -> None:
+        """vLLM 0.32's ``free_blocks``: cached blocks to the queue's tail, blocks holding no
+        hash to its head (reused first), each group in the order given."""
+        uncached = []
         for b in ordered_blocks:
             self.ref_cnt[b] -= 1
             if self.ref_cnt[b] == 0:
-                self.free_queue[b] = None
+                if self.block_hash[b] is None:
+                    uncached.append(b)
+                else:
+                    self.free_queue[b] = None
+        for b in reversed(uncached):
+            self.free_queue[b] = None
+            self.free_queue.move_to_end(b, last=False)
 
     def reset_prefix_cache(self) -> bool:
         if len(self.free_queue) != len(self.ref_cnt) - 1:

@@ -33,9 +33,22 @@ def test_null_block_is_reserved():
 def test_new_blocks_come_from_the_head_of_the_free_queue():
     pool = BlockPool(num_blocks=6, block_size=BS)
     assert pool.get_new_blocks(2) == [1, 2]
+    pool.cache_full_blocks([1, 2], [11, 12], 0, 2, list(range(8)))
     pool.free_blocks([2, 1])
-    # 3, 4, 5 were never used and are older in the queue than the freed 2 and 1.
+    # 3, 4, 5 were never used and are older in the queue than the freed (cached) 2 and 1.
     assert pool.get_new_blocks(5) == [3, 4, 5, 2, 1]
+
+
+def test_freed_blocks_without_a_hash_are_reused_before_any_cached_block():
+    # vLLM 0.32: a finished request's partial last block goes to the head of the free queue,
+    # its cached blocks to the tail; the next allocation takes the partial block first.
+    pool = BlockPool(num_blocks=6, block_size=BS, emit_events=True)
+    blocks = pool.get_new_blocks(3)
+    pool.cache_full_blocks(blocks, [11, 12], 0, 2, list(range(10)))
+    pool.take_events()
+    pool.free_blocks(blocks[::-1])
+    assert pool.get_new_blocks(3) == [3, 4, 5]
+    assert pool.take_events() == []
 
 
 def test_finished_request_frees_tail_first_so_its_tail_is_evicted_first():

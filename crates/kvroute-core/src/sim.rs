@@ -606,8 +606,8 @@ impl Trial {
 
 #[cfg(test)]
 mod tests {
-    //! Against `tests/data/golden/sim_round_robin.txt`: runs of the Python simulator with the
-    //! round-robin policy (see `tests/data/golden/sim_round_robin.py` for the format and the
+    //! Against `tests/data/golden/sim_round_robin.txt`: round-robin runs first recorded from the
+    //! Python simulator, re-recorded once for vLLM 0.32's free order (see `tests/data/golden/sim_round_robin.py` for the format and the
     //! token formula rebuilt here).
     use super::*;
     use crate::blocks::DEFAULT_HASH_SEED;

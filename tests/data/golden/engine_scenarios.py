@@ -16,7 +16,10 @@ tokens, first-token and finish time, preemptions, tokens generated; per step: pr
 decoding sequences and a digest of the KV events (type, block hashes, parent, token count and
 token digest of every event); at the end the engine's counters and the cached hashes.
 
-Re-record (only with the engine the traces came from!):
+Re-recorded once, from the native engine, when the model's free order changed deliberately to
+vLLM 0.32's (a freed block that holds no hash goes to the head of the free queue;
+tests/vllm/test_engine_parity.py then agreed with real vLLM request for request). Re-record
+only for such a change, with its reason in the commit:
 
     python tests/data/golden/engine_scenarios.py
 """

@@ -1,12 +1,18 @@
 """Record the simulator's golden traces (tests/data/golden/sim_*.json.gz).
 
-Recorded once from the Python simulator (src/kvroute/sim.py with the Python engine, index and
+First recorded from the Python simulator (src/kvroute/sim.py with the Python engine, index and
 policies, before the native core replaced them), stepping every engine step singly: its
 coalesced decode runs, an optimization meant to give the same results, admitted a waiting
 request one step late in two of these trials (tight-prefix-hash-s1 and -s2, a small cache with
-preemption). tests/test_sim_golden.py requires today's
-simulator to reproduce every request exactly: worker, cached tokens, TTFT and end-to-end
-latency (as float reprs), and each worker's prefix-cache counters over the measured window.
+preemption). The native simulator reproduced that record bit for bit. Re-recorded once since,
+from the native simulator, for one deliberate change of the engine model: a freed block that
+holds no hash (a request's partial last block) goes to the head of the free queue, as in vLLM
+0.32's ``free_blocks``, which made the model agree with real vLLM request for request
+(tests/vllm/test_engine_parity.py); 126 of the 156 trials changed.
+
+tests/test_sim_golden.py requires today's simulator to reproduce every request exactly: worker,
+cached tokens, TTFT and end-to-end latency (as float reprs), and each worker's prefix-cache
+counters over the measured window.
 
     python tests/data/golden/record_sim.py      # rewrites the files: only with a reason
 """

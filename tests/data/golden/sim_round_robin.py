@@ -21,7 +21,9 @@ The file is plain text, one ``key values...`` line each (floats as Python's repr
     rec INDEX PREFIX_ID SEND PROMPT CACHED TTFT E2E OUTPUT WORKER   (one per measured request)
     end
 
-Re-record (only with the simulator the runs came from!):
+Re-recorded once, from the native simulator, when the engine model's free order changed
+deliberately to vLLM 0.32's (a freed block that holds no hash goes to the head of the free
+queue). Re-record only for such a change, with its reason in the commit:
 
     python tests/data/golden/sim_round_robin.py
 """

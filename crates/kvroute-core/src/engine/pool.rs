@@ -4,9 +4,13 @@
 //!
 //! * Block 0 is the null block: taken at start-up and never handed out, so usable capacity is
 //!   `num_blocks - 1`.
-//! * Free blocks (ref count 0) sit in an LRU queue. Blocks freed together are appended in the
-//!   order given; a finished request frees its blocks in reverse, so its tail is evicted first
-//!   and the shared head of a prompt survives longest.
+//! * Free blocks (ref count 0) sit in an LRU queue. A finished request frees its blocks in
+//!   reverse, its tail first. Of the blocks freed together, those holding a cached hash are
+//!   appended to the queue's tail in that order (the shared head of a prompt survives
+//!   longest); those holding none (a partial last block, or any block without prefix caching)
+//!   are put at the queue's head, in that order, to be reused first: they can never serve a
+//!   hit, and reusing them spares a cached block (vLLM 0.32's `free_blocks`: "LIFO reuse of
+//!   non-cached blocks").
 //! * New blocks come from the head of the free queue. A block that still holds a cached hash
 //!   is evicted only then, when its memory is reused (`BlockRemoved`), never when its request
 //!   ends.
@@ -135,6 +139,9 @@ pub struct BlockPool {
     /// The last hit found for a chain, by the chain's first hash: its blocks and their
     /// generations then. Bounded; any entry may be dropped.
     hit_memo: BlockHashMap<Vec<(BlockId, u64)>>,
+    /// Scratch for `free_blocks`: the freed blocks that hold no hash, kept to spare an
+    /// allocation per call.
+    freed_uncached: Vec<BlockId>,
 }
 
 impl BlockPool {
@@ -171,6 +178,7 @@ impl BlockPool {
             version: 0,
             generation: vec![0; num_blocks],
             hit_memo: BlockHashMap::default(),
+            freed_uncached: Vec::new(),
         };
         for b in 1..num_blocks as u32 {
             pool.push_free(b);
@@ -433,19 +441,30 @@ impl BlockPool {
         }
     }
 
-    /// Drop one reference from each block; those reaching 0 join the free queue's tail in
-    /// the given order (callers pass a request's blocks reversed: tail evicted first). A
-    /// cached block keeps its hash in the queue until it is reused.
+    /// Drop one reference from each block, given in eviction order (callers pass a request's
+    /// blocks reversed: tail first). Those reaching 0 that hold a cached hash join the free
+    /// queue's tail in that order and keep their hash until reused; those that hold none go to
+    /// the queue's head, in that order, to be reused before any cached block.
     pub fn free_blocks(&mut self, ordered_blocks: impl IntoIterator<Item = BlockId>) {
         self.version += 1;
+        let mut uncached = std::mem::take(&mut self.freed_uncached);
         for b in ordered_blocks {
             let r = &mut self.ref_cnt[b as usize];
             debug_assert!(*r > 0, "freeing a free block");
             *r -= 1;
             if *r == 0 {
-                self.push_free(b);
+                if self.enable_caching && self.block_hash[b as usize].is_some() {
+                    self.push_free(b);
+                } else {
+                    uncached.push(b);
+                }
             }
         }
+        for &b in uncached.iter().rev() {
+            self.push_free_front(b);
+        }
+        uncached.clear();
+        self.freed_uncached = uncached;
     }
 
     /// Forget every cached hash, as `/reset_prefix_cache` does. Like vLLM, refuses (returns
@@ -486,6 +505,20 @@ impl BlockPool {
             self.next[self.tail as usize] = b;
         }
         self.tail = b;
+        self.in_free[i] = true;
+        self.num_free += 1;
+    }
+
+    fn push_free_front(&mut self, b: BlockId) {
+        let i = b as usize;
+        self.prev[i] = NIL;
+        self.next[i] = self.head;
+        if self.head == NIL {
+            self.tail = b;
+        } else {
+            self.prev[self.head as usize] = b;
+        }
+        self.head = b;
         self.in_free[i] = true;
         self.num_free += 1;
     }
@@ -570,8 +603,35 @@ mod tests {
     fn new_blocks_come_from_the_head_of_the_free_queue() {
         let mut pool = BlockPool::new(6, BS, true, false);
         assert_eq!(pool.get_new_blocks(2).unwrap(), vec![1, 2]);
+        let t = toks(8);
+        pool.cache_full_blocks(&[1, 2], &[11, 12], 0, 2, seq(&t));
         pool.free_blocks([2, 1]);
         assert_eq!(pool.get_new_blocks(5).unwrap(), vec![3, 4, 5, 2, 1]);
+    }
+
+    #[test]
+    fn freed_blocks_without_a_hash_are_reused_before_any_cached_block() {
+        // A request of two full blocks and a partial third frees [3, 2, 1]: the partial block
+        // goes to the head of the queue, the cached ones to its tail, so the next allocation
+        // takes the partial block and then the never-used 4 and 5, evicting nothing.
+        let mut pool = BlockPool::new(6, BS, true, true);
+        let blocks = pool.get_new_blocks(3).unwrap();
+        let t = toks(10);
+        pool.cache_full_blocks(&blocks, &[11, 12], 0, 2, seq(&t));
+        pool.take_events();
+        pool.free_blocks(blocks.iter().rev().copied());
+        assert_eq!(pool.get_new_blocks(3).unwrap(), vec![3, 4, 5]);
+        assert!(!pool.has_events());
+        assert_eq!(pool.get_new_blocks(1).unwrap(), vec![2]);
+        assert_eq!(removed(&mut pool), vec![12]);
+    }
+
+    #[test]
+    fn without_prefix_caching_freed_blocks_are_reused_last_in_first_out() {
+        let mut pool = BlockPool::new(6, BS, false, false);
+        assert_eq!(pool.get_new_blocks(2).unwrap(), vec![1, 2]);
+        pool.free_blocks([2, 1]);
+        assert_eq!(pool.get_new_blocks(2).unwrap(), vec![2, 1]);
     }
 
     #[test]
