@@ -56,12 +56,60 @@ def test_sim_cli_trace_writes_json_and_bad_flags_are_one_line(tmp_path, capsys):
             for i in range(30)]
     path = write_trace(tmp_path / "t.jsonl", rows)
     out = tmp_path / "sim.json"
+    folder = tmp_path / "sim"
     assert main(["sim", "--trace", str(path), "-W", "2", "--policy", "random,kv-aware",
-                 "--kv-capacity-tokens", "64K", "--json", str(out)]) == 0
+                 "--kv-capacity-tokens", "64K", "--json", str(out), "--out", str(folder)]) == 0
     points = {p["policy"]: p for p in json.loads(out.read_text())["points"]}
     assert set(points) == {"random", "kv-aware"} and points["kv-aware"]["requests"] == 30
     assert points["kv-aware"]["token_hit_rate"] >= points["random"]["token_hit_rate"]
+    # The folder: the points in the bench's summary contract, and the replay's plots.
+    summary = json.loads((folder / "summary.json").read_text())
+    assert {p["policy"] for p in summary["points"]} == {"random", "kv-aware"}
+    assert summary["meta"]["command"] == "sim --trace"
+    for png in ("hit_rate_over_time.png", "worker_load_over_time.png", "ttft_cdf.png"):
+        assert (folder / png).read_bytes()[:4] == b"\x89PNG"
     capsys.readouterr()
     assert main(["sim", "--trace", str(path), "--time-scale", "0"]) == 2
     err = capsys.readouterr().err
     assert "--time-scale" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+
+
+def test_experiment_replays_a_trace_through_service_and_router_beside_the_simulator(tmp_path, capsys):
+    """``kvroute experiment --trace`` on emulated workers: both topologies replay the trace's
+    requests by their timestamps, the two hit measures agree, the simulator's replay of the
+    same requests is beside them (exact for the router with instant timing: its decisions
+    depend on nothing but the events), and the report plots the replay over time."""
+    rows = [{"timestamp": 40 * i, "input_length": 1024 + 512 * (i % 2), "output_length": 4,
+             "hash_ids": [i % 4, 10 + i % 4, 100 + i][: 2 + i % 2]} for i in range(24)]
+    path = write_trace(tmp_path / "t.jsonl", rows)
+    out = tmp_path / "exp"
+    assert main(["experiment", "--trace", str(path), "--workers", "2", "--timing", "instant",
+                 "--kv-capacity-tokens", "20K", "--max-model-len", "8192", "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "1. Trace replay by topology" in printed and "max |Δ| = 0.0000" in printed
+    summary = json.loads((out / "summary.json").read_text())
+    measured = {p["policy"]: p for p in summary["points"]}
+    assert set(measured) == {"service", "router"}
+    assert all(p["requests"] == 24 and p["failed"] == 0 and p["concurrency"] == 0 for p in measured.values())
+    assert summary["meta"]["trace"]["path"] == str(path) and summary["meta"]["max_model_len"] == 8192
+    predicted = {p["policy"]: p for p in summary["meta"]["sim"]["points"]}
+    assert predicted["router"]["token_hit_rate"] == pytest.approx(measured["router"]["token_hit_rate"])
+    assert measured["router"]["token_hit_rate"] > measured["service"]["token_hit_rate"]
+    for png in ("hit_rate_over_time.png", "worker_load_over_time.png", "ttft_cdf.png"):
+        assert (out / png).read_bytes()[:4] == b"\x89PNG"
+    page = (out / "report.html").read_text()
+    assert page.index("1. Trace replay") < page.index('alt="hit_rate_over_time"')
+
+
+def test_experiment_trace_flags_that_do_not_fit_are_one_line(tmp_path, capsys):
+    path = write_trace(tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 512, "output_length": 4,
+                                              "hash_ids": [1]}])
+    for argv, needle in (
+        (["--trace", str(tmp_path / "missing.jsonl")], "does not exist"),
+        (["--trace", str(path), "--concurrency", "4"], "--concurrency"),
+        (["--duration", "60"], "are for --trace"),
+        (["--engine", "urls", "--worker", "http://127.0.0.1:9", "--kv-capacity-tokens", "3M"], "--kv-capacity-tokens"),
+    ):
+        assert main(["experiment", *argv, "--out", str(tmp_path / "x")]) == 2
+        err = capsys.readouterr().err
+        assert needle in err and "Traceback" not in err and len(err.strip().splitlines()) == 1, err

@@ -30,6 +30,7 @@ import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 
@@ -39,8 +40,8 @@ from kvroute.analytic import (
     capacity_for_mean_lengths,
     num_kv_blocks,
 )
-from kvroute.bench.files import ResultsWriter
-from kvroute.bench.prompts import BenchWorkload, PromptEncoder, reference_workload
+from kvroute.bench.files import ResultsWriter, Timelines
+from kvroute.bench.prompts import BenchWorkload, PromptEncoder, reference_workload, trace_workload
 from kvroute.bench.runner import (
     BenchOptions,
     BenchRunner,
@@ -50,6 +51,7 @@ from kvroute.bench.runner import (
     discover_model,
     server_cache_config,
     simulate_points,
+    simulate_trace_points,
 )
 from kvroute.errors import UserError
 from kvroute.fleet import Fleet
@@ -92,6 +94,18 @@ def cpu_kv_cache_bytes(
 
 
 @dataclass(frozen=True)
+class TraceWindow:
+    """A trace to replay instead of the reference workload, and which part of it
+    (``kvroute.trace.Trace.select``)."""
+
+    path: Path
+    start_s: float = 0.0
+    duration_s: float | None = None
+    max_requests: int | None = None
+    cut_sessions: bool = False
+
+
+@dataclass(frozen=True)
 class ExperimentPlan:
     """What to run.
 
@@ -106,6 +120,10 @@ class ExperimentPlan:
         time_scale: how much faster than real time emulated workers run.
         vocab_size: the served model's vocabulary; prompts then draw token ids below it
             (the default range reaches 30,000, past the tiny CPU model's 8,192).
+        trace: replay this trace by its timestamps (one open-loop point per fleet and
+            topology) instead of ``specs`` at each ``concurrency``.
+        max_model_len: the workers' context length; the trace's prediction refuses what
+            they refuse.
     """
 
     workers: tuple[int, ...]
@@ -118,10 +136,13 @@ class ExperimentPlan:
     time_scale: float = 1.0
     seed: int = 0
     vocab_size: int | None = None
+    trace: TraceWindow | None = None
+    max_model_len: int = 4096
 
     @property
     def total_trials(self) -> int:
-        return len(self.workers) * len(self.specs) * len(self.concurrency) * self.trials * len(self.topologies)
+        loads = 1 if self.trace is not None else len(self.specs) * len(self.concurrency)
+        return len(self.workers) * loads * self.trials * len(self.topologies)
 
 
 @dataclass
@@ -130,6 +151,8 @@ class ExperimentResult:
     predicted: list[Point] = field(default_factory=list)
     capacity: float | None = None
     geometry: tuple[int, int] | None = None
+    #: A trace's prediction: each simulated replay's records, for the plots over time.
+    predicted_timelines: Timelines = field(default_factory=dict)
 
 
 async def run_experiment(
@@ -146,7 +169,7 @@ async def run_experiment(
         start_fleet: ``await start_fleet(W)`` gives a running ``Fleet`` of W workers.
     """
     options = BenchOptions(concurrency=plan.concurrency, trials=plan.trials, seed=plan.seed,
-                           time_scale=plan.time_scale)
+                           time_scale=plan.time_scale, open_loop=plan.trace is not None)
     workloads: list[BenchWorkload] | None = None
     for w in plan.workers:
         fleet: Fleet = await start_fleet(w)
@@ -162,16 +185,26 @@ async def run_experiment(
                 vocab = None
                 if plan.vocab_size is not None:
                     vocab = np.arange(FIRST_PROMPT_TOKEN_ID, plan.vocab_size, dtype=np.uint32)
-                workloads = [reference_workload(spec, encoder, vocab) for spec in plan.specs]
+                if plan.trace is not None:
+                    t = plan.trace
+                    workloads = [trace_workload(t.path, encoder, time_scale=plan.time_scale, start_s=t.start_s,
+                                                duration_s=t.duration_s, max_requests=t.max_requests,
+                                                cut_sessions=t.cut_sessions, vocab=vocab)]
+                else:
+                    workloads = [reference_workload(spec, encoder, vocab) for spec in plan.specs]
                 result.capacity = capacity_for(workloads[0], *result.geometry)
             for topology in plan.topologies:
                 await _measure(topology, plan, fleet, w, workloads, options, writer, hooks, result)
         finally:
             await fleet.close()
-    if workloads and result.geometry:
+    policies = {"service": "random", "router": plan.router_policy}
+    if workloads and result.geometry and plan.trace is not None:
+        result.predicted, result.predicted_timelines = simulate_trace_points(
+            result.measured, workloads[0], *result.geometry, plan.timing, plan.seed, plan.max_model_len, policies,
+        )
+    elif workloads and result.geometry:
         result.predicted = simulate_points(
-            result.measured, workloads, *result.geometry, plan.timing, plan.trials, plan.seed,
-            policies={"service": "random", "router": plan.router_policy},
+            result.measured, workloads, *result.geometry, plan.timing, plan.trials, plan.seed, policies,
         )
     return result
 

@@ -216,11 +216,48 @@ def print_hit_rate_table(
     console.print(hit_rate_table(points, capacity_requests, reference=reference, reference_label=reference_label))
 
 
-def print_latency_tables(points: list[Point], console: Console) -> None:
-    """Tables 2-4 (TTFT on hit vs miss, TTFT by concurrency, throughput) and the failures."""
+def trace_replay_table(points: list[Point], reference: list[Point] | None = None,
+                       reference_label: str = "sim") -> Table:
+    """Table 1 of a trace replay (one open-loop point per fleet size and topology): the token
+    hit ratio from the responses and from the workers' counters, the simulator's replay of the
+    same requests beside it, the request hit rate, TTFT and how even the load was. The token
+    ratio is the figure: in a trace every request of a session hits its shared head."""
+    ref = {(r.workers, r.policy): r for r in reference or []}
+    table = Table(title="1. Trace replay by topology (open loop, the trace's own timestamps)")
+    columns = ["topology", "requests", "failed", "token hit", "counters", reference_label, "request hit",
+               reference_label, "TTFT p50 / p99 ms", reference_label, "busiest ÷ mean"]
+    for name in columns:
+        table.add_column(name, justify="left" if name == "topology" else "right")
+    for p in sorted(points, key=lambda p: (-p.workers, p.policy)):
+        r = ref.get((p.workers, p.policy))
+        served = p.trials[0].worker_requests if p.trials else {}
+        busiest = max(served.values()) * p.workers / sum(served.values()) if served else None
+        ttft = lambda q: f"{_fmt(q.median('ttft_p50_ms'), '.0f')} / {_fmt(q.median('ttft_p99_ms'), '.0f')}"  # noqa: E731
+        table.add_row(
+            topology(p), _fmt(p.median("requests"), ".0f"), _fmt(p.median("failed"), ".0f"),
+            _pct(p.median("token_hit_rate")), _pct(p.median("metrics_token_hit_rate")),
+            _pct(r.median("token_hit_rate")) if r else "—",
+            _pct(p.median("request_hit_rate")), _pct(r.median("request_hit_rate")) if r else "—",
+            ttft(p), ttft(r) if r else "—", _fmt(busiest, ".2f"),
+        )
+    return table
+
+
+def print_trace_tables(points: list[Point], console: Console, reference: list[Point] | None = None) -> None:
+    """A trace replay's tables: the replay by topology, the two hit measures' agreement, TTFT
+    on hit vs miss, and the failures."""
+    console.print(trace_replay_table(points, reference))
+    console.print(hit_measures_agreement(points))
+    print_latency_tables(points, console, by_load=False)
+
+
+def print_latency_tables(points: list[Point], console: Console, by_load: bool = True) -> None:
+    """Tables 2-4 (TTFT on hit vs miss, TTFT by concurrency, throughput) and the failures;
+    ``by_load`` False leaves out the two by K and concurrency (a trace replay has one point)."""
     console.print(ttft_split_table(points))
-    console.print(ttft_table(points))
-    console.print(throughput_table(points))
+    if by_load:
+        console.print(ttft_table(points))
+        console.print(throughput_table(points))
     line = failures_line(points)
     if line:
         console.print(f"[red]{line}[/red]")

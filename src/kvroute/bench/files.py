@@ -6,6 +6,8 @@
 * ``summary.json`` — the points, in the JSON contract ``kvroute sim --json`` writes;
 * ``points.csv`` — one row per point (medians over trials);
 * ``hit_rate_vs_k.png``, ``ttft_cdf.png``, ``ttft_vs_concurrency.png`` — matplotlib (Agg);
+  for an open-loop replay (a trace), ``hit_rate_over_time.png`` and ``worker_load_over_time.png``
+  instead of the plots against K and concurrency;
 * ``report.html`` — a single file with the four tables and the plots embedded.
 """
 
@@ -23,13 +25,18 @@ import numpy as np
 
 from kvroute.bench.runner import TrialResult, TrialSink
 from kvroute.errors import UserError
-from kvroute.records import MEDIAN_FIELDS, Point, write_points_json
+from kvroute.records import MEDIAN_FIELDS, Point, RequestRecord, write_points_json
 
 RECORDS = "records.jsonl"
 WINDOWS = "windows.jsonl"
 SUMMARY = "summary.json"
 CSV = "points.csv"
 HTML = "report.html"
+
+
+#: An open-loop replay's measured requests (its first trial), by (fleet size, topology): what
+#: the plots over time draw.
+Timelines = dict[tuple[int, str], list[RequestRecord]]
 
 
 @dataclass
@@ -55,6 +62,7 @@ class ResultsWriter(TrialSink):
         except OSError as exc:
             raise UserError(f"cannot create {self.out}: {exc.strerror or exc}") from None
         self.samples: dict[tuple[int, int, int, str], PointSamples] = {}
+        self.timelines: Timelines = {}
         self.trials_written = 0
 
     def _append(self, name: str, lines: list[dict]) -> None:
@@ -89,6 +97,8 @@ class ResultsWriter(TrialSink):
         for r in result.records:
             if r.ok and r.ttft_s is not None:
                 (samples.hit if r.hit else samples.miss).append(r.ttft_s)
+        if result.concurrency == 0:
+            self.timelines.setdefault((target.num_workers, target.label), list(result.records))
         self.trials_written += 1
 
     def logs(self) -> list[Path]:
@@ -104,15 +114,17 @@ class ResultsWriter(TrialSink):
         tables_html: str,
         reference: list[Point] | None = None,
         lead_html: str | None = None,
+        reference_timelines: Timelines | None = None,
     ) -> list[Path]:
         """Summary JSON, CSV, plots and the HTML report; returns the paths written.
 
         ``lead_html``: the hit-rate table alone, to open the page (``tables_html`` then holds
-        the other tables); without it ``tables_html`` holds them all and opens the page."""
+        the other tables); without it ``tables_html`` holds them all and opens the page.
+        ``reference_timelines``: the simulator's replay of a trace, beside the measured one."""
         summary = self.out / SUMMARY
         write_points_json(summary, points, meta)
         written = [summary, write_csv(self.out / CSV, points)]
-        pngs = write_plots(self.out, points, self.samples, capacity, reference)
+        pngs = write_plots(self.out, points, self.samples, capacity, reference, self.timelines, reference_timelines)
         written += pngs
         written.append(write_html(self.out / HTML, meta, tables_html, pngs, lead_html))
         return written
@@ -168,10 +180,14 @@ def _colors(topologies: list[str]) -> dict[str, str]:
     return out
 
 
+def _topology_order(name: str) -> tuple[bool, str]:
+    """Sort key of topology names: the Service (or random) first, then the rest by name."""
+    return TOPOLOGY_COLORS.get(name, "~") != "tab:orange", name
+
+
 def _topologies(points: list[Point]) -> list[str]:
     """Topology names in a stable order: the Service (or random) first, then the rest."""
-    names = {p.policy for p in points}
-    return sorted(names, key=lambda n: (TOPOLOGY_COLORS.get(n, "~") != "tab:orange", n))
+    return sorted({p.policy for p in points}, key=_topology_order)
 
 
 def _load_label(c: int) -> str:
@@ -196,10 +212,10 @@ def _title_and_legend(fig, title: str, handles, labels, ncol: int) -> None:
 
 
 def _plain_log_ticks(axis) -> None:
-    """Log-scale ticks as plain numbers (50, 100, 200), without the crowded minor labels."""
+    """Log-scale ticks as plain numbers (30, 100, 300), without the crowded minor labels."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 2.0, 5.0)))
+    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 3.0)))
     axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
     axis.set_minor_formatter(NullFormatter())
 
@@ -262,7 +278,7 @@ def plot_ttft_cdf(points: list[Point], samples: dict[tuple[int, int, int, str], 
     ks = sorted({k[1] for k in keys}) or [0]
     names = _topologies([p for p in points if p.concurrency == c])
     colors = _colors(names)
-    fig, axes = _grid(plt, len(fleets), len(ks), sharex=True, sharey=True)
+    fig, axes = _grid(plt, len(fleets), len(ks), width=max(3.4, 6.0 / len(ks)), sharex=True, sharey=True)
     for i, w in enumerate(fleets):
         for j, k in enumerate(ks):
             ax = axes[i][j]
@@ -275,7 +291,7 @@ def plot_ttft_cdf(points: list[Point], samples: dict[tuple[int, int, int, str], 
                         xs = np.sort(np.asarray(values)) * 1000
                         ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), style, color=colors[name],
                                 where="post", lw=1.6)
-            ax.set_title(f"{w} workers, K = {k}", fontsize=9)
+            ax.set_title(f"{w} workers, K = {k}" if k else f"{w} workers", fontsize=9)  # K 0: a trace
             ax.set_xscale("log")
             _plain_log_ticks(ax.xaxis)
             ax.grid(alpha=0.3)
@@ -336,15 +352,27 @@ def write_plots(
     samples: dict[tuple[int, int, int, str], PointSamples],
     capacity: float | None,
     reference: list[Point] | None = None,
+    timelines: Timelines | None = None,
+    reference_timelines: Timelines | None = None,
 ) -> list[Path]:
-    """The three PNGs (the concurrency plot only for closed-loop points)."""
+    """The PNGs: against K and concurrency for closed-loop points; for an open-loop replay with
+    ``timelines`` (a trace), the hit rate and each worker's load over time instead (with the
+    simulator's replay of the same requests, ``reference_timelines``, beside the hit rate);
+    the TTFT CDFs by hit and miss for both."""
     if not points:
         return []
     plt = _pyplot()
-    figures = [
-        ("hit_rate_vs_k.png", plot_hit_rate(points, capacity, reference)),
-        ("ttft_cdf.png", plot_ttft_cdf(points, samples)),
-    ]
+    figures = []
+    if timelines:
+        figures.append(("hit_rate_over_time.png", plot_hit_rate_over_time(timelines, reference_timelines)))
+        # Only replays whose responses name their worker (the router's header, the simulator):
+        # behind a Service the client cannot tell which worker answered.
+        named = {k: v for k, v in timelines.items() if any(r.worker is not None for r in v)}
+        if named:
+            figures.append(("worker_load_over_time.png", plot_worker_load_over_time(named)))
+    else:
+        figures.append(("hit_rate_vs_k.png", plot_hit_rate(points, capacity, reference)))
+    figures.append(("ttft_cdf.png", plot_ttft_cdf(points, samples)))
     if any(p.concurrency > 0 for p in points):
         figures.append(("ttft_vs_concurrency.png", plot_ttft_vs_concurrency([p for p in points if p.concurrency > 0])))
     paths = []
@@ -358,6 +386,111 @@ def write_plots(
             plt.close(fig)
         paths.append(path)
     return paths
+
+
+def _time_bins(timelines: Timelines) -> np.ndarray:
+    """Bin edges (seconds) over every replay's send times: about 20 requests a bin on
+    average, between 10 and 60 bins."""
+    sends = [r.send_time for records in timelines.values() for r in records]
+    lo, hi = min(sends, default=0.0), max(sends, default=1.0)
+    runs = max(1, len(timelines))
+    bins = int(np.clip(len(sends) / runs / 20, 10, 60))
+    return np.linspace(lo, hi if hi > lo else lo + 1.0, bins + 1)
+
+
+def _minutes_or_seconds(edges: np.ndarray) -> tuple[float, str]:
+    return (60.0, "minutes") if edges[-1] - edges[0] >= 300 else (1.0, "seconds")
+
+
+def _token_hit_by_bin(records: list[RequestRecord], edges: np.ndarray) -> np.ndarray:
+    """Per send-time bin, cached ÷ prompt tokens of the requests sent in it (NaN if none);
+    a failed request counts as a miss, as in the tables."""
+    sends = np.array([r.send_time for r in records])
+    prompt = np.array([r.prompt_tokens for r in records], dtype=float)
+    cached = np.array([(r.cached_tokens or 0) if r.ok else 0 for r in records], dtype=float)
+    at = np.clip(np.searchsorted(edges, sends, side="right") - 1, 0, len(edges) - 2)
+    num = np.bincount(at, cached, minlength=len(edges) - 1)
+    den = np.bincount(at, prompt, minlength=len(edges) - 1)
+    with np.errstate(invalid="ignore", divide="ignore"):
+        return np.where(den > 0, num / den, np.nan)
+
+
+def plot_hit_rate_over_time(timelines: Timelines, reference: Timelines | None = None):
+    """Token hit ratio of the requests sent in each time bin, one panel per fleet size, the
+    topology as the colour (the simulator's replay dashed); the whole-run ratio in the legend."""
+    from matplotlib.lines import Line2D
+
+    plt = _pyplot()
+    edges = _time_bins({**(reference or {}), **timelines})
+    unit, unit_name = _minutes_or_seconds(edges)
+    mids = (edges[:-1] + edges[1:]) / 2 / unit
+    fleets = sorted({w for w, _ in timelines}, reverse=True)
+    names = sorted({n for _, n in timelines}, key=_topology_order)
+    colors = _colors(names)
+    fig, axes = _grid(plt, 1, len(fleets), width=5.6, height=3.2, sharey=True)
+    handles, labels = [], []
+    for ax, w in zip(axes[0], fleets):
+        for name in names:
+            for source, style, tag in ((timelines, "-", "measured"), (reference or {}, "--", "simulator")):
+                records = source.get((w, name))
+                if not records:
+                    continue
+                ax.plot(mids, _token_hit_by_bin(records, edges), style, color=colors[name],
+                        lw=2 if style == "-" else 1.3)
+                whole = sum((r.cached_tokens or 0) for r in records if r.ok) / max(1, sum(r.prompt_tokens for r in records))
+                handles.append(Line2D([], [], color=colors[name], ls=style, lw=2))
+                labels.append(f"{name} ({tag}), W={w}: {whole:.1%} overall")
+        ax.set_title(f"{w} workers", fontsize=10)
+        ax.set_xlabel(f"time ({unit_name})")
+        ax.set_ylim(0, 1.02)
+        ax.grid(alpha=0.3)
+    axes[0][0].set_ylabel("token hit ratio (per time bin)")
+    _title_and_legend(fig, "Token hit ratio over time", handles, labels, ncol=min(len(labels), 2))
+    return fig
+
+
+def _mean_in_flight(records: list[RequestRecord], worker: str, edges: np.ndarray) -> np.ndarray:
+    """Requests of ``worker`` in flight (sent, not yet finished), averaged over each time bin."""
+    total = np.zeros(len(edges) - 1)
+    for r in records:
+        if r.worker != worker:
+            continue
+        start, end = r.send_time, r.send_time + (r.e2e_s or 0.0)
+        total += np.clip(np.minimum(edges[1:], end) - np.maximum(edges[:-1], start), 0.0, None)
+    return total / np.diff(edges)
+
+
+def plot_worker_load_over_time(timelines: Timelines):
+    """Each worker's requests in flight over time (averaged per time bin), one panel per replay
+    (fleet size and topology), one line per worker: a hotspot is one line far above the
+    others; the panel's title gives the busiest worker's requests ÷ the mean."""
+    plt = _pyplot()
+    edges = _time_bins(timelines)
+    unit, unit_name = _minutes_or_seconds(edges)
+    mids = (edges[:-1] + edges[1:]) / 2 / unit
+    keys = sorted(timelines, key=lambda k: (-k[0], _topology_order(k[1])))
+    cols = min(3, len(keys))
+    rows = -(-len(keys) // cols)
+    fig, axes = _grid(plt, rows, cols, width=4.4, height=2.8, sharex=True, sharey=True)
+    for ax in axes.flat[len(keys):]:
+        ax.set_visible(False)
+    cmap = plt.get_cmap("tab10" if max(k[0] for k in keys) <= 10 else "tab20")
+    for ax, (w, name) in zip(axes.flat, keys):
+        records = timelines[(w, name)]
+        workers = sorted({r.worker for r in records if r.worker is not None})
+        served = [sum(1 for r in records if r.worker == n) for n in workers]
+        for i, worker in enumerate(workers):
+            ax.plot(mids, _mean_in_flight(records, worker, edges), color=cmap(i % cmap.N), lw=1.2)
+        busiest = max(served) * len(workers) / sum(served) if served else 0.0
+        ax.set_title(f"{name}, {w} workers: busiest {busiest:.2f}× the mean", fontsize=9)
+        ax.set_xlabel(f"time ({unit_name})")
+        ax.set_ylabel("requests in flight (bin mean)")
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+    fig.suptitle("Requests in flight per worker over time (one line per worker; even load: lines together)",
+                 fontsize=11)
+    fig.tight_layout()
+    return fig
 
 
 # -- HTML -------------------------------------------------------------------------------------
@@ -403,7 +536,7 @@ def write_html(path: Path, meta: dict, tables_html: str, pngs: list[Path], lead_
         return (f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
                 f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption>{html.escape(p.name)}</figcaption></figure>')
 
-    lead_pngs = [p for p in pngs if p.name == "hit_rate_vs_k.png"]
+    lead_pngs = [p for p in pngs if p.name in ("hit_rate_vs_k.png", "hit_rate_over_time.png")]
     other_pngs = [p for p in pngs if p not in lead_pngs]
     settings = "".join(
         f"<tr><th>{html.escape(str(k))}</th><td>{html.escape(_setting(v))}</td></tr>" for k, v in meta.items()

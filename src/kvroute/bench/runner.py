@@ -416,3 +416,34 @@ def simulate_points(
         point.policy = p.policy
         out.append(point)
     return out
+
+
+def simulate_trace_points(
+    measured: Sequence[Point],
+    workload: BenchWorkload,
+    num_blocks: int,
+    block_size: int,
+    timing: str,
+    seed: int,
+    max_model_len: int,
+    policies: dict[str, str] | None = None,
+) -> tuple[list[Point], dict[tuple[int, str], list[RequestRecord]]]:
+    """The simulator's prediction for each measured trace replay (open loop): the same W
+    workers and the same window of the trace at its own timestamps, balanced by
+    ``policies[label]`` (random when the label is not there), refusing what
+    ``max_model_len`` refuses. Returns the points, labelled as the measured topologies, and
+    each replay's records for the plots over time."""
+    from kvroute.engine import get_preset
+    from kvroute.sim import WorkerConfig
+    from kvroute.trace.simulate import simulate_trace, trace_policy
+
+    config = WorkerConfig(num_blocks, block_size, get_preset(timing))
+    points, timelines = [], {}
+    for p in measured:
+        if p.concurrency != 0 or workload.trace is None:
+            continue
+        policy = trace_policy((policies or {}).get(p.policy, "random"), seed, block_size)
+        run = simulate_trace(workload.trace, p.workers, config, policy, max_model_len)
+        points.append(Point(p.workers, p.prefixes, 0, p.policy, [run.stats()]))
+        timelines[(p.workers, p.policy)] = run.records
+    return points, timelines

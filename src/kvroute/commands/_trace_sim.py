@@ -8,20 +8,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import random
+import time
 from pathlib import Path
 
 from rich import box
 from rich.table import Table
 
+from kvroute.bench.files import PointSamples, Timelines, write_plots
 from kvroute.commands._common import add_trace_window_arguments
 from kvroute.engine import get_preset
 from kvroute.errors import UserError
+from kvroute.records import Point, write_points_json
 from kvroute.report import output_console
-from kvroute.routing.policies import make_policy, policy_parameters
-from kvroute.sim import WorkerConfig, trial_seed
+from kvroute.sim import WorkerConfig
 from kvroute.trace import load_trace
-from kvroute.trace.simulate import busiest_share, simulate_trace
+from kvroute.trace.simulate import busiest_share, simulate_trace, trace_policy
 from kvroute.workload import parse_int_list
 
 
@@ -32,6 +33,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "auto-detected; prompts are synthesized per hash id")
     g.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="send the trace X times faster than recorded (default 1)")
+    g.add_argument("--out", type=Path, default=None, metavar="DIR",
+                   help="with --trace: folder for summary.json and the plots (hit rate and each worker's "
+                        "load over time, TTFT by hit and miss) (default kvroute-results/sim-trace-<time>)")
     add_trace_window_arguments(g)
 
 
@@ -53,14 +57,14 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
                    "TTFT p50 ms", "TTFT p99 ms", "busiest ÷ mean", "sim s"):
         table.add_column(column, justify="right" if column not in ("policy",) else "left")
     points = []
+    report_points: list[Point] = []
+    samples: dict[tuple[int, int, int, str], PointSamples] = {}
+    timelines: Timelines = {}
     with console.status("simulating…") as status:
         for w in workers:
             for name in policies:
                 status.update(f"simulating W={w} {name}")
-                opts = dict(options[name])
-                if "block_size" in policy_parameters(name):
-                    opts.setdefault("block_size", block_size)  # as kvroute serve sets it
-                policy = make_policy(name, rng=random.Random(trial_seed(args.seed, 0)), **opts)
+                policy = trace_policy(name, args.seed, block_size, options[name])
                 try:
                     result = simulate_trace(trace, w, config, policy, args.max_model_len, args.time_scale)
                 except ValueError as exc:  # a request larger than a worker's whole cache
@@ -69,6 +73,12 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
                 busiest = busiest_share(stats, w)
                 points.append({"workers": w, "policy": name, "refused_max_model_len": result.refused,
                                "busiest_over_mean": busiest, **stats.to_json()})
+                report_points.append(Point(w, 0, 0, name, [stats]))
+                timelines[(w, name)] = result.records
+                split = samples.setdefault((w, 0, 0, name), PointSamples())
+                for r in result.records:
+                    if r.ok and r.ttft_s is not None:
+                        (split.hit if r.hit else split.miss).append(r.ttft_s)
                 table.add_row(
                     str(w), name, f"{stats.requests:,}", f"{result.refused:,}",
                     f"{stats.request_hit_rate:.1%}", f"{stats.token_hit_rate:.1%}",
@@ -79,15 +89,19 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
     if any(p["refused_max_model_len"] for p in points):
         console.print(f"refused: requests whose prompt and output exceed --max-model-len {args.max_model_len} "
                       "(raise it to simulate them)")
-    if args.json:
-        try:
-            args.json.write_text(json.dumps({"command": "sim --trace", "trace": str(args.trace),
-                                             "requests": len(trace), "num_blocks": num_blocks,
-                                             "block_size": block_size, "timing": args.timing,
-                                             "time_scale": args.time_scale, "points": points}, indent=2) + "\n")
-        except OSError as exc:
-            raise UserError(f"cannot write {args.json}: {exc.strerror or exc}") from None
-        console.print(f"wrote {args.json}")
+    meta = {"command": "sim --trace", "trace": str(args.trace), "requests": len(trace), "num_blocks": num_blocks,
+            "block_size": block_size, "timing": args.timing, "time_scale": args.time_scale}
+    out = args.out or Path("kvroute-results") / time.strftime("sim-trace-%Y%m%d-%H%M%S")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+        write_points_json(out / "summary.json", report_points, meta)
+        pngs = write_plots(out, report_points, samples, None, timelines=timelines)
+        if args.json:
+            args.json.write_text(json.dumps({**meta, "points": points}, indent=2) + "\n")
+    except OSError as exc:
+        raise UserError(f"cannot write {exc.filename or out}: {exc.strerror or exc}") from None
+    console.print(f"wrote {out}/: summary.json, {', '.join(p.name for p in pngs)}"
+                  + (f"; {args.json}" if args.json else ""))
     return 0
 
 

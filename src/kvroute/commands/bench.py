@@ -42,7 +42,7 @@ from kvroute.commands._common import (
 from kvroute.engine import PRESETS
 from kvroute.errors import UserError
 from kvroute.records import Point
-from kvroute.report import output_console, print_tables
+from kvroute.report import output_console, print_tables, print_trace_tables
 from kvroute.workload import LengthDist, parse_int_list
 
 NAME = "bench"
@@ -299,7 +299,10 @@ def _report(args, options: BenchOptions, setup: dict, points: list[Point], write
             reference = None
 
     def render(c: Console) -> None:
-        print_tables(points, capacity, c, reference=reference)
+        if workloads[0].trace is not None and not options.rate and all(p.concurrency == 0 for p in points):
+            print_trace_tables(points, c)
+        else:
+            print_tables(points, capacity, c, reference=reference)
 
     render(console)
     if any(p.concurrency == 0 for p in points):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import signal
 import sys
 
@@ -11,7 +12,7 @@ from kvroute import aio
 from kvroute.emulator.config import MODEL_PRESETS, EmulatorConfig
 from kvroute.engine.cost import PRESETS
 from kvroute.errors import UserError
-from kvroute.units import parse_bytes
+from kvroute.units import parse_bytes, parse_tokens
 
 NAME = "emulate"
 HELP = "serve emulated vLLM workers: OpenAI API, Prometheus metrics and KV events"
@@ -25,7 +26,8 @@ faster than real time with --time-scale (all ratios kept).
 
 The KV cache size follows vLLM: blocks = --kv-cache-memory-bytes // (block size x KV bytes
 per token). The default model preset (Qwen3-0.6B, bf16: 114,688 B/token, block 16) with
-1 GiB gives 585 blocks, as in the reference experiment.
+1 GiB gives 585 blocks, as in the reference experiment. --kv-capacity-tokens sizes it in
+tokens instead (--kv-capacity-tokens 3M: 187,500 blocks of 16, plus the null block).
 
 Flags named like vLLM's mean the same thing. --workers N serves N independent workers on
 consecutive ports from --port (each with its own cache and metrics; KV event endpoints move
@@ -68,6 +70,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     serve.add_argument(
         "--num-gpu-blocks-override", type=int, metavar="N",
         help="use exactly N KV blocks (null block included), ignoring the memory size",
+    )
+    serve.add_argument(
+        "--kv-capacity-tokens", metavar="N",
+        help="KV capacity per worker in tokens instead (3M, 500k; decimal): N / block size "
+        "blocks plus the null block, ignoring the memory size",
     )
     serve.add_argument("--max-num-seqs", type=int, help="most requests running at once (default: the timing preset's)")
     serve.add_argument(
@@ -139,6 +146,11 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     }
     overrides.update({k: v for k, v in optional.items() if v is not None})
     config = EmulatorConfig.for_model(args.model_preset, **overrides)
+    if args.kv_capacity_tokens is not None:
+        if args.num_gpu_blocks_override is not None:
+            raise UserError("--kv-capacity-tokens and --num-gpu-blocks-override are alternatives; give one")
+        blocks = parse_tokens(args.kv_capacity_tokens) // config.block_size + 1  # the null block holds none
+        config = dataclasses.replace(config, num_gpu_blocks_override=blocks)
     config.validate()
     return config
 

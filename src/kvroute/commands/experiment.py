@@ -11,9 +11,10 @@ from rich.progress import Progress
 
 from kvroute import aio
 from kvroute.aio import Terminated, stop_on_sigterm
+from kvroute.analytic import MODEL_PRESETS
 from kvroute.bench.files import ResultsWriter, tables_as_html
 from kvroute.bench.progress import ProgressHooks, sweep_progress
-from kvroute.commands._common import add_workload_arguments, workload_spec
+from kvroute.commands._common import add_trace_window_arguments, add_workload_arguments, workload_spec
 from kvroute.engine import PRESETS
 from kvroute.errors import UserError
 from kvroute.experiment import (
@@ -21,20 +22,30 @@ from kvroute.experiment import (
     TOPOLOGIES,
     ExperimentPlan,
     ExperimentResult,
+    TraceWindow,
     cpu_kv_cache_bytes,
     run_experiment,
 )
 from kvroute.fleet import VllmServeOptions, external, launch_emulated, launch_vllm
-from kvroute.report import output_console, print_hit_rate_table, print_latency_tables, print_tables
+from kvroute.report import (
+    output_console,
+    print_hit_rate_table,
+    print_latency_tables,
+    print_tables,
+    print_trace_tables,
+    trace_replay_table,
+)
 from kvroute.routing.policies import POLICIES
 from kvroute.tinymodel import TinyModelConfig
-from kvroute.units import parse_bytes
+from kvroute.units import parse_bytes, parse_tokens
 from kvroute.vllm_setup import VllmInstall
 from kvroute.workload import parse_int_list
 
 ENGINES = ("emulator", "vllm", "urls")
 #: ``vllm serve --max-model-len``: room for the reference's 2,435-token requests and more.
 VLLM_MAX_MODEL_LEN = 4096
+#: ``kvroute emulate --max-model-len``'s default.
+EMULATED_MAX_MODEL_LEN = 4096
 VLLM_MODEL_NAME = "tiny"
 
 NAME = "experiment"
@@ -61,6 +72,14 @@ requests as the reference GPU worker does (the formula's C: the same cache press
 uses the cpu-tiny timing. Each server needs ~1.6 GiB of memory and 1–2 minutes to start
 (they start together); their logs go to --out/vllm/W<N>/worker-<i>/vllm.log.
 
+With --trace the workload is a recorded trace instead (Mooncake's format or kvroute's, as
+`kvroute bench --trace`), replayed by its timestamps (open loop, --time-scale times faster)
+through each topology, with the simulator's replay of the same requests beside it; its tables
+give each topology's hit rates (per request and from the workers' counters) and TTFT, and
+the report plots the hit rate and each worker's load over time. Traces carry long prompts:
+give --max-model-len and --kv-capacity-tokens to match the fleet you mean (the Mooncake
+traces: prompts up to ~130k tokens, Kimi's 3M-token local caches).
+
 Results (JSON, CSV, plots, an HTML report, every request as JSONL) go to --out.
 Everything started is stopped on exit, on Ctrl-C and when a worker crashes.
 
@@ -69,6 +88,8 @@ examples:
   kvroute experiment                    # the full reference sweep (72 trials)
   kvroute experiment --engine vllm --workers 2 --quick --requests 60
   kvroute experiment --engine urls --worker http://10.0.0.5:8000 --worker http://10.0.0.6:8000
+  kvroute experiment --trace synthetic_trace.jsonl --duration 120 --workers 4 --time-scale 10 \
+      --kv-capacity-tokens 3M --max-model-len 200000
 """
 
 #: Emulated workers publish KV events (with replay) on ephemeral loopback ports for the router.
@@ -106,6 +127,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--time-scale", type=float, default=4.0,
                         help="emulated workers run this many times faster than real time (default %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default kvroute-results/experiment-<time>)")
+    parser.add_argument("--max-model-len", type=int, default=None, metavar="TOKENS",
+                        help="the started workers' context length (default 4096); longer requests are "
+                        "refused, counted, and refused in the prediction too")
+    parser.add_argument("--kv-capacity-tokens", default=None, metavar="N",
+                        help="KV capacity per started worker in tokens (3M, 500k; decimal) instead of the "
+                        "reference's 1 GiB (emulated) or --kv-cache-memory-bytes (vLLM)")
+    t = parser.add_argument_group("trace (instead of the reference workload)")
+    t.add_argument("--trace", type=Path, default=None, metavar="JSONL",
+                   help="replay a trace by its timestamps through each topology: Mooncake's format "
+                        "(hash_ids) or kvroute's, auto-detected; prompts are synthesized per hash id")
+    add_trace_window_arguments(t)
     g = parser.add_argument_group("real vLLM workers (--engine vllm)")
     g.add_argument("--kv-cache-memory-bytes", default=None, metavar="SIZE",
                    help="KV memory per vLLM worker (default: the reference's pressure, see above)")
@@ -135,6 +167,23 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
     trials = args.trials if args.trials is not None else base["trials"]
     if trials < 1:
         raise UserError("--trials must be >= 1")
+    if args.engine == "urls" and (args.max_model_len is not None or args.kv_capacity_tokens is not None):
+        raise UserError("--max-model-len and --kv-capacity-tokens size the workers kvroute starts; "
+                        "with --engine urls the servers' own settings apply")
+    if args.engine == "vllm" and args.kv_capacity_tokens and args.kv_cache_memory_bytes:
+        raise UserError("--kv-capacity-tokens and --kv-cache-memory-bytes are alternatives; give one")
+    if args.max_model_len is not None and args.max_model_len < 1:
+        raise UserError("--max-model-len must be >= 1")
+    trace = None
+    if args.trace is not None:
+        if not args.trace.is_file():
+            raise UserError(f"trace {args.trace} does not exist")
+        if args.prefixes or args.concurrency or args.quick:
+            raise UserError("--trace replays the trace's own requests by their timestamps; "
+                            "drop --prefixes, --concurrency and --quick")
+        trace = TraceWindow(args.trace, args.start, args.duration, args.max_requests, args.cut_sessions)
+    elif (args.start, args.duration, args.max_requests, args.cut_sessions) != (0.0, None, None, False):
+        raise UserError("--start, --duration, --max-requests and --cut-sessions are for --trace")
     prefixes = parse_int_list(args.prefixes or base["prefixes"], "--prefixes")
     return ExperimentPlan(
         workers=tuple(workers),
@@ -147,6 +196,8 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         time_scale=args.time_scale if args.engine == "emulator" else 1.0,
         seed=args.seed,
         vocab_size=TinyModelConfig().vocab_size if args.engine == "vllm" else None,
+        trace=trace,
+        max_model_len=args.max_model_len or (VLLM_MAX_MODEL_LEN if args.engine == "vllm" else EMULATED_MAX_MODEL_LEN),
     )
 
 
@@ -156,13 +207,17 @@ def _vllm_options(args: argparse.Namespace, plan: ExperimentPlan) -> tuple[VllmI
         raise UserError(why)
     if args.kv_cache_memory_bytes:
         kv_bytes = parse_bytes(args.kv_cache_memory_bytes)
+    elif args.kv_capacity_tokens:
+        cpu = MODEL_PRESETS["tiny-cpu"]  # the model setup-vllm makes; vLLM counts the null block in the bytes
+        blocks = parse_tokens(args.kv_capacity_tokens) // cpu.block_size + 1
+        kv_bytes = blocks * cpu.block_size * cpu.kv_bytes_per_token
     else:
         # One budget for every K: the pressure of the workload's lengths (equal across K).
         kv_bytes = cpu_kv_cache_bytes(plan.specs[0])
     options = VllmServeOptions(
         model_dir=install.model_dir,
         served_model_names=(VLLM_MODEL_NAME,),
-        max_model_len=VLLM_MAX_MODEL_LEN,
+        max_model_len=plan.max_model_len,
         kv_cache_memory_bytes=kv_bytes,
         enforce_eager=args.enforce_eager,
     )
@@ -177,7 +232,10 @@ def run(args: argparse.Namespace) -> int:
     writer = ResultsWriter(out)
     console = output_console()
     result = ExperimentResult()
-    emulate_args = ["--timing", plan.timing, "--time-scale", f"{plan.time_scale:g}"]
+    emulate_args = ["--timing", plan.timing, "--time-scale", f"{plan.time_scale:g}",
+                    "--max-model-len", str(plan.max_model_len)]
+    if args.kv_capacity_tokens:
+        emulate_args += ["--kv-capacity-tokens", args.kv_capacity_tokens]
     if "router" in plan.topologies:
         emulate_args += ["--kv-events-config", EMULATED_KV_EVENTS]
     if args.engine == "vllm":
@@ -213,7 +271,10 @@ def run(args: argparse.Namespace) -> int:
         return 130
 
     def render(c: Console) -> None:
-        print_tables(result.measured, result.capacity, c, reference=result.predicted or None)
+        if plan.trace is not None:
+            print_trace_tables(result.measured, c, reference=result.predicted or None)
+        else:
+            print_tables(result.measured, result.capacity, c, reference=result.predicted or None)
 
     render(console)
     meta = {
@@ -224,6 +285,8 @@ def run(args: argparse.Namespace) -> int:
         "topologies": list(plan.topologies),
         "timing": plan.timing,
         "time_scale": plan.time_scale,
+        "max_model_len": plan.max_model_len,
+        "kv_capacity_tokens": args.kv_capacity_tokens,
         "trials": plan.trials,
         "seed": plan.seed,
         "capacity_requests": result.capacity,
@@ -233,9 +296,18 @@ def run(args: argparse.Namespace) -> int:
         "sim": {"points": [p.to_json() for p in result.predicted]},
     }
     reference = result.predicted or None
-    lead = tables_as_html(lambda c: print_hit_rate_table(result.measured, result.capacity, c, reference))
-    rest = tables_as_html(lambda c: print_latency_tables(result.measured, c))
-    paths = writer.write_reports(result.measured, meta, result.capacity, rest, reference, lead_html=lead)
+    if plan.trace is not None:
+        lead = tables_as_html(lambda c: c.print(trace_replay_table(result.measured, reference)))
+        rest = tables_as_html(lambda c: print_latency_tables(result.measured, c, by_load=False))
+    else:
+        lead = tables_as_html(lambda c: print_hit_rate_table(result.measured, result.capacity, c, reference))
+        rest = tables_as_html(lambda c: print_latency_tables(result.measured, c))
+    if plan.trace is not None:
+        meta["trace"] = {"path": str(plan.trace.path), "start_s": plan.trace.start_s,
+                         "duration_s_window": plan.trace.duration_s, "max_requests": plan.trace.max_requests,
+                         "cut_sessions": plan.trace.cut_sessions}
+    paths = writer.write_reports(result.measured, meta, result.capacity, rest, reference, lead_html=lead,
+                                 reference_timelines=result.predicted_timelines)
     console.print(f"wrote {writer.out}/: {', '.join(p.name for p in [*paths, *writer.logs()])}")
     if interrupted:
         console.print("[yellow]stopped early[/yellow]: the tables show what was measured")

@@ -10,13 +10,14 @@ does.
 
 from __future__ import annotations
 
+import random
 from dataclasses import dataclass
 
 import numpy as np
 
 from kvroute.records import RequestRecord, TrialStats, summarize
-from kvroute.routing.policies import Policy
-from kvroute.sim import Simulation, WorkerConfig
+from kvroute.routing.policies import Policy, make_policy, policy_parameters
+from kvroute.sim import Simulation, WorkerConfig, trial_seed
 from kvroute.trace.format import Trace
 from kvroute.workload import RequestSpec
 
@@ -46,6 +47,16 @@ def busiest_share(stats: TrialStats, workers: int) -> float:
     """Requests of the busiest worker ÷ the mean per worker (1.0: perfectly even)."""
     served = stats.worker_requests
     return max(served.values()) * workers / sum(served.values()) if served else 0.0
+
+
+def trace_policy(name: str, seed: int, block_size: int, options: dict | None = None) -> Policy:
+    """The policy ``name`` as a trace replay runs it: seeded as the simulator's first trial
+    (the seed a Service balancer is reseeded with for that trial), with the workers' block
+    size where the policy hashes blocks (as ``kvroute serve`` sets it)."""
+    opts = dict(options or {})
+    if "block_size" in policy_parameters(name):
+        opts.setdefault("block_size", block_size)
+    return make_policy(name, rng=random.Random(trial_seed(seed, 0)), **opts)
 
 
 def simulate_trace(
