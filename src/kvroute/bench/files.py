@@ -487,8 +487,7 @@ def plot_worker_load_over_time(timelines: Timelines):
         ax.set_ylabel("requests in flight (bin mean)")
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-    fig.suptitle("Requests in flight per worker over time (one line per worker; even load: lines together)",
-                 fontsize=11)
+    fig.suptitle("Requests in flight per worker (one line each)", fontsize=11)
     fig.tight_layout()
     return fig
 

@@ -78,7 +78,9 @@ through each topology, with the simulator's replay of the same requests beside i
 give each topology's hit rates (per request and from the workers' counters) and TTFT, and
 the report plots the hit rate and each worker's load over time. Traces carry long prompts:
 give --max-model-len and --kv-capacity-tokens to match the fleet you mean (the Mooncake
-traces: prompts up to ~130k tokens, Kimi's 3M-token local caches).
+traces: prompts up to ~130k tokens, Kimi's 3M-token local caches). Times are shown in model
+time, so any real overhead (the router's own work, a busy machine) is multiplied by
+--time-scale too: judge TTFT at --time-scale 1.
 
 Results (JSON, CSV, plots, an HTML report, every request as JSONL) go to --out.
 Everything started is stopped on exit, on Ctrl-C and when a worker crashes.
@@ -120,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true",
                         help="a reduced sweep (W 6,3; K 2,12,24; c 4,8; 1 trial) that takes a few minutes")
     parser.add_argument("--concurrency", "-c", default=None, metavar="C[,C...]", help="closed-loop levels (reference 4,8,16)")
-    parser.add_argument("--trials", type=int, default=None, help="trials per point (reference 3)")
+    parser.add_argument("--trials", type=int, default=None, help="trials per point (reference 3; with --trace 1)")
     parser.add_argument("--timing", default=None, choices=sorted(PRESETS),
                         help="emulated workers' timing preset, also used for the prediction "
                         "(default reference-gpu; cpu-tiny with --engine vllm)")
@@ -164,7 +166,8 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
     unknown = [t for t in topologies if t not in TOPOLOGIES]
     if unknown or not topologies:
         raise UserError(f"bad --topology {args.topology!r}: choose from {', '.join(TOPOLOGIES)}")
-    trials = args.trials if args.trials is not None else base["trials"]
+    # A trace is replayed once by default: it is long, and its requests are its own.
+    trials = args.trials if args.trials is not None else (1 if args.trace is not None else base["trials"])
     if trials < 1:
         raise UserError("--trials must be >= 1")
     if args.engine == "urls" and (args.max_model_len is not None or args.kv_capacity_tokens is not None):
