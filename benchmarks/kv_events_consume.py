@@ -13,9 +13,8 @@ since only figures from one run compare on a shared machine:
 * ``iterate`` and ``run``: batches decoded into ``kvroute.engine.events`` objects and applied
   to the Python ``KvIndex`` (today's router);
 * ``native``: ``run`` on a ``native=True`` subscriber, batches decoded into a
-  ``NativeEventBatch`` (events stay in Rust) and not applied: the native index's
-  ``apply_native`` is not in this build, so this is the cost of everything around it (socket,
-  event loop, sequence tracker, decoding).
+  ``NativeEventBatch`` (events stay in Rust) and applied by ``KvIndex.apply_native``, as
+  ``kvroute serve`` does: socket, event loop, sequence tracker, decoding and the index.
 
 Then, without sockets, the native parts alone per batch: the sequence tracker's in-order
 check, ``decode_native`` and ``decode_batch`` (with the Python objects), so the Python I/O
@@ -95,8 +94,11 @@ async def consume(port: int, way: str, batches: int, timeout_s: float) -> float:
 
     def on_item(item: object) -> None:
         nonlocal got, started
-        if isinstance(item, EventsReceived) and not native:
-            index.apply("worker", item.batch.events)
+        if isinstance(item, EventsReceived):
+            if native:
+                index.apply_native("worker", item.batch)
+            else:
+                index.apply("worker", item.batch.events)
         got += 1
         if got == 1:
             started = time.process_time()
