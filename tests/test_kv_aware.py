@@ -216,7 +216,7 @@ class StaticPartition:
 def test_reference_k24_near_the_best_partition_without_hotspots():
     """Reference workload, 6 workers, concurrency 8, K = 24. The bound W·C/K = 0.96 assumes a
     worker holds C = 3.84 prefixes whatever the order; vLLM's LRU also keeps each request's
-    ~24 unique full suffix/output blocks, so a worker owning 4 prefixes loses one whenever
+    ~25 unique full suffix/output blocks, so a worker owning 4 prefixes loses one whenever
     enough requests in a row miss it: even the oracle partition stays near 0.93 (0.927; 0.908
     before the engine reused a finished request's partial block first, as vLLM 0.32 does).
     kv-aware gets within 6% of it (0.879)."""
