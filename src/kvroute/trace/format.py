@@ -39,7 +39,7 @@ the same as flat numpy arrays (hash-id chains with offsets) for a simulator in R
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -73,9 +73,15 @@ def block_tokens(hash_id: int, vocab: np.ndarray | None = None, seed: int = 0) -
     """The 512 token ids of hash id ``hash_id``: ``vocab[splitmix64(key + position) % len(vocab)]``
     with ``key = splitmix64(seed · 2^32 + hash_id) · 512`` (uint64 wrapping). Pure: the same id,
     vocabulary and seed always give the same tokens (uint32)."""
+    return blocks_tokens([hash_id], vocab, seed)[0]
+
+
+def blocks_tokens(hash_ids: Sequence[int], vocab: np.ndarray | None = None, seed: int = 0) -> np.ndarray:
+    """``block_tokens`` of many ids in one vectorized pass: shape (len(hash_ids), 512)."""
     vocab = DEFAULT_VOCAB if vocab is None else vocab
-    key = _splitmix64(np.array([((seed << 32) + hash_id) & 0xFFFFFFFFFFFFFFFF], dtype=np.uint64))
-    mixed = _splitmix64((key * np.uint64(BLOCK_TOKENS) + _POSITIONS) & _MASK)  # arrays wrap silently
+    ids = np.array([((seed << 32) + h) & 0xFFFFFFFFFFFFFFFF for h in hash_ids], dtype=np.uint64)
+    keys = _splitmix64(ids)[:, None] * np.uint64(BLOCK_TOKENS)  # arrays wrap silently
+    mixed = _splitmix64((keys + _POSITIONS[None, :]) & _MASK)
     return np.asarray(vocab, dtype=np.uint32)[mixed % np.uint64(len(vocab))]
 
 
@@ -238,13 +244,10 @@ class Trace:
         if not request.hash_ids:
             return np.zeros(0, dtype=np.uint32)
         cache = self._blocks
-        blocks = []
-        for h in request.hash_ids:
-            tokens = cache.get(h)
-            if tokens is None:
-                tokens = cache[h] = block_tokens(h, self.vocab, self.seed)
-            blocks.append(tokens)
-        return np.concatenate(blocks)[: request.input_length]
+        missing = [h for h in dict.fromkeys(request.hash_ids) if h not in cache]
+        if missing:
+            cache.update(zip(missing, blocks_tokens(missing, self.vocab, self.seed)))
+        return np.concatenate([cache[h] for h in request.hash_ids])[: request.input_length]
 
     def replay(self, time_scale: float = 1.0) -> Iterator[ReplayRequest]:
         """Open-loop replay in arrival order, ``time_scale`` times faster than recorded:
