@@ -354,6 +354,7 @@ def write_plots(
     reference: list[Point] | None = None,
     timelines: Timelines | None = None,
     reference_timelines: Timelines | None = None,
+    timelines_source: str = "measured",
 ) -> list[Path]:
     """The PNGs: against K and concurrency for closed-loop points; for an open-loop replay with
     ``timelines`` (a trace), the hit rate and each worker's load over time instead (with the
@@ -364,7 +365,8 @@ def write_plots(
     plt = _pyplot()
     figures = []
     if timelines:
-        figures.append(("hit_rate_over_time.png", plot_hit_rate_over_time(timelines, reference_timelines)))
+        figures.append(("hit_rate_over_time.png",
+                        plot_hit_rate_over_time(timelines, reference_timelines, timelines_source)))
         # Only replays whose responses name their worker (the router's header, the simulator):
         # behind a Service the client cannot tell which worker answered.
         named = {k: v for k, v in timelines.items() if any(r.worker is not None for r in v)}
@@ -415,9 +417,10 @@ def _token_hit_by_bin(records: list[RequestRecord], edges: np.ndarray) -> np.nda
         return np.where(den > 0, num / den, np.nan)
 
 
-def plot_hit_rate_over_time(timelines: Timelines, reference: Timelines | None = None):
+def plot_hit_rate_over_time(timelines: Timelines, reference: Timelines | None = None, source: str = "measured"):
     """Token hit ratio of the requests sent in each time bin, one panel per fleet size, the
-    topology as the colour (the simulator's replay dashed); the whole-run ratio in the legend."""
+    topology as the colour (the simulator's replay dashed); the whole-run ratio in the legend.
+    ``source`` names where ``timelines`` come from (``measured``, or ``simulated``)."""
     from matplotlib.lines import Line2D
 
     plt = _pyplot()
@@ -431,8 +434,8 @@ def plot_hit_rate_over_time(timelines: Timelines, reference: Timelines | None = 
     handles, labels = [], []
     for ax, w in zip(axes[0], fleets):
         for name in names:
-            for source, style, tag in ((timelines, "-", "measured"), (reference or {}, "--", "simulator")):
-                records = source.get((w, name))
+            for runs, style, tag in ((timelines, "-", source), (reference or {}, "--", "simulator")):
+                records = runs.get((w, name))
                 if not records:
                     continue
                 ax.plot(mids, _token_hit_by_bin(records, edges), style, color=colors[name],
@@ -471,7 +474,8 @@ def plot_worker_load_over_time(timelines: Timelines):
     keys = sorted(timelines, key=lambda k: (-k[0], _topology_order(k[1])))
     cols = min(3, len(keys))
     rows = -(-len(keys) // cols)
-    fig, axes = _grid(plt, rows, cols, width=4.4, height=2.8, sharex=True, sharey=True)
+    # Each panel its own scale: a hotspot's queue (hundreds) would flatten an even fleet's lines.
+    fig, axes = _grid(plt, rows, cols, width=4.4, height=2.8, sharex=True)
     for ax in axes.flat[len(keys):]:
         ax.set_visible(False)
     cmap = plt.get_cmap("tab10" if max(k[0] for k in keys) <= 10 else "tab20")
@@ -481,8 +485,9 @@ def plot_worker_load_over_time(timelines: Timelines):
         served = [sum(1 for r in records if r.worker == n) for n in workers]
         for i, worker in enumerate(workers):
             ax.plot(mids, _mean_in_flight(records, worker, edges), color=cmap(i % cmap.N), lw=1.2)
-        busiest = max(served) * len(workers) / sum(served) if served else 0.0
-        ax.set_title(f"{name}, {w} workers: busiest {busiest:.2f}× the mean", fontsize=9)
+        busiest = max(served) * w / sum(served) if served else 0.0  # idle workers count in the mean
+        idle = f", {w - len(workers)} idle" if len(workers) < w else ""
+        ax.set_title(f"{name}, {w} workers: busiest {busiest:.2f}× the mean{idle}", fontsize=9)
         ax.set_xlabel(f"time ({unit_name})")
         ax.set_ylabel("requests in flight (bin mean)")
         ax.set_ylim(bottom=0)

@@ -95,7 +95,7 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
     try:
         out.mkdir(parents=True, exist_ok=True)
         write_points_json(out / "summary.json", report_points, meta)
-        pngs = write_plots(out, report_points, samples, None, timelines=timelines)
+        pngs = write_plots(out, report_points, samples, None, timelines=timelines, timelines_source="simulated")
         if args.json:
             args.json.write_text(json.dumps({**meta, "points": points}, indent=2) + "\n")
     except OSError as exc:
