@@ -145,7 +145,7 @@ class Simulation:
         out = _native.simulate(
             self.engines, self.routing, self.now, table,
             np.fromiter((r.prefix_id for r in requests), dtype=np.uint32, count=n),
-            as_token_array(np.concatenate(suffixes)) if offsets[-1] else _EMPTY, offsets,
+            suffixes, offsets,
             np.fromiter((r.output_tokens for r in requests), dtype=np.uint32, count=n),
             as_token_array(output_token_ids),
             concurrency=None if send_times is not None else concurrency,
