@@ -64,7 +64,7 @@ pub const ENTRY_BYTES: usize = 128;
 /// XORed, as foldhash and wyhash do) carries every input bit to both the low bits (the
 /// bucket) and the top seven (the table's control byte), so small or sequential keys (tests,
 /// odd engines) spread too; it is one `mul` where a splitmix finalizer is two and three
-/// shifts, measured 10% of ingesting a block event.
+/// shifts (measured: the 150-block look-up over 64 workers 1.1-1.3 µs -> 0.7 µs).
 #[derive(Default, Clone, Copy)]
 pub struct MixHasher(u64);
 
