@@ -34,7 +34,7 @@ from kvroute.records import Point, RequestRecord, TrialStats, summarize
 from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
 from kvroute.routing.policies import Policy, WorkerState, make_policy, policy_parameters
-from kvroute.workload import RequestSpec, Workload
+from kvroute.workload import RequestSpec, Workload, gc_paused
 
 
 @dataclass(frozen=True)
@@ -138,31 +138,31 @@ class Simulation:
         for r in requests:
             prefixes.setdefault(r.prefix_id, r.prefix)
         table = [prefixes.get(i, _EMPTY) for i in range(max(prefixes) + 1)]
-        lengths = np.fromiter((len(r.suffix) for r in requests), dtype=np.uint64, count=len(requests))
-        offsets = np.zeros(len(requests) + 1, dtype=np.uint64)
-        np.cumsum(lengths, out=offsets[1:])
-        suffixes = np.concatenate([r.suffix for r in requests]) if offsets[-1] else _EMPTY
+        n = len(requests)
+        suffixes = [r.suffix for r in requests]
+        offsets = np.zeros(n + 1, dtype=np.uint64)
+        np.cumsum(np.fromiter(map(len, suffixes), dtype=np.uint64, count=n), out=offsets[1:])
         out = _native.simulate(
             self.engines, self.routing, self.now, table,
-            np.fromiter((r.prefix_id for r in requests), dtype=np.uint32, count=len(requests)),
-            as_token_array(suffixes), offsets,
-            np.fromiter((r.output_tokens for r in requests), dtype=np.uint32, count=len(requests)),
+            np.fromiter((r.prefix_id for r in requests), dtype=np.uint32, count=n),
+            suffixes, offsets,
+            np.fromiter((r.output_tokens for r in requests), dtype=np.uint32, count=n),
             as_token_array(output_token_ids),
             concurrency=None if send_times is not None else concurrency,
             send_times=send_times,
         )
         self.now = out["now"]
         names = self.names
-        return [
-            RequestRecord(
-                index=spec.index, prefix_id=spec.prefix_id, send_time=send, prompt_tokens=prompt,
-                cached_tokens=cached, ttft_s=ttft, e2e_s=e2e, output_tokens=n_out, worker=names[w],
-            )
-            for spec, w, cached, prompt, send, ttft, e2e, n_out in zip(
-                requests, out["worker"], out["cached_tokens"], out["prompt_tokens"], out["send_time"],
-                out["ttft_s"], out["e2e_s"], out["output_tokens"],
-            )
-        ]
+        with gc_paused():
+            # Positional: RequestRecord(index, prefix_id, send_time, prompt_tokens,
+            # cached_tokens, ttft_s, e2e_s, output_tokens, status, error, worker).
+            return [
+                RequestRecord(spec.index, spec.prefix_id, send, prompt, cached, ttft, e2e, n_out, 200, None, names[w])
+                for spec, w, cached, prompt, send, ttft, e2e, n_out in zip(
+                    requests, out["worker"], out["cached_tokens"], out["prompt_tokens"], out["send_time"],
+                    out["ttft_s"], out["e2e_s"], out["output_tokens"],
+                )
+            ]
 
 
 _EMPTY = np.zeros(0, dtype=np.uint32)

@@ -12,7 +12,10 @@ same seed gives the same requests, in the same order, on every run and every top
 
 from __future__ import annotations
 
+import gc
 import re
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -187,6 +190,22 @@ def _prefix_order(spec: WorkloadSpec, rng: np.random.Generator) -> np.ndarray:
 _SUFFIX_CHUNK_TOKENS = 1 << 16
 
 
+@contextmanager
+def gc_paused() -> Iterator[None]:
+    """No cyclic garbage collection inside: for loops that build a million acyclic objects
+    (requests, records). Each object allocated counts towards the collector's thresholds, so
+    such a loop sets off collections that walk every tracked object, the ones just built
+    included, again and again: measured, a third of generating 10⁶ requests and two thirds of
+    building their records. Reference counting still frees everything as usual."""
+    was_enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was_enabled:
+            gc.enable()
+
+
 def generate(spec: WorkloadSpec, vocab: np.ndarray | None = None) -> Workload:
     """Build the workload for ``spec``; deterministic in ``spec.seed``.
 
@@ -217,26 +236,27 @@ def generate(spec: WorkloadSpec, vocab: np.ndarray | None = None) -> Workload:
     # view of its chunk: per request, a slice instead of two array operations.
     chunk_tokens = _SUFFIX_CHUNK_TOKENS
     i = 0
-    while i < total:
-        j = i + 1
-        while j < total and ends[j] - starts[i] <= chunk_tokens:
-            j += 1
-        base = starts[i]
-        tokens = vocab[rng.integers(0, len(vocab), size=ends[j - 1] - base)]
-        for k in range(i, j):
-            warmup = k < spec.prefixes
-            pid = prefix_ids[k]
-            out.append(
-                RequestSpec(
-                    k if warmup else k - spec.prefixes,
-                    pid,
-                    prefixes[pid],
-                    tokens[starts[k] - base : ends[k] - base],
-                    output_tokens,
-                    warmup,
+    with gc_paused():
+        while i < total:
+            j = i + 1
+            while j < total and ends[j] - starts[i] <= chunk_tokens:
+                j += 1
+            base = starts[i]
+            tokens = vocab[rng.integers(0, len(vocab), size=ends[j - 1] - base)]
+            for k in range(i, j):
+                warmup = k < spec.prefixes
+                pid = prefix_ids[k]
+                out.append(
+                    RequestSpec(
+                        k if warmup else k - spec.prefixes,
+                        pid,
+                        prefixes[pid],
+                        tokens[starts[k] - base : ends[k] - base],
+                        output_tokens,
+                        warmup,
+                    )
                 )
-            )
-        i = j
+            i = j
     return Workload(spec, prefixes, out[: spec.prefixes], out[spec.prefixes :], vocab)
 
 

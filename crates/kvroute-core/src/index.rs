@@ -59,10 +59,17 @@ use crate::engine::events::{BlockRemoved, BlockStored, KvCacheEvent};
 /// hash tables' spare capacity): what [`MemoryBound::Bytes`] divides by.
 pub const ENTRY_BYTES: usize = 128;
 
-/// A finalizer-quality mixer for keys that are hashes already (xxh3 of tokens, vLLM's
-/// digests): SipHash would cost more than the rest of a look-up.
+/// A mixer for keys that are hashes already (xxh3 of tokens, vLLM's digests): SipHash would
+/// cost more than the rest of a look-up. One folded multiply (the 128-bit product's halves
+/// XORed, as foldhash and wyhash do) carries every input bit to both the low bits (the
+/// bucket) and the top seven (the table's control byte), so small or sequential keys (tests,
+/// odd engines) spread too; it is one `mul` where a splitmix finalizer is two and three
+/// shifts (measured: the 150-block look-up over 64 workers 1.1-1.3 µs -> 0.7 µs).
 #[derive(Default, Clone, Copy)]
 pub struct MixHasher(u64);
+
+/// An odd constant with well-spread bits (the 64-bit golden ratio).
+const MIX: u64 = 0x9e37_79b9_7f4a_7c15;
 
 impl Hasher for MixHasher {
     fn finish(&self) -> u64 {
@@ -70,16 +77,13 @@ impl Hasher for MixHasher {
     }
     fn write(&mut self, bytes: &[u8]) {
         for &b in bytes {
-            self.write_u64(self.0 ^ b as u64);
+            self.write_u64(u64::from(b));
         }
     }
+    #[inline]
     fn write_u64(&mut self, x: u64) {
-        // splitmix64's finalizer: every input bit reaches the low bits (bucket) and the top
-        // seven (the table's control byte).
-        let mut z = x ^ self.0.rotate_left(17);
-        z = (z ^ (z >> 30)).wrapping_mul(0xbf58_476d_1ce4_e5b9);
-        z = (z ^ (z >> 27)).wrapping_mul(0x94d0_49bb_1331_11eb);
-        self.0 = z ^ (z >> 31);
+        let full = u128::from(x ^ self.0.rotate_left(23) ^ MIX) * u128::from(MIX);
+        self.0 = (full as u64) ^ ((full >> 64) as u64);
     }
 }
 

@@ -398,10 +398,13 @@ impl<'p> Simulation<'p> {
         let mut prompt = Vec::with_capacity(prefix.len() + suffix.len());
         prompt.extend_from_slice(prefix);
         prompt.extend_from_slice(suffix);
-        let mut hashes = shared.clone();
+        let out = requests.output_tokens[pos] as usize;
+        // Room for every block the request will fill, generated tokens included: the engine
+        // extends this vector as blocks fill, and growing it would copy it twice.
+        let mut hashes = Vec::with_capacity((prompt.len() + out).div_ceil(hasher.block_size()));
+        hashes.extend_from_slice(shared);
         hasher.extend(&mut hashes, &prompt);
         let placed = self.placement.place(&hashes, prompt.len(), self.now);
-        let out = requests.output_tokens[pos] as usize;
         let arrival = self.now + self.config.cost.frontend_s;
         let request = NewRequest {
             prompt,

@@ -13,7 +13,7 @@ use kvroute_core::routing::StepPlacement;
 use kvroute_core::sim::{RequestSet, SimError, Simulation, WorkerConfig};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyDict;
+use pyo3::types::{PyDict, PyList};
 
 use crate::engine::{Engine, cost_of};
 use crate::routing::{ForeignPolicy, RoutingStep};
@@ -27,6 +27,27 @@ fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
     obj.extract::<Vec<usize>>()
 }
 
+/// Every request's own tokens in one vector: `obj` is one token array (all of them,
+/// concatenated) or a list of one array per request, copied straight into place (one copy
+/// of a million suffixes instead of a concatenation in numpy and a copy of its result).
+fn concat_suffixes(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>> {
+    let Ok(list) = obj.cast::<PyList>() else {
+        return extract_tokens(py, obj);
+    };
+    let mut out: Vec<u32> = Vec::new();
+    for item in list.iter() {
+        match pyo3::buffer::PyBuffer::<u32>::get(&item) {
+            Ok(buffer) if buffer.dimensions() <= 1 => {
+                let at = out.len();
+                out.resize(at + buffer.item_count(), 0);
+                buffer.copy_to_slice(py, &mut out[at..])?;
+            }
+            _ => out.extend(extract_tokens(py, &item)?),
+        }
+    }
+    Ok(out)
+}
+
 /// Run one request set through the native simulator.
 ///
 /// Args:
@@ -35,7 +56,8 @@ fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
 ///     now: the simulation clock when the run starts.
 ///     prefixes: the shared prefixes' token arrays, by prefix id.
 ///     prefix_ids, suffix_tokens, suffix_offsets, output_tokens: the requests (see
-///         ``kvroute_core::sim::RequestSet``).
+///         ``kvroute_core::sim::RequestSet``); ``suffix_tokens`` may also be a list of one
+///         token array per request.
 ///     output: the tokens every request generates (request ``i`` the first ``output_tokens[i]``).
 ///     concurrency: closed-loop clients, or None with ``send_times`` (open loop).
 ///     send_times: each request's send time (open loop).
@@ -66,7 +88,7 @@ fn simulate<'py>(
     };
     let requests = RequestSet {
         prefix_ids: extract_tokens(py, prefix_ids)?,
-        suffix_tokens: extract_tokens(py, suffix_tokens)?,
+        suffix_tokens: concat_suffixes(py, suffix_tokens)?,
         suffix_offsets: offsets(py, suffix_offsets)?,
         output_tokens: extract_tokens(py, output_tokens)?,
     };

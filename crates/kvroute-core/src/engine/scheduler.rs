@@ -339,6 +339,7 @@ impl Engine {
         if max_tokens < 1 {
             return Err(RequestError::NoOutput);
         }
+        let num_blocks = (new.prompt.len() + max_tokens).div_ceil(self.block_size);
         let mut request = Request {
             serial: self.next_serial,
             prompt: new.prompt,
@@ -351,7 +352,8 @@ impl Engine {
             num_cached_tokens: -1,
             num_cached_blocks: 0,
             num_preemptions: 0,
-            blocks: Vec::new(),
+            // Every block it will hold, so that taking them never regrows the vector.
+            blocks: Vec::with_capacity(num_blocks),
             first_token_time: None,
             finish_time: None,
         };
