@@ -34,8 +34,9 @@ pieces cached the same way (:mod:`kvroute.proxy.chunks`). Other tokenizers encod
 from __future__ import annotations
 
 import re
+import sys
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -63,29 +64,87 @@ class PromptInfo:
     block_hashes: list[int]
 
 
-class _LRU:
-    """A bounded mapping evicting the least recently used entry beyond ``capacity``."""
+#: Memory bound of a router's tokenization caches together (``--prompt-cache-bytes``): a
+#: quarter for message segments, a quarter for prompt heads' hashes, half for the text pieces
+#: of :mod:`kvroute.proxy.chunks`.
+DEFAULT_PROMPT_CACHE_BYTES = 64 << 20
+#: An entry larger than this share of its cache's bound is not cached: one client's huge
+#: prompt must not flush everyone's shared prefixes.
+_LARGEST_ENTRY_SHARE = 8
+#: Bytes per cached block hash: a list slot and a Python int.
+_HASH_BYTES = 8 + 32
 
-    __slots__ = ("capacity", "_data")
 
-    def __init__(self, capacity: int) -> None:
-        self.capacity = capacity
-        self._data: OrderedDict[Any, Any] = OrderedDict()
+class ByteLRU:
+    """A mapping bounded in bytes: least recently used entries are dropped once the sizes
+    ``size_of(key, value)`` sum past ``max_bytes``; an entry over ``max_bytes`` /
+    :data:`_LARGEST_ENTRY_SHARE` is not kept at all."""
+
+    __slots__ = ("_data", "_size_of", "evictions", "max_bytes", "nbytes")
+
+    def __init__(self, max_bytes: int, size_of: Callable[[Any, Any], int]) -> None:
+        self.max_bytes = max_bytes
+        self._size_of = size_of
+        self._data: OrderedDict[Any, tuple[Any, int]] = OrderedDict()
+        self.nbytes = 0
+        self.evictions = 0
 
     def get(self, key: Any) -> Any:
-        value = self._data.get(key)
-        if value is not None:
-            self._data.move_to_end(key)
-        return value
+        entry = self._data.get(key)
+        if entry is None:
+            return None
+        self._data.move_to_end(key)
+        return entry[0]
 
     def put(self, key: Any, value: Any) -> None:
-        self._data[key] = value
-        self._data.move_to_end(key)
-        if len(self._data) > self.capacity:
-            self._data.popitem(last=False)
+        size = self._size_of(key, value)
+        if size * _LARGEST_ENTRY_SHARE > self.max_bytes:
+            return
+        old = self._data.pop(key, None)
+        if old is not None:
+            self.nbytes -= old[1]
+        self._data[key] = (value, size)
+        self.nbytes += size
+        while self.nbytes > self.max_bytes and self._data:
+            _, (_, dropped) = self._data.popitem(last=False)
+            self.nbytes -= dropped
+            self.evictions += 1
 
     def __len__(self) -> int:
         return len(self._data)
+
+
+def _segment_size(key: str, ids: np.ndarray) -> int:
+    return sys.getsizeof(key) + ids.nbytes + 112  # the array object, the dict slot
+
+
+def _prefix_size(key: tuple[str, str], value: PromptInfo | tuple[np.ndarray, list[int]]) -> int:
+    if isinstance(value, PromptInfo):
+        hashes, ids_bytes = value.block_hashes, 0
+    else:
+        hashes, ids_bytes = value[1], value[0].nbytes
+    return sys.getsizeof(key[1]) + ids_bytes + _HASH_BYTES * len(hashes) + 200
+
+
+#: Token ids converted per numpy call: each call holds the GIL, so a long prompt parsed on
+#: the offload thread lets the event loop run between slices (~5 ms each).
+_IDS_SLICE = 1 << 16
+
+
+def _token_ids(prompt: list) -> np.ndarray | None:
+    """``prompt`` as an array of token ids, or None unless it is a flat list of integers in
+    ``[0, 2^32)`` (one vectorized check per slice instead of a loop over the ids: a float, a
+    string or an overflowing int makes another dtype)."""
+    parts = []
+    for start in range(0, len(prompt), _IDS_SLICE):
+        try:
+            ids = np.asarray(prompt[start:start + _IDS_SLICE])
+        except (TypeError, ValueError, OverflowError):
+            return None
+        if ids.dtype.kind not in "iu" or ids.ndim != 1 or (ids < 0).any() or (ids > 0xFFFFFFFF).any():
+            return None
+        parts.append(ids)
+    return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 def _special_cut_tokens(tokenizer: Tokenizer) -> dict[str, int]:
@@ -109,22 +168,28 @@ def _special_cut_tokens(tokenizer: Tokenizer) -> dict[str, int]:
 class PromptHasher:
     """Tokenizes request prompts as the engine does and hashes their full blocks.
 
+    Every cache is bounded in bytes (:class:`ByteLRU`; the text pieces' in
+    :class:`kvroute.proxy.chunks.TextChunker`), together ``cache_bytes``: many distinct
+    large prompts cost evictions, not memory.
+
     Args:
         tokenizer: the engine's tokenizer (or the synthetic fallback).
         hasher: the router's block hasher (same block size and seed as the index).
-        segment_cache_entries: pieces of text kept tokenized (LRU).
-        prefix_cache_entries: prompt heads whose block hashes are kept (LRU).
-        text_piece_cache_entries: pieces of text prompts kept tokenized (LRU; a 2,400-token
-            prompt is ~70 pieces, each ~0.5 KB with its ids).
+        cache_bytes: memory bound of the caches together (see
+            :data:`DEFAULT_PROMPT_CACHE_BYTES` for the shares).
+        segment_cache_entries / prefix_cache_entries / text_piece_cache_entries: entry
+            bounds on top (tests use small ones to see evictions).
     """
 
     def __init__(
         self,
         tokenizer: Tokenizer,
         hasher: BlockHasher,
-        segment_cache_entries: int = 4096,
-        prefix_cache_entries: int = 4096,
-        text_piece_cache_entries: int = 32768,
+        segment_cache_entries: int | None = None,
+        prefix_cache_entries: int | None = None,
+        text_piece_cache_entries: int = 1 << 20,
+        *,
+        cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
     ) -> None:
         self.tokenizer = tokenizer
         self.hasher = hasher
@@ -134,10 +199,29 @@ class PromptHasher:
             if self._cut_ids
             else None
         )
-        self._segments = _LRU(segment_cache_entries)
-        self._prefixes = _LRU(prefix_cache_entries)
+        self._segments = ByteLRU(cache_bytes // 4, _segment_size)
+        self._prefixes = ByteLRU(cache_bytes // 4, _prefix_size)
+        self._segment_entries = segment_cache_entries
+        self._prefix_entries = prefix_cache_entries
         #: Piecewise exact encoder of text prompts, or None when the tokenizer does not qualify.
-        self.text_chunker = text_chunker(tokenizer, text_piece_cache_entries)
+        self.text_chunker = text_chunker(tokenizer, text_piece_cache_entries, max_bytes=cache_bytes // 2)
+
+    def cache_stats(self) -> tuple[int, int]:
+        """Bytes the caches hold, and entries they dropped to stay within their bounds."""
+        nbytes = self._segments.nbytes + self._prefixes.nbytes
+        evictions = self._segments.evictions + self._prefixes.evictions
+        if self.text_chunker is not None:
+            nbytes += self.text_chunker.nbytes
+            evictions += self.text_chunker.evictions
+        return nbytes, evictions
+
+    def _put(self, cache: ByteLRU, entries: int | None, key: Any, value: Any) -> None:
+        cache.put(key, value)
+        if entries is not None:
+            while len(cache) > entries:
+                _, (_, size) = cache._data.popitem(last=False)
+                cache.nbytes -= size
+                cache.evictions += 1
 
     # --- request bodies -----------------------------------------------------------------------
 
@@ -153,13 +237,8 @@ class PromptHasher:
         if isinstance(prompt, str):
             return self.text(prompt)
         if isinstance(prompt, list) and prompt:
-            try:
-                ids = np.asarray(prompt)
-            except (TypeError, ValueError, OverflowError):
-                ids = None
-            # One vectorized check instead of a loop over thousands of ids: integer dtype
-            # (a float, a string or an overflowing int makes another), flat, in uint32 range.
-            if ids is None or ids.dtype.kind not in "iu" or ids.ndim != 1 or (ids < 0).any() or (ids > 0xFFFFFFFF).any():
+            ids = _token_ids(prompt)
+            if ids is None:
                 raise BadRequest("prompt: token ids must be integers in [0, 2^32)", "prompt")
             return PromptInfo(len(ids), self.hasher.hash_blocks(ids))
         raise BadRequest(
@@ -209,7 +288,7 @@ class PromptHasher:
             else:
                 ids = self.tokenizer.encode(text, add_special_tokens=True)
             cached = PromptInfo(len(ids), self.hasher.hash_blocks(ids))
-            self._prefixes.put(("text", text), cached)
+            self._put(self._prefixes, self._prefix_entries, ("text", text), cached)
         return cached
 
     def _segment_ids(self, piece: str) -> np.ndarray:
@@ -220,7 +299,7 @@ class PromptHasher:
                 ids = self.text_chunker.encode(piece, add_special_tokens=False)
             else:
                 ids = np.asarray(self.tokenizer.encode(piece, add_special_tokens=False), dtype=np.uint32)
-            self._segments.put(piece, ids)
+            self._put(self._segments, self._segment_entries, piece, ids)
         return ids
 
     def _templated(self, text: str) -> PromptInfo:
@@ -239,7 +318,7 @@ class PromptHasher:
         if head is None:
             head_ids = self._ids_of(pieces[:last])
             head = (head_ids, self.hasher.hash_blocks(head_ids))
-            self._prefixes.put(("head", head_text), head)
+            self._put(self._prefixes, self._prefix_entries, ("head", head_text), head)
         head_ids, head_hashes = head
         tail_ids = self._ids_of(pieces[last:])
         ids = np.concatenate((head_ids, tail_ids)) if len(tail_ids) else head_ids
