@@ -483,9 +483,11 @@ class Router:
         )
         self.connection_limits = limits
         # auto_decompress=False: a compressed body is refused (415), never expanded.
+        # lingering_time=0: a body left unread (413, 415, 408) closes the connection after the
+        # answer instead of being read and dropped for up to 10 s.
         self._runner = GuardedRunner(
             self.app, limits=limits, metrics=self.metrics, handler_cancellation=True,
-            access_log=None, shutdown_timeout=1.0, auto_decompress=False,
+            access_log=None, shutdown_timeout=1.0, auto_decompress=False, lingering_time=0,
         )
         await self._runner.setup()
         try:
