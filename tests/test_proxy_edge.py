@@ -319,3 +319,23 @@ def test_serve_with_a_missing_worker_file_exits_2_with_one_line():
     assert result.returncode == 2
     assert result.stderr.strip().count("\n") == 0 and "cannot read worker file" in result.stderr
     assert "Traceback" not in result.stderr
+
+
+def test_long_texts_encode_in_slices_to_the_same_ids():
+    from kvroute.proxy import prompts
+
+    tokenizer = SyntheticTokenizer()
+    text = ("word, <|im_start|>x\n\ty " * 20_000) + "tail"
+    assert len(text) > 4 * prompts._TEXT_SLICE
+    assert prompts._encode(tokenizer, text, False).tolist() == tokenizer.encode(text)
+
+
+def test_texts_longer_than_any_accepted_prompt_are_routed_untokenized():
+    from kvroute.proxy.prompts import DEFAULT_MAX_TEXT_BYTES, max_text_bytes
+
+    assert max_text_bytes(8192, 22) == 8192 * 22 and max_text_bytes(None, None) == DEFAULT_MAX_TEXT_BYTES
+    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16), max_text_bytes=1000)
+    assert hasher.text("a " * 400).num_tokens == 400
+    assert hasher.text("a " * 600).block_hashes == [] and hasher.untokenized == 1
+    long_chat = {"messages": [{"role": "user", "content": "a " * 600}]}
+    assert hasher.chat(long_chat).block_hashes == [] and hasher.untokenized == 2

@@ -65,7 +65,13 @@ from kvroute.proxy.discovery import Discovery, StaticDiscovery
 from kvroute.proxy.edge import ConnectionLimits, GuardedRunner, default_max_connections
 from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import EventsSettings, Worker, WorkerPool
-from kvroute.proxy.prompts import DEFAULT_PROMPT_CACHE_BYTES, BadRequest, PromptHasher, PromptInfo
+from kvroute.proxy.prompts import (
+    DEFAULT_PROMPT_CACHE_BYTES,
+    BadRequest,
+    PromptHasher,
+    PromptInfo,
+    max_text_bytes,
+)
 from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
 from kvroute.routing.policies import make_policy, policy_parameters
@@ -396,7 +402,13 @@ class Router:
         #: The clock routing decisions are stamped with (a replay substitutes its own).
         self.clock = time.monotonic
         tokenizer = load_tokenizer(config.tokenizer)
-        self.hasher = PromptHasher(tokenizer, block_hasher, cache_bytes=config.prompt_cache_bytes)
+        max_length = tokenizer_max_length(config.tokenizer)
+        longest = _longest_token_bytes(tokenizer) if max_length else None
+        #: Longer prompt texts are routed untokenized (the engine refuses them anyway).
+        self.max_text_bytes = max_text_bytes(max_length, longest)
+        self.hasher = PromptHasher(
+            tokenizer, block_hasher, cache_bytes=config.prompt_cache_bytes, max_text_bytes=self.max_text_bytes
+        )
         #: The offload thread's own hasher (its caches are not shared across threads); small
         #: caches, since what it sees is large and rarely repeats.
         self._offload_hasher: PromptHasher | None = None
@@ -409,8 +421,6 @@ class Router:
         if config.max_body_bytes is not None:
             self.max_body_bytes = config.max_body_bytes
         else:
-            max_length = tokenizer_max_length(config.tokenizer)
-            longest = _longest_token_bytes(tokenizer) if max_length else None
             if max_length and longest:
                 self.max_body_bytes = derived_max_body_bytes(max_length, longest)
                 self.max_body_source = (
@@ -609,9 +619,12 @@ class Router:
         self.metrics.index_workers.set(stats.workers)
         self.metrics.index_evicted.set(stats.evicted_blocks)
         nbytes, evictions = self.hasher.cache_stats()
+        untokenized = self.hasher.untokenized
         if self._offload_hasher is not None:
             more_bytes, more_evictions = self._offload_hasher.cache_stats()
             nbytes, evictions = nbytes + more_bytes, evictions + more_evictions
+            untokenized += self._offload_hasher.untokenized
+        self.metrics.untokenized_prompts.set(untokenized)
         self.metrics.prompt_cache_bytes.set(nbytes)
         self.metrics.prompt_cache_evictions.set(evictions)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
@@ -729,9 +742,14 @@ class Router:
         except RecursionError:
             body = _TOO_DEEP  # deeper than the decoder's own stack allows: too deep by far
         limit = self.config.max_json_depth
-        # Counting brackets is cheap; only a body with that many needs the exact walk.
+        # Counting brackets is cheap for a small body, which needs the walk only with that
+        # many; a large one (on the offload thread) is walked, which visits only containers'
+        # elements and lets the event loop run meanwhile.
+        small = len(raw) <= self.config.offload_bytes
         if body is _TOO_DEEP or (
-            raw.count(b"[") + raw.count(b"{") > limit and isinstance(body, (dict, list)) and _too_deep(body, limit)
+            isinstance(body, (dict, list))
+            and (not small or raw.count(b"[") + raw.count(b"{") > limit)
+            and _too_deep(body, limit)
         ):
             self.metrics.rejected_requests.labels("json_too_deep").inc()
             return _error(400, f"JSON nested deeper than {limit} levels", "BadRequestError")
@@ -751,7 +769,8 @@ class Router:
         if self._offload_hasher is None:
             tokenizer, block_hasher = self._offload_parts
             self._offload_hasher = PromptHasher(
-                tokenizer, block_hasher, cache_bytes=min(self.config.prompt_cache_bytes, 8 << 20)
+                tokenizer, block_hasher, cache_bytes=min(self.config.prompt_cache_bytes, 8 << 20),
+                max_text_bytes=self.max_text_bytes,
             )
         hasher = self._offload_hasher
         return self._parse(raw, hasher.chat if route == "chat" else hasher.completion)

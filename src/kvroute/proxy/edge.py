@@ -213,11 +213,11 @@ class _Refusal(asyncio.Protocol):
 
     def __init__(self, server: GuardedServer) -> None:
         self._server = server
-        self._transport: asyncio.Transport | None = None
+        self._transport: Any = None
         self._handle: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
+        # (uvloop's transports are not asyncio.Transport subclasses: no isinstance check.)
         self._transport = transport
         server = self._server
         server.metrics.connections_refused.inc()

@@ -138,6 +138,12 @@ class RouterMetrics:
             "(bodies over --offload-bytes)",
             registry=r,
         )
+        self.untokenized_prompts = Gauge(
+            "kvroute_router_untokenized_prompts",
+            "Prompts routed without tokenizing (no prefix match) for being longer in text than "
+            "any prompt the engine accepts (cumulative)",
+            registry=r,
+        )
         self.prompt_cache_bytes = Gauge(
             "kvroute_router_prompt_cache_bytes",
             "Bytes held by the tokenization caches (bounded by --prompt-cache-bytes)",

@@ -147,6 +147,45 @@ def _token_ids(prompt: list) -> np.ndarray | None:
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
+#: Longest prompt text tokenized when the tokenizer states no maximum length: 4 Mi characters
+#: are ~1M tokens, beyond today's longest context windows.
+DEFAULT_MAX_TEXT_BYTES = 4 << 20
+
+
+def max_text_bytes(max_length: int | None, longest_token_bytes: int | None) -> int:
+    """The longest prompt text worth tokenizing. A text of ``b`` characters has at least
+    ``b / (longest token's characters)`` tokens, so beyond ``max_length * longest_token_bytes``
+    characters it is longer than the engine accepts whatever it says: the engine refuses it,
+    and the router need not tokenize it to route it there. :data:`DEFAULT_MAX_TEXT_BYTES`
+    when either is unknown."""
+    if not max_length or not longest_token_bytes:
+        return DEFAULT_MAX_TEXT_BYTES
+    return max_length * longest_token_bytes
+
+
+#: Characters of text the synthetic tokenizer encodes per call (see :func:`_encode`).
+_TEXT_SLICE = 1 << 16
+_WHITESPACE = re.compile(r"\s")
+
+
+def _encode(tokenizer: Tokenizer, text: str, add_special_tokens: bool) -> np.ndarray:
+    """``tokenizer.encode`` as a uint32 array. The synthetic tokenizer (pure Python, whose one
+    regex call over a 50 MB text holds the GIL for seconds) encodes a long text in slices cut
+    at whitespace, which none of its tokens contains (it matches special tokens, ``\\w+`` runs
+    and single punctuation characters, skipping whitespace): the same ids, and an event loop
+    that runs between slices while the offload thread encodes."""
+    if not isinstance(tokenizer, SyntheticTokenizer) or len(text) <= _TEXT_SLICE:
+        return np.asarray(tokenizer.encode(text, add_special_tokens=add_special_tokens), dtype=np.uint32)
+    parts = []
+    start = 0
+    while start < len(text):
+        space = _WHITESPACE.search(text, start + _TEXT_SLICE) if start + _TEXT_SLICE < len(text) else None
+        stop = space.start() if space is not None else len(text)
+        parts.append(np.asarray(tokenizer.encode(text[start:stop], add_special_tokens=False), dtype=np.uint32))
+        start = stop
+    return np.concatenate(parts)
+
+
 def _special_cut_tokens(tokenizer: Tokenizer) -> dict[str, int]:
     """Special tokens at which the tokenizer cuts its input, with their ids.
 
@@ -179,6 +218,8 @@ class PromptHasher:
             :data:`DEFAULT_PROMPT_CACHE_BYTES` for the shares).
         segment_cache_entries / prefix_cache_entries / text_piece_cache_entries: entry
             bounds on top (tests use small ones to see evictions).
+        max_text_bytes: longer prompt texts are not tokenized (routed with no prefix match,
+            see :func:`max_text_bytes`): the bound on each request's tokenization work.
     """
 
     def __init__(
@@ -190,6 +231,7 @@ class PromptHasher:
         text_piece_cache_entries: int = 1 << 20,
         *,
         cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
+        max_text_bytes: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.hasher = hasher
@@ -199,6 +241,9 @@ class PromptHasher:
             if self._cut_ids
             else None
         )
+        self.max_text_bytes = max_text_bytes if max_text_bytes is not None else DEFAULT_MAX_TEXT_BYTES
+        #: Prompts routed untokenized for being longer than ``max_text_bytes``.
+        self.untokenized = 0
         self._segments = ByteLRU(cache_bytes // 4, _segment_size)
         self._prefixes = ByteLRU(cache_bytes // 4, _prefix_size)
         self._segment_entries = segment_cache_entries
@@ -275,18 +320,26 @@ class PromptHasher:
             # Content the router cannot render (images, a template that refuses these
             # messages): route without a prefix match and let the worker judge the request.
             return PromptInfo(0, [])
+        if len(text) > self.max_text_bytes:
+            return self._untokenized()
         return self._templated(text)
+
+    def _untokenized(self) -> PromptInfo:
+        self.untokenized += 1
+        return PromptInfo(0, [])
 
     # --- tokenizing and hashing ---------------------------------------------------------------
 
     def text(self, text: str) -> PromptInfo:
         """A completion prompt given as text (special tokens added as the engine adds them)."""
+        if len(text) > self.max_text_bytes:
+            return self._untokenized()
         cached = self._prefixes.get(("text", text))
         if cached is None:
             if self.text_chunker is not None:
                 ids = self.text_chunker.encode(text)
             else:
-                ids = self.tokenizer.encode(text, add_special_tokens=True)
+                ids = _encode(self.tokenizer, text, add_special_tokens=True)
             cached = PromptInfo(len(ids), self.hasher.hash_blocks(ids))
             self._put(self._prefixes, self._prefix_entries, ("text", text), cached)
         return cached
@@ -298,7 +351,7 @@ class PromptHasher:
                 # A new message: only its words not seen before go through the library.
                 ids = self.text_chunker.encode(piece, add_special_tokens=False)
             else:
-                ids = np.asarray(self.tokenizer.encode(piece, add_special_tokens=False), dtype=np.uint32)
+                ids = _encode(self.tokenizer, piece, add_special_tokens=False)
             self._put(self._segments, self._segment_entries, piece, ids)
         return ids
 
