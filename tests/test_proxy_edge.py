@@ -339,3 +339,31 @@ def test_texts_longer_than_any_accepted_prompt_are_routed_untokenized():
     assert hasher.text("a " * 600).block_hashes == [] and hasher.untokenized == 1
     long_chat = {"messages": [{"role": "user", "content": "a " * 600}]}
     assert hasher.chat(long_chat).block_hashes == [] and hasher.untokenized == 2
+
+
+def test_large_id_prompts_parse_from_the_bytes_to_the_same_blocks(monkeypatch):
+    from kvroute.proxy import prompts
+
+    monkeypatch.setattr(prompts, "_RAW_IDS_SLICE", 64)  # many slices
+    ids = list(range(0, 4_000_000_000, 9_999_991))
+    raw = json.dumps({"prompt": ids, "max_tokens": 3, "stream": True}).encode()
+    body = prompts.parse_large_ids(raw)
+    assert body["prompt"].tolist() == ids and body["max_tokens"] == 3 and body["stream"] is True
+    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16))
+    assert hasher.completion(body) == hasher.completion(json.loads(raw))
+    for bad in ([1, 2.5], [1, -2], [2**32], [10**30], ["1"], [[1]], []):
+        assert prompts.parse_large_ids(json.dumps({"prompt": bad}).encode()) is None, bad
+
+
+async def test_a_large_bad_id_prompt_is_still_a_400():
+    runner, url, seen = await _worker()
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0, offload_bytes=100)
+        async with start_router(config) as router:
+            for prompt, status in (([1] * 100 + [-1], 400), ([1] * 100 + [2**40], 400), ([5] * 100, 200)):
+                body = json.dumps({"prompt": prompt}).encode()
+                assert _status(await _raw(router.url, _post(b"/v1/completions", body))) == status
+            assert router.metrics.offloaded_requests._value.get() == 3
+        assert len(seen) == 1
+    finally:
+        await runner.cleanup()

@@ -337,6 +337,9 @@ async def _serve(config: RouterConfig) -> None:
         loop.add_signal_handler(signum, stop.set)
     raise_fd_limit()  # before start: the connection limit is derived from it
     return_freed_memory_promptly()
+    # The event loop waits at most 1 ms (not 5) for the GIL while the offload thread parses a
+    # large body, so other clients' requests are not queued behind it.
+    sys.setswitchinterval(0.001)
     await router.start()
     tune_gc_for_serving()
     try:

@@ -71,6 +71,7 @@ from kvroute.proxy.prompts import (
     PromptHasher,
     PromptInfo,
     max_text_bytes,
+    parse_large_ids,
 )
 from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
@@ -732,11 +733,16 @@ class Router:
             response.force_close()
             return response
 
-    def _parse(self, raw: bytes, parse: Callable[[dict], PromptInfo]) -> PromptInfo | web.Response:
+    def _parse(
+        self, raw: bytes, parse: Callable[[dict], PromptInfo], ids_fast_path: bool = False
+    ) -> PromptInfo | web.Response:
         """Body bytes to the prompt's blocks, or the 400 refusing them (any input: never
-        an exception)."""
+        an exception). ``ids_fast_path``: a completion body on the offload thread, whose ids
+        may be parsed without a Python int each (:func:`kvroute.proxy.prompts.parse_large_ids`)."""
         try:
-            body = _decode_json(raw)
+            body = parse_large_ids(raw) if ids_fast_path else None
+            if body is None:
+                body = _decode_json(raw)
         except UNDECODABLE as exc:
             return _error(400, f"JSON decode error: {exc}", "BadRequestError")
         except RecursionError:
@@ -773,7 +779,9 @@ class Router:
                 max_text_bytes=self.max_text_bytes,
             )
         hasher = self._offload_hasher
-        return self._parse(raw, hasher.chat if route == "chat" else hasher.completion)
+        if route == "chat":
+            return self._parse(raw, hasher.chat)
+        return self._parse(raw, hasher.completion, ids_fast_path=True)
 
     async def _route(
         self, request: web.Request, parse: Callable[[dict], PromptInfo], started: float
