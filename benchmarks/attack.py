@@ -30,7 +30,6 @@ import os
 import re
 import resource
 import signal
-
 import statistics
 import sys
 import tempfile

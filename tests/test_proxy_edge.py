@@ -367,3 +367,10 @@ async def test_a_large_bad_id_prompt_is_still_a_400():
         assert len(seen) == 1
     finally:
         await runner.cleanup()
+
+
+def test_id_prompts_longer_than_any_accepted_one_are_not_hashed():
+    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16), max_prompt_tokens=100)
+    assert len(hasher.completion({"prompt": list(range(100))}).block_hashes) == 6
+    info = hasher.completion({"prompt": list(range(101))})
+    assert (info.num_tokens, info.block_hashes, hasher.untokenized) == (101, [], 1)

@@ -30,9 +30,9 @@ from kvroute.proxy.app import (
     RouterConfig,
     tune_gc_for_serving,
 )
+from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
 from kvroute.proxy.edge import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
 from kvroute.proxy.prompts import DEFAULT_PROMPT_CACHE_BYTES
-from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
 from kvroute.routing.policies import POLICIES
 from kvroute.units import parse_bytes
 
@@ -183,9 +183,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "on a connection being closed (default: %(default)g)")
     limits.add_argument("--max-connections", type=int, metavar="N",
                         help="open client connections at most; more are answered 503 and closed. "
-                        "Default: (RLIMIT_NOFILE - %d) / 2, after raising the soft limit to the hard "
-                        "one: each connection with a request in flight also holds one to a worker, "
-                        "so the descriptors never run out (448 under ulimit -n 1024)" % FD_RESERVE)
+                        f"Default: (RLIMIT_NOFILE - {FD_RESERVE}) / 2, after raising the soft limit to "
+                        "the hard one: each connection with a request in flight also holds one to a "
+                        "worker, so the descriptors never run out (448 under ulimit -n 1024)")
     limits.add_argument("--offload-bytes", default=f"{DEFAULT_OFFLOAD_BYTES >> 10}KiB", metavar="SIZE",
                         help="larger bodies are parsed, tokenized and hashed on a thread, one at "
                         "a time, so that other clients are not kept waiting (default: %(default)s)")

@@ -49,8 +49,8 @@ import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
-from pathlib import Path
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -407,8 +407,10 @@ class Router:
         longest = _longest_token_bytes(tokenizer) if max_length else None
         #: Longer prompt texts are routed untokenized (the engine refuses them anyway).
         self.max_text_bytes = max_text_bytes(max_length, longest)
+        self.max_prompt_tokens = max_length
         self.hasher = PromptHasher(
-            tokenizer, block_hasher, cache_bytes=config.prompt_cache_bytes, max_text_bytes=self.max_text_bytes
+            tokenizer, block_hasher, cache_bytes=config.prompt_cache_bytes, max_text_bytes=self.max_text_bytes,
+            max_prompt_tokens=max_length,
         )
         #: The offload thread's own hasher (its caches are not shared across threads); small
         #: caches, since what it sees is large and rarely repeats.
@@ -776,7 +778,7 @@ class Router:
             tokenizer, block_hasher = self._offload_parts
             self._offload_hasher = PromptHasher(
                 tokenizer, block_hasher, cache_bytes=min(self.config.prompt_cache_bytes, 8 << 20),
-                max_text_bytes=self.max_text_bytes,
+                max_text_bytes=self.max_text_bytes, max_prompt_tokens=self.max_prompt_tokens,
             )
         hasher = self._offload_hasher
         if route == "chat":

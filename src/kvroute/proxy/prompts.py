@@ -175,7 +175,7 @@ def parse_large_ids(raw: bytes) -> dict | None:
         ids = np.fromstring(piece, dtype=np.int64, sep=",")  # text mode: not deprecated
         if len(ids) != piece.count(b",") + 1 or (len(ids) and ids.max() > 0xFFFFFFFF):
             return None
-        parts.append(ids)
+        parts.append(ids.astype(np.uint32))  # in range: the hasher reads uint32 8x faster
         start = stop + 1
     body = {key: msgspec.json.decode(value) for key, value in fields.items() if key != "prompt"}
     body["prompt"] = np.concatenate(parts) if len(parts) > 1 else parts[0]
@@ -194,13 +194,15 @@ def _token_ids(prompt: list) -> np.ndarray | None:
             return None
         if ids.dtype.kind not in "iu" or ids.ndim != 1 or (ids < 0).any() or (ids > 0xFFFFFFFF).any():
             return None
-        parts.append(ids)
+        parts.append(ids.astype(np.uint32))  # in range: the hasher reads uint32 8x faster
     return parts[0] if len(parts) == 1 else np.concatenate(parts)
 
 
 #: Longest prompt text tokenized when the tokenizer states no maximum length: 4 Mi characters
 #: are ~1M tokens, beyond today's longest context windows.
 DEFAULT_MAX_TEXT_BYTES = 4 << 20
+#: Longest token-id prompt hashed when the tokenizer states no maximum length (1Mi tokens).
+DEFAULT_MAX_PROMPT_TOKENS = 1 << 20
 
 
 def max_text_bytes(max_length: int | None, longest_token_bytes: int | None) -> int:
@@ -271,6 +273,8 @@ class PromptHasher:
             bounds on top (tests use small ones to see evictions).
         max_text_bytes: longer prompt texts are not tokenized (routed with no prefix match,
             see :func:`max_text_bytes`): the bound on each request's tokenization work.
+        max_prompt_tokens: longer token-id prompts are not hashed (the same, for ids; the
+            tokenizer's maximum length, else :data:`DEFAULT_MAX_PROMPT_TOKENS`).
     """
 
     def __init__(
@@ -283,6 +287,7 @@ class PromptHasher:
         *,
         cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         max_text_bytes: int | None = None,
+        max_prompt_tokens: int | None = None,
     ) -> None:
         self.tokenizer = tokenizer
         self.hasher = hasher
@@ -293,6 +298,7 @@ class PromptHasher:
             else None
         )
         self.max_text_bytes = max_text_bytes if max_text_bytes is not None else DEFAULT_MAX_TEXT_BYTES
+        self.max_prompt_tokens = max_prompt_tokens if max_prompt_tokens is not None else DEFAULT_MAX_PROMPT_TOKENS
         #: Prompts routed untokenized for being longer than ``max_text_bytes``.
         self.untokenized = 0
         self._segments = ByteLRU(cache_bytes // 4, _segment_size)
@@ -328,6 +334,8 @@ class PromptHasher:
             BadRequest: no prompt, or one that is neither text nor token ids.
         """
         prompt = body.get("prompt")
+        if isinstance(prompt, (list, np.ndarray)) and len(prompt) > self.max_prompt_tokens:
+            return self._untokenized(len(prompt))  # more ids than the engine accepts
         if isinstance(prompt, np.ndarray):  # ids parsed straight from the body (parse_large_ids)
             return PromptInfo(len(prompt), self.hasher.hash_blocks(prompt))
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -380,9 +388,9 @@ class PromptHasher:
             return self._untokenized()
         return self._templated(text)
 
-    def _untokenized(self) -> PromptInfo:
+    def _untokenized(self, num_tokens: int = 0) -> PromptInfo:
         self.untokenized += 1
-        return PromptInfo(0, [])
+        return PromptInfo(num_tokens, [])
 
     # --- tokenizing and hashing ---------------------------------------------------------------
 
