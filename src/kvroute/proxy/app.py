@@ -146,6 +146,8 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 #: common load balancers (AWS ALB, GCP), so a balancer never sends on a connection the router
 #: is closing; clients that pool connections close theirs sooner (httpx: 5 s).
 DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+#: Pending connections the listening socket queues (see ``Router.start``).
+LISTEN_BACKLOG = 4096
 _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
 
@@ -504,7 +506,10 @@ class Router:
         )
         await self._runner.setup()
         try:
-            site = web.TCPSite(self._runner, config.host, config.port)
+            # A backlog for bursts of connects (aiohttp's 128 overflows when hundreds arrive at
+            # once, and a dropped SYN costs its client a 1 s retransmit); the kernel caps it at
+            # net.core.somaxconn.
+            site = web.TCPSite(self._runner, config.host, config.port, backlog=LISTEN_BACKLOG)
             await site.start()
         except OSError as exc:
             await self.close()
