@@ -139,14 +139,34 @@ async def test_a_slow_body_gets_408():
         await runner.cleanup()
 
 
-async def test_connections_beyond_the_limit_get_503_not_silence():
+async def test_at_the_connection_limit_slow_heads_are_shed_and_otherwise_503_not_silence():
     runner, url, _ = await _worker()
     try:
         config = RouterConfig(workers=[url], health_interval_s=0, max_connections=5)
         async with start_router(config) as router:
             host, port = router.url.removeprefix("http://").rsplit(":", 1)
-            held = [await asyncio.open_connection(host, int(port)) for _ in range(5)]
+            # Five slow heads: a sixth connection sheds the oldest of them and is served.
+            slow = []
+            for _ in range(5):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(b"GET /hea")
+                slow.append((reader, writer))
+                await asyncio.sleep(0.01)
             await asyncio.sleep(0.05)
+            answer = await _raw(router.url, b"GET /health HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
+            assert _status(answer) == 200
+            assert await asyncio.wait_for(slow[0][0].read(), 2) == b""  # the oldest was closed
+            assert router.metrics.client_timeouts.labels("shed")._value.get() == 1
+            for _, writer in slow:
+                writer.close()
+            await asyncio.sleep(0.1)
+            # Five kept-alive connections (each served once): nothing to shed, so 503.
+            held = []
+            for _ in range(5):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+                await reader.readuntil(b"\r\n\r\n")
+                held.append((reader, writer))
             answer = await _raw(router.url, b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
             assert _status(answer) == 503 and b"too many connections" in answer
             assert router.metrics.connections_refused._value.get() == 1

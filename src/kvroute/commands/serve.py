@@ -75,9 +75,9 @@ SSE error event and no [DONE]. --eject-after consecutive timeouts or 5xx answers
 Hostile clients: every limit is on by default and counted when it fires (metrics in
 parentheses). A request head must arrive within --header-timeout and its body within
 --body-timeout (kvroute_router_client_timeouts); idle connections close after
---keepalive-timeout; connections beyond --max-connections get a 503 and are closed
-(kvroute_router_connections_refused) instead of the descriptors running out and the port
-going silent. Bodies over --max-body-bytes get 413 before they are read, compressed ones
+--keepalive-timeout; at --max-connections a new connection sheds the slowest waiting one,
+or gets a 503 and is closed (kvroute_router_connections_refused), instead of the descriptors
+running out and the port going silent. Bodies over --max-body-bytes get 413 before they are read, compressed ones
 415 (never expanded), JSON nested deeper than %(depth)d levels 400
 (kvroute_router_rejected_requests). Bodies over --offload-bytes are parsed and tokenized off
 the event loop. Tokenization caches are bounded in bytes (--prompt-cache-bytes). Health
@@ -182,7 +182,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "load balancer's idle timeout (60 s on AWS and GCP) so that it never sends "
                         "on a connection being closed (default: %(default)g)")
     limits.add_argument("--max-connections", type=int, metavar="N",
-                        help="open client connections at most; more are answered 503 and closed. "
+                        help="open client connections at most. At the limit a new connection closes "
+                        "the one waiting longest for its request head (a slow client); when none "
+                        "waits, it is answered 503 and closed. "
                         f"Default: (RLIMIT_NOFILE - {FD_RESERVE}) / 2, after raising the soft limit to "
                         "the hard one: each connection with a request in flight also holds one to a "
                         "worker, so the descriptors never run out (448 under ulimit -n 1024)")

@@ -10,9 +10,10 @@ clients time out with no answer at all. This module replaces the runner's connec
   ``header_timeout_s`` after it opened, or after the head's first byte on a kept-alive
   connection (slowloris), with a 408 when some of it arrived;
 * closes a kept-alive connection idle for ``keepalive_timeout_s`` (aiohttp's own timer);
-* answers a connection beyond ``max_connections`` with a 503 and closes it, so that the
-  descriptors run out never: :func:`default_max_connections` derives the limit from
-  ``RLIMIT_NOFILE``.
+* at ``max_connections`` closes the connection waiting longest for its request head to admit
+  a new one (slow-header connections cannot lock valid clients out), or, when none waits,
+  answers the new one with a 503 and closes it, so that the descriptors run out never:
+  :func:`default_max_connections` derives the limit from ``RLIMIT_NOFILE``.
 
 Each closure is counted (``kvroute_router_client_timeouts{kind}``,
 ``kvroute_router_connections_refused``); the body's own timeout and size limits are the
@@ -156,11 +157,19 @@ class _GuardedHandler(RequestHandler):
             self._head_handle = self._loop.call_later(
                 self._guard.limits.header_timeout_s, self._head_timed_out
             )
+            self._guard.awaiting_head[self] = None
 
     def _cancel_head_timer(self) -> None:
         if self._head_handle is not None:
             self._head_handle.cancel()
             self._head_handle = None
+            if self._guard is not None:
+                self._guard.awaiting_head.pop(self, None)
+
+    def shed(self) -> None:
+        """Closed to make room for a new connection: it had the oldest unfinished head."""
+        self._cancel_head_timer()
+        self.force_close()
 
     def data_received(self, data: bytes) -> None:
         waiting = self._payload_parser is None and not self._messages and not self._request_in_progress
@@ -174,6 +183,7 @@ class _GuardedHandler(RequestHandler):
 
     def _head_timed_out(self) -> None:
         self._head_handle = None
+        self._guard.awaiting_head.pop(self, None)
         if self._request_count != self._head_count or self._request_in_progress or self._force_close:
             return
         self._guard.metrics.client_timeouts.labels("header").inc()
@@ -253,12 +263,20 @@ class GuardedServer(Server):
         #: Client connections accepted and not yet lost (counted at accept, before
         #: ``connection_made``, so a burst of accepts cannot overshoot the limit).
         self.open_connections = 0
+        #: Connections waiting for a request head, oldest first: at the limit the oldest is
+        #: closed to admit a new one, so slow-header connections cannot lock valid clients out.
+        self.awaiting_head: dict[_GuardedHandler, None] = {}
         self.lingering = 0
         metrics.connections.set_function(lambda: self.open_connections)
 
     def __call__(self) -> asyncio.Protocol:  # type: ignore[override]
         if self.open_connections >= self.limits.max_connections:
-            return _Refusal(self)
+            oldest = next(iter(self.awaiting_head), None)
+            if oldest is None:
+                return _Refusal(self)  # every connection has a request or is kept alive
+            self.metrics.client_timeouts.labels("shed").inc()
+            oldest.shed()  # counted out at its connection_lost; admitted meanwhile
+            # The shed connection is lost a moment later; until then one over the limit.
         self.open_connections += 1
         return _GuardedHandler(self, loop=self._loop, **self._kwargs)
 

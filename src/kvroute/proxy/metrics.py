@@ -115,7 +115,8 @@ class RouterMetrics:
             "kvroute_router_client_timeouts",
             "Client connections closed for being too slow: header (no whole request head within "
             "--header-timeout), body (--body-timeout, answered 408), idle (kept alive past "
-            "--keepalive-timeout)",
+            "--keepalive-timeout), shed (the oldest unfinished head, closed at --max-connections "
+            "to admit a new connection)",
             ["kind"], registry=r,
         )
         self.connections = Gauge(
