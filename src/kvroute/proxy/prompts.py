@@ -136,6 +136,16 @@ _RAW_IDS_SLICE = 1 << 20
 _ID_LIST_BYTES = b"0123456789, \t\r\n"
 
 
+def _next_comma(view: memoryview, start: int) -> int:
+    """The first comma in ``view`` at or after ``start``, or its length."""
+    while start < len(view):
+        found = bytes(view[start:start + 4096]).find(b",")
+        if found >= 0:
+            return start + found
+        start += 4096
+    return len(view)
+
+
 def _longest_digit_run(data: bytes) -> int:
     chars = np.frombuffer(data, dtype=np.uint8)
     others = np.flatnonzero((chars < 48) | (chars > 57))
@@ -158,16 +168,19 @@ def parse_large_ids(raw: bytes) -> dict | None:
     prompt = fields.get("prompt")
     if prompt is None:
         return None
-    text = bytes(prompt).strip()
-    if len(text) < 3 or text[:1] != b"[" or text[-1:] != b"]":
+    # A view, not a copy: the list is most of a large body.
+    view = memoryview(prompt)
+    first, last = bytes(view[:64]), bytes(view[-64:])
+    head = len(first) - len(first.lstrip())
+    tail = len(view) - (len(last) - len(last.rstrip()))
+    if tail - head < 3 or view[head] != ord("[") or view[tail - 1] != ord("]"):
         return None
-    inner = text[1:-1]
+    inner = view[head + 1:tail - 1]
     parts = []
     start = 0
     while start < len(inner):
-        stop = inner.find(b",", start + _RAW_IDS_SLICE) if start + _RAW_IDS_SLICE < len(inner) else -1
-        stop = len(inner) if stop < 0 else stop
-        piece = inner[start:stop]
+        stop = _next_comma(inner, start + _RAW_IDS_SLICE)
+        piece = bytes(inner[start:stop])
         # Digits, commas and spaces only (the decoder checked it is valid JSON, so a flat list
         # of non-negative integers), none over ten digits (beyond 2^32 anyway).
         if piece.translate(None, _ID_LIST_BYTES) or _longest_digit_run(piece) > 10:
