@@ -13,7 +13,7 @@ and ``kvroute serve`` in front of them, then prints:
 5. what a valid client sees while 1,100 slow connections are open against a router started
    under RLIMIT_NOFILE 1024 (answered 200, answered 503, failed silently).
 
-    python benchmarks/attack.py                      # the whole run (~2-3 min)
+    python benchmarks/attack.py                      # the whole run (~4 min)
     python benchmarks/attack.py --slow 500 --prompts 100   # quicker
 
 The router runs with its defaults, except ``--stream-idle-timeout`` (``--idle-timeout``,
