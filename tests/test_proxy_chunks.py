@@ -184,11 +184,8 @@ def test_synthetic_tokenizer_has_no_chunker_and_prompt_hasher_still_works(qwen_l
         assert prompt.block_hashes == hasher.hash_blocks(ids)
 
 
-def test_the_piece_cache_stays_within_its_byte_budget(qwen_like: HFTokenizer, monkeypatch) -> None:
-    from kvroute.proxy import chunks
-
-    monkeypatch.setattr(chunks, "PIECE_CACHE_BYTES", 4096)
-    chunker = text_chunker(qwen_like, cut_one_in=4)
+def test_the_piece_cache_stays_within_its_byte_budget(qwen_like: HFTokenizer) -> None:
+    chunker = text_chunker(qwen_like, cut_one_in=4, max_bytes=4096)
     rng = np.random.default_rng(2)
     for n in range(20):
         # A long word-less run is one piece; the words around it are many small ones.
@@ -196,4 +193,7 @@ def test_the_piece_cache_stays_within_its_byte_budget(qwen_like: HFTokenizer, mo
         assert chunker.encode(text).tolist() == qwen_like.encode(text)
         held = sum(len(k) + v.nbytes for k, v in chunker._pieces.items())
         assert held == chunker._piece_bytes <= 4096
+        # A piece over an eighth of the budget (the 3,000-letter run) is never cached.
+        assert all(len(k) + v.nbytes <= 512 for k, v in chunker._pieces.items())
+    assert chunker.evictions > 0
     assert max(map(len, chunker._words._cache)) < 3000  # the 3,000-letter word was not cached

@@ -15,13 +15,24 @@ from kvroute.commands._common import add_policy_option_argument, parse_policy_op
 from kvroute.errors import UserError
 from kvroute.kvevents import EventsSettings, EventsSource
 from kvroute.proxy.app import (
+    BODY_ENVELOPE_BYTES,
+    DEFAULT_BODY_TIMEOUT_S,
+    DEFAULT_FIRST_BYTE_TIMEOUT_S,
+    DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_KEEPALIVE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_OFFLOAD_BYTES,
     DEFAULT_PREDICTED_CAPACITY_BLOCKS,
+    DEFAULT_STREAM_IDLE_TIMEOUT_S,
     EVENTS_PREDICTED_TTL_S,
+    MAX_JSON_DEPTH,
     Router,
     RouterConfig,
     tune_gc_for_serving,
 )
 from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
+from kvroute.proxy.edge import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
+from kvroute.proxy.prompts import DEFAULT_PROMPT_CACHE_BYTES
 from kvroute.routing.policies import POLICIES
 from kvroute.units import parse_bytes
 
@@ -61,6 +72,17 @@ byte). A stream whose worker dies, or is silent longer than --stream-idle-timeou
 SSE error event and no [DONE]. --eject-after consecutive timeouts or 5xx answers take a worker out for
 --eject-base seconds (longer each time in a row); it returns when that is over and /health passes.
 
+Hostile clients: every limit is on by default and counted when it fires (metrics in
+parentheses). A request head must arrive within --header-timeout and its body within
+--body-timeout (kvroute_router_client_timeouts); idle connections close after
+--keepalive-timeout; at --max-connections a new connection sheds the slowest waiting one,
+or gets a 503 and is closed (kvroute_router_connections_refused), instead of the descriptors
+running out and the port going silent. Bodies over --max-body-bytes get 413 before they are read, compressed ones
+415 (never expanded), JSON nested deeper than %(depth)d levels 400
+(kvroute_router_rejected_requests). Bodies over --offload-bytes are parsed and tokenized off
+the event loop. Tokenization caches are bounded in bytes (--prompt-cache-bytes). Health
+checks never follow redirects (a 3xx is unhealthy).
+
 Security: only the workers given or discovered are ever contacted, at the router's own paths;
 no request field or header can choose an upstream. --api-key KEY (or the KVROUTE_API_KEY
 environment variable, which keeps it out of `ps`) makes every route except /health require
@@ -81,6 +103,7 @@ Example: vLLM pods behind a headless Service, events on port 5557, replay on 555
   kvroute serve --host 0.0.0.0 --port 8000 --dns vllm-headless:8000 \\
       --kv-events-port 5557 --kv-replay-port 5558 --tokenizer /models/Qwen3-0.6B
 """
+DESCRIPTION %= {"depth": MAX_JSON_DEPTH}
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -139,20 +162,58 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "kvroute_router_index_evicted_blocks; default: %(default)s)")
 
     limits = parser.add_argument_group("limits")
-    limits.add_argument("--max-body-bytes", default="64MiB", metavar="SIZE",
-                        help="larger request bodies get 413 (default: %(default)s)")
+    limits.add_argument("--max-body-bytes", metavar="SIZE",
+                        help="larger request bodies get 413, before they are read when they declare "
+                        "their length. Default: derived from the tokenizer's model_max_length N "
+                        "and its longest token's L bytes, as N x max(3L, 12) + "
+                        f"{BODY_ENVELOPE_BYTES >> 20} MiB (a prompt of N tokens as text, even with "
+                        "\\uXXXX escapes, or as ids, plus the rest of the body), at most "
+                        f"{DEFAULT_MAX_BODY_BYTES >> 20} MiB; {DEFAULT_MAX_BODY_BYTES >> 20} MiB without "
+                        "a --tokenizer that states N. Raise it for large batch prompts")
+    limits.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                        help="seconds for a request's line and headers to arrive, from the "
+                        "connection's start or the head's first byte; slower connections are "
+                        "closed (slowloris; a head is a few KiB) (default: %(default)g)")
+    limits.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
+                        help="seconds for a request body to arrive in full, else 408 (default: "
+                        "%(default)g: 64 MiB at 1 MiB/s)")
+    limits.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S, metavar="S",
+                        help="seconds an idle client connection is kept open; keep it above your "
+                        "load balancer's idle timeout (60 s on AWS and GCP) so that it never sends "
+                        "on a connection being closed (default: %(default)g)")
+    limits.add_argument("--max-connections", type=int, metavar="N",
+                        help="open client connections at most. At the limit a new connection closes "
+                        "the one waiting longest for its request head (a slow client); when none "
+                        "waits, it is answered 503 and closed. "
+                        f"Default: (RLIMIT_NOFILE - {FD_RESERVE}) / 2, after raising the soft limit to "
+                        "the hard one: each connection with a request in flight also holds one to a "
+                        "worker, so the descriptors never run out (448 under ulimit -n 1024)")
+    limits.add_argument("--offload-bytes", default=f"{DEFAULT_OFFLOAD_BYTES >> 10}KiB", metavar="SIZE",
+                        help="larger bodies are parsed, tokenized and hashed on a thread, one at "
+                        "a time, so that other clients are not kept waiting (default: %(default)s)")
+    limits.add_argument("--prompt-cache-bytes", default=f"{DEFAULT_PROMPT_CACHE_BYTES >> 20}MiB", metavar="SIZE",
+                        help="memory bound of the tokenization caches (message segments, prompt "
+                        "heads' block hashes, text pieces); an entry over an eighth of its share "
+                        "is not cached (default: %(default)s)")
     limits.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM, wait this long for in-flight requests (default: %(default)s)")
     limits.add_argument("--max-attempts", type=int, default=3,
                         help="workers tried per request before a 502, retrying only before the "
                         "first response byte (default: %(default)s)")
-    limits.add_argument("--first-byte-timeout", type=float, metavar="S",
+    limits.add_argument("--first-byte-timeout", type=float, default=DEFAULT_FIRST_BYTE_TIMEOUT_S, metavar="S",
                         help="seconds a worker may take to send its response headers before the "
-                        "request goes to another worker; for a non-streamed request that is the "
-                        "whole answer, so set it above your longest one (default: no limit)")
-    limits.add_argument("--stream-idle-timeout", type=float, metavar="S",
-                        help="most seconds between two chunks of an answer before it is ended "
-                        "with an error (default: no limit)")
+                        "request goes to another worker (0: no limit). A stream's headers come "
+                        "before its prefill; a non-streamed request's are its whole answer, so "
+                        "this bounds that: the default %(default)g s covers a 130k-token prefill "
+                        "(~30 s on an H100 for an 8B model, minutes on smaller GPUs) and 8k tokens "
+                        "at 20 tokens/s. Raise it for longer non-streamed generations")
+    limits.add_argument("--stream-idle-timeout", type=float, default=DEFAULT_STREAM_IDLE_TIMEOUT_S, metavar="S",
+                        help="most seconds between two chunks of an answer, the first one "
+                        "included, before it is ended with an SSE error event (0: no limit). The "
+                        "longest healthy silence is the wait for the first token, queueing plus "
+                        "prefill: a 130k-token prompt prefills in ~30 s on an H100 (8B model) and "
+                        "~3 min on an L4-class GPU; the default %(default)g s cuts neither and "
+                        "still ends the streams of a stopped or wedged worker")
     limits.add_argument("--eject-after", type=int, default=3, metavar="N",
                         help="consecutive failed requests that take a worker out; 0 never "
                         "(default: %(default)s)")
@@ -219,8 +280,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise UserError(f"--max-attempts must be >= 1, got {args.max_attempts}")
     for flag, value in (("--first-byte-timeout", args.first_byte_timeout),
                         ("--stream-idle-timeout", args.stream_idle_timeout)):
-        if value is not None and value <= 0:
+        if value is not None and value < 0:
+            raise UserError(f"{flag} must be positive (0: no limit), got {value:g}")
+    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
+                        ("--keepalive-timeout", args.keepalive_timeout)):
+        if not value > 0:
             raise UserError(f"{flag} must be positive, got {value:g}")
+    if args.max_connections is not None and args.max_connections < 1:
+        raise UserError(f"--max-connections must be >= 1, got {args.max_connections}")
     if args.eject_after < 0 or args.eject_base < 0:
         raise UserError("--eject-after and --eject-base must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -241,10 +308,16 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         index_max_bytes=parse_bytes(args.index_max_bytes),
         health_interval_s=args.health_interval,
         max_attempts=args.max_attempts,
-        max_body_bytes=parse_bytes(args.max_body_bytes),
+        max_body_bytes=parse_bytes(args.max_body_bytes) if args.max_body_bytes else None,
         drain_timeout_s=args.drain_timeout,
-        first_byte_timeout_s=args.first_byte_timeout,
-        stream_idle_timeout_s=args.stream_idle_timeout,
+        first_byte_timeout_s=args.first_byte_timeout or None,
+        stream_idle_timeout_s=args.stream_idle_timeout or None,
+        header_timeout_s=args.header_timeout,
+        body_timeout_s=args.body_timeout,
+        keepalive_timeout_s=args.keepalive_timeout,
+        max_connections=args.max_connections,
+        offload_bytes=parse_bytes(args.offload_bytes),
+        prompt_cache_bytes=parse_bytes(args.prompt_cache_bytes),
         eject_after_failures=args.eject_after,
         eject_base_s=args.eject_base,
         api_key=args.api_key,
@@ -264,6 +337,11 @@ async def _serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
+    raise_fd_limit()  # before start: the connection limit is derived from it
+    return_freed_memory_promptly()
+    # The event loop waits at most 1 ms (not 5) for the GIL while the offload thread parses a
+    # large body, so other clients' requests are not queued behind it.
+    sys.setswitchinterval(0.001)
     await router.start()
     tune_gc_for_serving()
     try:
@@ -271,6 +349,8 @@ async def _serve(config: RouterConfig) -> None:
         # The first line names the bound port, so a script that asked for port 0 can read it.
         print(f"kvroute serve: listening on {router.url}, policy {router.policy.name}, "
               f"workers: {workers}", flush=True)
+        print(f"kvroute serve: max body {router.max_body_bytes} bytes ({router.max_body_source}), "
+              f"max {router.connection_limits.max_connections} connections", file=sys.stderr, flush=True)
         await stop.wait()
         print(f"kvroute serve: draining {router.in_flight} in-flight requests", file=sys.stderr, flush=True)
         await router.drain()

@@ -41,13 +41,16 @@ after the overlap the index credits the worker with, until the first response by
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import gc
 import hmac
+import json
 import logging
 import random
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import aiohttp
@@ -59,9 +62,17 @@ from kvroute.aio import WaitTimeout
 from kvroute.blocks import DEFAULT_HASH_SEED, GPU_BLOCK_SIZE, BlockHasher
 from kvroute.errors import UNDECODABLE, UserError
 from kvroute.proxy.discovery import Discovery, StaticDiscovery
+from kvroute.proxy.edge import ConnectionLimits, GuardedRunner, default_max_connections
 from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import EventsSettings, Worker, WorkerPool
-from kvroute.proxy.prompts import BadRequest, PromptHasher, PromptInfo
+from kvroute.proxy.prompts import (
+    DEFAULT_PROMPT_CACHE_BYTES,
+    BadRequest,
+    PromptHasher,
+    PromptInfo,
+    max_text_bytes,
+    parse_large_ids,
+)
 from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
 from kvroute.routing.policies import make_policy, policy_parameters
@@ -103,6 +114,40 @@ DEFAULT_INDEX_MAX_BYTES = 256 * 2**20
 #: router's CPU in a profile of ``benchmarks/peers.py --mode overhead``. Little here makes
 #: reference cycles, so collecting seventy times less often costs little memory.
 GC_YOUNG_THRESHOLD = 50_000
+#: Request bodies without a tokenizer maximum length to derive a limit from (``--max-body-bytes``).
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Bytes of request body outside the prompt a derived body limit allows: sampling
+#: parameters, message wrappers, tool definitions.
+BODY_ENVELOPE_BYTES = 1024 * 1024
+#: Deepest JSON nesting accepted. OpenAI bodies nest a handful of levels (messages, content
+#: parts, tool schemas a few more); refusing deeper ones before any recursive code sees them
+#: keeps every later step (chat template, content flattening) far from Python's recursion limit.
+MAX_JSON_DEPTH = 64
+#: Bodies larger than this are parsed, tokenized and hashed on a thread of their own, off the
+#: event loop (the Hugging Face tokenizer releases the GIL while it encodes).
+DEFAULT_OFFLOAD_BYTES = 256 * 1024
+#: A streamed answer's first-byte wait is its response headers, which vLLM sends before the
+#: prefill; a non-streamed answer's first byte is the whole answer, so this bounds its whole
+#: generation: a 130k-token prefill (~30 s on an H100 for an 8B model, minutes on smaller
+#: GPUs) plus 8k tokens decoded at 20 tokens/s is ~450 s.
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 600.0
+#: The longest silence of a healthy stream is the wait for its first token: queueing plus
+#: prefill. A 130k-token prompt's prefill is dominated by attention over its length: ~30 s on
+#: an H100 for an 8B model, ~3 min on an L4-class GPU. 300 s never cuts such a prefill and still
+#: ends the streams of a stopped or wedged worker.
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
+#: Seconds for a request head to arrive (Go servers commonly use 10 s for ReadHeaderTimeout;
+#: a head is at most a few KiB).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: Seconds for a whole request body to arrive once its head has: 64 MiB at ~1 MiB/s, a 130k
+#: token prompt (~0.5 MB) at ~8 KiB/s.
+DEFAULT_BODY_TIMEOUT_S = 60.0
+#: Seconds an idle kept-alive client connection stays open. Above the 60 s idle timeout of
+#: common load balancers (AWS ALB, GCP), so a balancer never sends on a connection the router
+#: is closing; clients that pool connections close theirs sooner (httpx: 5 s).
+DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+#: Pending connections the listening socket queues (see ``Router.start``).
+LISTEN_BACKLOG = 4096
 _decode_json = msgspec.json.Decoder().decode
 _encode_json = msgspec.json.Encoder().encode
 
@@ -136,14 +181,23 @@ class RouterConfig:
         health_interval_s / health_timeout_s: ``GET /health`` period and limit (0: no checks).
         connect_timeout_s: a worker that does not accept a connection this fast is skipped.
         max_attempts: workers tried per request before giving up (retries before first byte).
-        max_body_bytes: larger request bodies get 413.
+        max_body_bytes: larger request bodies get 413, before they are read when they declare
+            their length. None: derived from the tokenizer's maximum length when it has one
+            (:func:`derived_max_body_bytes`), else :data:`DEFAULT_MAX_BODY_BYTES`.
         drain_timeout_s: how long a drain waits for in-flight requests.
         first_byte_timeout_s: how long a worker may take to send its response headers (a
             stream's start; a non-streamed request's whole answer, so set it above the longest
             non-streamed generation); a worker that misses it has the request taken back and
-            sent to another one. None: no limit.
-        stream_idle_timeout_s: most seconds between two chunks of a streamed answer before the
-            stream is ended with an error event. None: no limit.
+            sent to another one. None: no limit. Default :data:`DEFAULT_FIRST_BYTE_TIMEOUT_S`.
+        stream_idle_timeout_s: most seconds between two chunks of a streamed answer (the
+            first one included) before the stream is ended with an error event. None: no
+            limit. Default :data:`DEFAULT_STREAM_IDLE_TIMEOUT_S`.
+        header_timeout_s / keepalive_timeout_s / max_connections: what one client connection
+            may hold (:class:`kvroute.proxy.edge.ConnectionLimits`); ``max_connections`` None:
+            :func:`kvroute.proxy.edge.default_max_connections`.
+        body_timeout_s: seconds for a request body to arrive in full (408 beyond).
+        max_json_depth: deeper bodies get 400 (:data:`MAX_JSON_DEPTH`).
+        offload_bytes: larger bodies are parsed, tokenized and hashed on a worker thread.
         eject_after_failures: consecutive failures that eject a worker (0: never by count).
         eject_base_s: first ejection's length; each further one in a row adds as much.
         api_key: if set, clients must send ``Authorization: Bearer <api_key>``.
@@ -152,8 +206,8 @@ class RouterConfig:
         forward_authorization: pass the client's ``Authorization`` header to the workers.
         worker_api_key: send ``Authorization: Bearer <worker_api_key>`` to the workers
             (overrides a forwarded one).
-        segment_cache_entries / prefix_cache_entries / text_piece_cache_entries: tokenization
-            caches (LRU entries; see :class:`kvroute.proxy.prompts.PromptHasher`).
+        prompt_cache_bytes: memory bound of the tokenization caches together (see
+            :class:`kvroute.proxy.prompts.PromptHasher`).
     """
 
     workers: Sequence[str] = ()
@@ -174,19 +228,81 @@ class RouterConfig:
     health_timeout_s: float = 1.0
     connect_timeout_s: float = 2.0
     max_attempts: int = 3
-    max_body_bytes: int = 64 * 1024 * 1024
+    max_body_bytes: int | None = None
     drain_timeout_s: float = 30.0
-    first_byte_timeout_s: float | None = None
-    stream_idle_timeout_s: float | None = None
+    first_byte_timeout_s: float | None = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    stream_idle_timeout_s: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    max_connections: int | None = None
+    max_json_depth: int = MAX_JSON_DEPTH
+    offload_bytes: int = DEFAULT_OFFLOAD_BYTES
     eject_after_failures: int = 3
     eject_base_s: float = 5.0
     api_key: str | None = None
     metrics_public: bool = False
     forward_authorization: bool = False
     worker_api_key: str | None = None
-    segment_cache_entries: int = 4096
-    prefix_cache_entries: int = 4096
-    text_piece_cache_entries: int = 32768
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+
+
+def tokenizer_max_length(directory: str | None) -> int | None:
+    """The ``model_max_length`` of a Hugging Face tokenizer directory, when it states a real
+    one (``transformers`` writes a 1e30 sentinel when it does not know); None otherwise."""
+    if directory is None:
+        return None
+    try:
+        config = json.loads((Path(directory) / "tokenizer_config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get("model_max_length") if isinstance(config, dict) else None
+    if isinstance(value, (int, float)) and 0 < value < 10**8:
+        return int(value)
+    return None
+
+
+def derived_max_body_bytes(max_length: int, longest_token_bytes: int) -> int:
+    """The largest body a prompt of ``max_length`` tokens can need, plus an envelope.
+
+    One token takes at most its longest vocabulary entry's bytes as text, three times that
+    when a client escapes non-ASCII text as ``\\uXXXX`` (a 2-byte character becomes 6 bytes,
+    a 4-byte one 12), or 12 bytes as a token id (ten digits, a comma, a space):
+
+        limit = max_length * max(3 * longest_token_bytes, 12) + BODY_ENVELOPE_BYTES
+
+    capped at :data:`DEFAULT_MAX_BODY_BYTES`. A batch of prompts counts as their sum (raise
+    ``--max-body-bytes`` for large batches)."""
+    per_token = max(3 * longest_token_bytes, 12)
+    return min(max_length * per_token + BODY_ENVELOPE_BYTES, DEFAULT_MAX_BODY_BYTES)
+
+
+def _longest_token_bytes(tokenizer: Any) -> int | None:
+    inner = getattr(tokenizer, "_tokenizer", None)
+    if inner is None or not hasattr(inner, "get_vocab"):
+        return None
+    vocab = inner.get_vocab(with_added_tokens=True)
+    return max((len(token.encode("utf-8")) for token in vocab), default=None)
+
+
+_TOO_DEEP = object()
+
+
+def _too_deep(value: Any, limit: int) -> bool:
+    """True when ``value`` nests lists and objects deeper than ``limit`` (iterative: no
+    recursion, whatever the depth)."""
+    stack = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if depth > limit:
+            return True
+        children = item.values() if isinstance(item, dict) else item
+        for child in children:
+            if isinstance(child, (list, dict)) and child:
+                stack.append((child, depth + 1))
+            elif isinstance(child, (list, dict)) and depth + 1 > limit:
+                return True
+    return False
 
 
 class _QuietClientErrors(logging.Filter):
@@ -249,6 +365,15 @@ class Router:
             value = getattr(config, name)
             if value is not None and value <= 0:
                 raise ValueError(f"{name} must be positive (or None for no limit), got {value}")
+        for name in ("header_timeout_s", "body_timeout_s", "keepalive_timeout_s"):
+            if not getattr(config, name) > 0:
+                raise ValueError(f"{name} must be positive, got {getattr(config, name)}")
+        if config.max_connections is not None and config.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1, got {config.max_connections}")
+        if config.max_body_bytes is not None and config.max_body_bytes < 1:
+            raise ValueError(f"max_body_bytes must be at least 1, got {config.max_body_bytes}")
+        if config.max_json_depth < 2:
+            raise ValueError(f"max_json_depth must be at least 2, got {config.max_json_depth}")
         if config.eject_after_failures < 0 or config.eject_base_s < 0:
             raise ValueError("eject_after_failures and eject_base_s must be >= 0")
         if config.api_key is not None and not config.api_key:
@@ -279,13 +404,36 @@ class Router:
         self.routing = RoutingStep(self.policy, self.index, config.block_size)
         #: The clock routing decisions are stamped with (a replay substitutes its own).
         self.clock = time.monotonic
+        tokenizer = load_tokenizer(config.tokenizer)
+        max_length = tokenizer_max_length(config.tokenizer)
+        longest = _longest_token_bytes(tokenizer) if max_length else None
+        #: Longer prompt texts are routed untokenized (the engine refuses them anyway).
+        self.max_text_bytes = max_text_bytes(max_length, longest)
+        self.max_prompt_tokens = max_length
         self.hasher = PromptHasher(
-            load_tokenizer(config.tokenizer),
-            block_hasher,
-            config.segment_cache_entries,
-            config.prefix_cache_entries,
-            config.text_piece_cache_entries,
+            tokenizer, block_hasher, cache_bytes=config.prompt_cache_bytes, max_text_bytes=self.max_text_bytes,
+            max_prompt_tokens=max_length,
         )
+        #: The offload thread's own hasher (its caches are not shared across threads); small
+        #: caches, since what it sees is large and rarely repeats.
+        self._offload_hasher: PromptHasher | None = None
+        self._offload_parts = (tokenizer, block_hasher)
+        self._offload: concurrent.futures.ThreadPoolExecutor | None = None
+        #: Bodies over ``offload_bytes`` in memory at once (the others wait before reading).
+        self._large_bodies = asyncio.Semaphore(2)
+        #: Where the body limit came from (``kvroute serve`` prints it).
+        self.max_body_source = "--max-body-bytes"
+        if config.max_body_bytes is not None:
+            self.max_body_bytes = config.max_body_bytes
+        else:
+            if max_length and longest:
+                self.max_body_bytes = derived_max_body_bytes(max_length, longest)
+                self.max_body_source = (
+                    f"derived: {max_length} tokens x max(3 x {longest}, 12) bytes + 1 MiB"
+                )
+            else:
+                self.max_body_bytes = DEFAULT_MAX_BODY_BYTES
+                self.max_body_source = "default: the tokenizer states no maximum length"
         self.metrics = RouterMetrics()
         logging.getLogger("aiohttp.server").addFilter(_QUIET_CLIENT_ERRORS)  # idempotent
         self._events = events
@@ -299,7 +447,7 @@ class Router:
         self._runner: web.AppRunner | None = None
         self.pool: WorkerPool | None = None
         self.app = web.Application(
-            client_max_size=config.max_body_bytes, middlewares=[self._errors, self._auth]
+            client_max_size=self.max_body_bytes, middlewares=[self._errors, self._auth]
         )
         expect = {"expect_handler": self._expect}
         self.app.add_routes(
@@ -343,12 +491,25 @@ class Router:
         # Serve only once the first worker list is in: a request before it would get a 503
         # although workers exist.
         await self.pool.first_update.wait()
-        self._runner = web.AppRunner(
-            self.app, handler_cancellation=True, access_log=None, shutdown_timeout=1.0
+        limits = ConnectionLimits(
+            header_timeout_s=config.header_timeout_s,
+            keepalive_timeout_s=config.keepalive_timeout_s,
+            max_connections=config.max_connections or default_max_connections(),
+        )
+        self.connection_limits = limits
+        # auto_decompress=False: a compressed body is refused (415), never expanded.
+        # lingering_time=0: a body left unread (413, 415, 408) closes the connection after the
+        # answer instead of being read and dropped for up to 10 s.
+        self._runner = GuardedRunner(
+            self.app, limits=limits, metrics=self.metrics, handler_cancellation=True,
+            access_log=None, shutdown_timeout=1.0, auto_decompress=False, lingering_time=0,
         )
         await self._runner.setup()
         try:
-            site = web.TCPSite(self._runner, config.host, config.port)
+            # A backlog for bursts of connects (aiohttp's 128 overflows when hundreds arrive at
+            # once, and a dropped SYN costs its client a 1 s retransmit); the kernel caps it at
+            # net.core.somaxconn.
+            site = web.TCPSite(self._runner, config.host, config.port, backlog=LISTEN_BACKLOG)
             await site.start()
         except OSError as exc:
             await self.close()
@@ -379,6 +540,9 @@ class Router:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self._offload is not None:
+            self._offload.shutdown(wait=False, cancel_futures=True)
+            self._offload = None
 
     @property
     def in_flight(self) -> int:
@@ -393,9 +557,7 @@ class Router:
         try:
             response = await handler(request)
         except web.HTTPRequestEntityTooLarge:
-            response = _error(
-                413, f"request body larger than {self.config.max_body_bytes} bytes", "BadRequestError"
-            )
+            response = self._too_large()
         except web.HTTPException as exc:
             if exc.status >= 500:
                 raise
@@ -464,6 +626,15 @@ class Router:
         self.metrics.index_predicted.set(stats.predicted)
         self.metrics.index_workers.set(stats.workers)
         self.metrics.index_evicted.set(stats.evicted_blocks)
+        nbytes, evictions = self.hasher.cache_stats()
+        untokenized = self.hasher.untokenized
+        if self._offload_hasher is not None:
+            more_bytes, more_evictions = self._offload_hasher.cache_stats()
+            nbytes, evictions = nbytes + more_bytes, evictions + more_evictions
+            untokenized += self._offload_hasher.untokenized
+        self.metrics.untokenized_prompts.set(untokenized)
+        self.metrics.prompt_cache_bytes.set(nbytes)
+        self.metrics.prompt_cache_evictions.set(evictions)
         return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
 
     async def models(self, request: web.Request) -> web.StreamResponse:
@@ -535,28 +706,128 @@ class Router:
             if self._in_flight == 0:
                 self._idle.set()
 
+    def _too_large(self) -> web.Response:
+        """413, and the connection closed: the rest of the body is not read."""
+        self.metrics.rejected_requests.labels("body_too_large").inc()
+        response = _error(413, f"request body larger than {self.max_body_bytes} bytes", "BadRequestError")
+        response.force_close()
+        return response
+
+    async def _read_body(self, request: web.Request) -> bytes | web.Response:
+        """The body, or the answer refusing it: 415 when compressed (never expanded), 413
+        over the limit (before reading when its length is declared), 408 when it does not
+        arrive within ``body_timeout_s``."""
+        encoding = request.headers.get("Content-Encoding", "identity").strip().lower()
+        if encoding not in ("", "identity"):
+            self.metrics.rejected_requests.labels("content_encoding").inc()
+            response = _error(
+                415, "request bodies must not be compressed (Content-Encoding: identity)",
+                "BadRequestError", **{"Accept-Encoding": "identity"},
+            )
+            response.force_close()
+            return response
+        length = request.content_length
+        if length is not None and length > self.max_body_bytes:
+            return self._too_large()
+        try:
+            async with asyncio.timeout(self.config.body_timeout_s):
+                return await request.read()
+        except TimeoutError:
+            self.metrics.client_timeouts.labels("body").inc()
+            response = _error(
+                408, f"request body not received within {self.config.body_timeout_s:g}s", "RequestTimeout"
+            )
+            response.force_close()
+            return response
+
+    def _parse(
+        self, raw: bytes, parse: Callable[[dict], PromptInfo], ids_fast_path: bool = False
+    ) -> PromptInfo | web.Response:
+        """Body bytes to the prompt's blocks, or the 400 refusing them (any input: never
+        an exception). ``ids_fast_path``: a completion body on the offload thread, whose ids
+        may be parsed without a Python int each (:func:`kvroute.proxy.prompts.parse_large_ids`)."""
+        try:
+            body = parse_large_ids(raw) if ids_fast_path else None
+            if body is None:
+                body = _decode_json(raw)
+        except UNDECODABLE as exc:
+            return _error(400, f"JSON decode error: {exc}", "BadRequestError")
+        except RecursionError:
+            body = _TOO_DEEP  # deeper than the decoder's own stack allows: too deep by far
+        limit = self.config.max_json_depth
+        # Counting brackets is cheap for a small body, which needs the walk only with that
+        # many; a large one (on the offload thread) is walked, which visits only containers'
+        # elements and lets the event loop run meanwhile.
+        small = len(raw) <= self.config.offload_bytes
+        if body is _TOO_DEEP or (
+            isinstance(body, (dict, list))
+            and (not small or raw.count(b"[") + raw.count(b"{") > limit)
+            and _too_deep(body, limit)
+        ):
+            self.metrics.rejected_requests.labels("json_too_deep").inc()
+            return _error(400, f"JSON nested deeper than {limit} levels", "BadRequestError")
+        if not isinstance(body, dict):
+            return _error(400, "the body must be a JSON object", "BadRequestError")
+        try:
+            return parse(body)
+        except BadRequest as exc:
+            return _error(400, str(exc), "BadRequestError", exc.param)
+        except (ValueError, TypeError, KeyError, IndexError, OverflowError, RecursionError) as exc:
+            # Input the prompt code could not take: the client's, answered as such.
+            logger.debug("unparseable prompt: %r", exc)
+            return _error(400, f"cannot read the prompt: {type(exc).__name__}", "BadRequestError")
+
+    def _parse_offloaded(self, raw: bytes, route: str) -> PromptInfo | web.Response:
+        """:meth:`_parse` on the offload thread, with that thread's own hasher."""
+        if self._offload_hasher is None:
+            tokenizer, block_hasher = self._offload_parts
+            self._offload_hasher = PromptHasher(
+                tokenizer, block_hasher, cache_bytes=min(self.config.prompt_cache_bytes, 8 << 20),
+                max_text_bytes=self.max_text_bytes, max_prompt_tokens=self.max_prompt_tokens,
+            )
+        hasher = self._offload_hasher
+        if route == "chat":
+            return self._parse(raw, hasher.chat)
+        return self._parse(raw, hasher.completion, ids_fast_path=True)
+
     async def _route(
         self, request: web.Request, parse: Callable[[dict], PromptInfo], started: float
     ) -> web.StreamResponse:
         if request.content_type != _JSON:
             return _error(400, "Content-Type must be application/json", "BadRequestError")
-        raw = await request.read()
-        try:
-            body = _decode_json(raw)
-        except UNDECODABLE as exc:
-            return _error(400, f"JSON decode error: {exc}", "BadRequestError")
-        if not isinstance(body, dict):
-            return _error(400, "the body must be a JSON object", "BadRequestError")
-        try:
-            prompt = parse(body)
-        except BadRequest as exc:
-            return _error(400, str(exc), "BadRequestError", exc.param)
+        length = request.content_length
+        if length is not None and self.config.offload_bytes < length <= self.max_body_bytes:
+            # A large body: at most two in memory at once, parsed off the event loop.
+            async with self._large_bodies:
+                raw = await self._read_body(request)
+                if isinstance(raw, web.Response):
+                    return raw
+                prompt = await self._parse_large(raw, parse)
+        else:
+            raw = await self._read_body(request)
+            if isinstance(raw, web.Response):
+                return raw
+            if len(raw) > self.config.offload_bytes:
+                prompt = await self._parse_large(raw, parse)
+            else:
+                prompt = self._parse(raw, parse)
+        if isinstance(prompt, web.Response):
+            return prompt
         candidates = self.pool.available()
         if not candidates:
             return _error(503, "no worker available", "ServiceUnavailable")
         worker, prefill = self._choose(prompt, candidates)
         self.metrics.routing_seconds.observe(time.perf_counter() - started)
         return await self._forward(request, raw, prompt, worker, prefill)
+
+    async def _parse_large(self, raw: bytes, parse: Callable[[dict], PromptInfo]) -> PromptInfo | web.Response:
+        if self._offload is None:
+            # One thread: large requests queue behind each other instead of competing for
+            # the GIL with the event loop two at a time.
+            self._offload = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="kvroute-parse")
+        self.metrics.offloaded_requests.inc()
+        route = "chat" if parse == self.hasher.chat else "completion"
+        return await asyncio.get_running_loop().run_in_executor(self._offload, self._parse_offloaded, raw, route)
 
     async def _forward(
         self, request: web.Request, raw: bytes, prompt: PromptInfo, worker: Worker, prefill: int

@@ -246,8 +246,10 @@ class TextChunker:
         tokenizer: the loaded ``tokenizers.Tokenizer``.
         words: the word-by-word encoder of pure-ASCII pieces (see :class:`_AsciiWords`).
         before, after: ids the post-processor adds around the sequence.
-        capacity: pieces kept (LRU), within :data:`PIECE_CACHE_BYTES`.
+        capacity: pieces kept (LRU), within ``max_bytes``.
         cut_one_in: see :func:`cut_points` (tests cut at every candidate).
+        max_bytes: bytes of text and ids the piece cache may hold (a piece over an eighth of
+            it is not cached: a text without cut candidates is one piece).
     """
 
     def __init__(
@@ -258,6 +260,7 @@ class TextChunker:
         after: list[int],
         capacity: int,
         cut_one_in: int = CUT_ONE_IN,
+        max_bytes: int = PIECE_CACHE_BYTES,
     ) -> None:
         if cut_one_in < 1 or cut_one_in & (cut_one_in - 1):
             raise ValueError(f"cut_one_in must be a power of two, got {cut_one_in}")
@@ -267,8 +270,11 @@ class TextChunker:
         self._before = np.asarray(before, dtype=np.uint32)
         self._after = np.asarray(after, dtype=np.uint32)
         self.capacity = capacity
+        self.max_bytes = max_bytes
         self._pieces: OrderedDict[bytes, np.ndarray] = OrderedDict()
         self._piece_bytes = 0
+        #: Pieces dropped to stay within the bounds (cumulative).
+        self.evictions = 0
         self.hits = 0
         self.misses = 0
 
@@ -306,12 +312,19 @@ class TextChunker:
                 encoded = self._tokenizer.encode_batch_fast([text], add_special_tokens=False)[0].ids
             ids = np.asarray(encoded, dtype=np.uint32)
             parts[slot] = ids
-            if key not in pieces:  # the same new piece twice in one prompt
+            size = len(key) + ids.nbytes
+            if key not in pieces and size * 8 <= self.max_bytes:  # the same new piece twice in one prompt
                 pieces[key] = ids
-                self._piece_bytes += len(key) + ids.nbytes
-        while pieces and (len(pieces) > self.capacity or self._piece_bytes > PIECE_CACHE_BYTES):
+                self._piece_bytes += size
+        while pieces and (len(pieces) > self.capacity or self._piece_bytes > self.max_bytes):
             key, ids = pieces.popitem(last=False)
             self._piece_bytes -= len(key) + ids.nbytes
+            self.evictions += 1
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of text and ids the piece cache holds."""
+        return self._piece_bytes
 
     def __len__(self) -> int:
         return len(self._pieces)
@@ -325,7 +338,9 @@ _SELF_CHECK_TEXTS = (
 )
 
 
-def text_chunker(tokenizer: object, capacity: int = 4096, cut_one_in: int = CUT_ONE_IN) -> TextChunker | None:
+def text_chunker(
+    tokenizer: object, capacity: int = 4096, cut_one_in: int = CUT_ONE_IN, max_bytes: int = PIECE_CACHE_BYTES
+) -> TextChunker | None:
     """A :class:`TextChunker` for ``tokenizer`` if its pipeline is one the cut argument covers
     (see the module docstring) and the self-check passes; None otherwise."""
     if not isinstance(tokenizer, HFTokenizer):
@@ -347,7 +362,7 @@ def text_chunker(tokenizer: object, capacity: int = 4096, cut_one_in: int = CUT_
     if specials is None:
         return None
     words = _AsciiWords(raw, _KNOWN_SPLIT_PATTERNS[pattern])
-    chunker = TextChunker(raw, words, specials[0], specials[1], capacity, cut_one_in)
+    chunker = TextChunker(raw, words, specials[0], specials[1], capacity, cut_one_in, max_bytes)
     for text in _SELF_CHECK_TEXTS:
         for add_special_tokens in (True, False):
             whole = raw.encode_batch_fast([text], add_special_tokens=add_special_tokens)[0].ids
@@ -355,5 +370,5 @@ def text_chunker(tokenizer: object, capacity: int = 4096, cut_one_in: int = CUT_
                 return None
     chunker._pieces.clear()
     chunker._piece_bytes = 0
-    chunker.hits = chunker.misses = 0
+    chunker.hits = chunker.misses = chunker.evictions = 0
     return chunker

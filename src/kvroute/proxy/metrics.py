@@ -111,6 +111,50 @@ class RouterMetrics:
             "Workers taken out after consecutive failed requests (outlier ejection)",
             ["worker"], registry=r,
         )
+        self.client_timeouts = Counter(
+            "kvroute_router_client_timeouts",
+            "Client connections closed for being too slow: header (no whole request head within "
+            "--header-timeout), body (--body-timeout, answered 408), idle (kept alive past "
+            "--keepalive-timeout), shed (the oldest unfinished head, closed at --max-connections "
+            "to admit a new connection)",
+            ["kind"], registry=r,
+        )
+        self.connections = Gauge(
+            "kvroute_router_client_connections", "Open client connections", registry=r
+        )
+        self.connections_refused = Counter(
+            "kvroute_router_connections_refused",
+            "Client connections answered 503 and closed at --max-connections",
+            registry=r,
+        )
+        self.rejected_requests = Counter(
+            "kvroute_router_rejected_requests",
+            "Requests refused before routing: body_too_large (413, --max-body-bytes), "
+            "content_encoding (415), json_too_deep (400)",
+            ["reason"], registry=r,
+        )
+        self.offloaded_requests = Counter(
+            "kvroute_router_offloaded_requests",
+            "Requests whose parsing, tokenization and hashing ran off the event loop "
+            "(bodies over --offload-bytes)",
+            registry=r,
+        )
+        self.untokenized_prompts = Gauge(
+            "kvroute_router_untokenized_prompts",
+            "Prompts routed without tokenizing (no prefix match) for being longer in text than "
+            "any prompt the engine accepts (cumulative)",
+            registry=r,
+        )
+        self.prompt_cache_bytes = Gauge(
+            "kvroute_router_prompt_cache_bytes",
+            "Bytes held by the tokenization caches (bounded by --prompt-cache-bytes)",
+            registry=r,
+        )
+        self.prompt_cache_evictions = Gauge(
+            "kvroute_router_prompt_cache_evictions",
+            "Entries the tokenization caches dropped to stay within --prompt-cache-bytes (cumulative)",
+            registry=r,
+        )
         self.health_failures = Counter(
             "kvroute_router_health_check_failures", "Failed /health checks", ["worker"], registry=r
         )

@@ -52,6 +52,8 @@ logger = logging.getLogger(__name__)
 _SUBSCRIBER_RESTART_S = 1.0
 #: Longest ejection, whatever the number of ejections in a row.
 MAX_EJECTION_S = 300.0
+#: Most bytes of a health check's answer read.
+_HEALTH_BODY_BYTES = 64 * 1024
 
 
 class Worker:
@@ -261,12 +263,20 @@ class WorkerPool:
                     self.mark_failed(worker, f"health check: {problem}")
 
     async def _check(self, worker: Worker) -> str | None:
-        """None when ``GET /health`` answers 200 in time, else what went wrong."""
+        """None when ``GET /health`` answers 200 in time, else what went wrong.
+
+        A redirect is a failure and is never followed: following it would let a worker (or
+        whoever took over its address) make the router fetch any URL, and a redirect target's
+        200 would keep a worker healthy that is not. Only the first 64 KiB of the answer are
+        read (a health check needs its status, not its body)."""
         try:
             async with self.session.get(
-                worker.url + "/health", timeout=aiohttp.ClientTimeout(total=self.health_timeout_s)
+                worker.url + "/health", allow_redirects=False,
+                timeout=aiohttp.ClientTimeout(total=self.health_timeout_s),
             ) as response:
-                await response.read()
+                await response.content.read(_HEALTH_BODY_BYTES)
+                if 300 <= response.status < 400:
+                    return f"status {response.status} (a redirect: not followed)"
                 return None if response.status == 200 else f"status {response.status}"
         except (TimeoutError, aiohttp.ClientError, OSError) as exc:
             return str(exc) or type(exc).__name__

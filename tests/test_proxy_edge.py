@@ -1,0 +1,396 @@
+"""The router's bounded defaults against slow and hostile clients (see kvroute.proxy.edge):
+head and body timeouts, the connection limit's 503, body limits checked before reading, no
+decompression, bounded JSON depth, byte-bounded prompt caches, health checks that never
+follow redirects, stream timeouts on by default. Servers on 127.0.0.1, ephemeral ports."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import json
+import subprocess
+import sys
+import time
+import zlib
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+
+from kvroute.blocks import BlockHasher
+from kvroute.proxy import RouterConfig, start_router
+from kvroute.proxy.app import (
+    DEFAULT_FIRST_BYTE_TIMEOUT_S,
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    derived_max_body_bytes,
+)
+from kvroute.proxy.edge import default_max_connections
+from kvroute.proxy.prompts import ByteLRU, PromptHasher
+from kvroute.tokens import SyntheticTokenizer
+
+
+async def _worker(app_routes=None) -> tuple[web.AppRunner, str, list[bytes]]:
+    seen: list[bytes] = []
+
+    async def completions(request: web.Request) -> web.Response:
+        seen.append(await request.read())
+        return web.json_response({"id": "x", "choices": []})
+
+    app = web.Application(client_max_size=2**30)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    async def health(request: web.Request) -> web.Response:
+        return web.Response()
+
+    app.router.add_get("/health", health)
+    for method, path, handler in app_routes or ():
+        app.router.add_route(method, path, handler)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}", seen
+
+
+async def _raw(url: str, data: bytes, read_timeout: float = 5.0) -> bytes:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    reader, writer = await asyncio.open_connection(host, int(port))
+    try:
+        writer.write(data)
+        await writer.drain()
+        return await asyncio.wait_for(reader.read(), read_timeout)
+    finally:
+        writer.close()
+
+
+def _post(path: bytes, body: bytes, *headers: bytes) -> bytes:
+    head = [b"POST " + path + b" HTTP/1.1", b"Host: r", b"Connection: close", b"Content-Type: application/json",
+            b"Content-Length: " + str(len(body)).encode(), *headers]
+    return b"\r\n".join(head) + b"\r\n\r\n" + body
+
+
+def _status(answer: bytes) -> int:
+    return int(answer.split(b" ", 2)[1]) if answer.startswith(b"HTTP/") else 0
+
+
+async def test_a_slow_head_is_closed_after_the_header_timeout_and_counted():
+    runner, url, _ = await _worker()
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0, header_timeout_s=0.3)
+        async with start_router(config) as router:
+            host, port = router.url.removeprefix("http://").rsplit(":", 1)
+            started = time.monotonic()
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n")  # never finished
+            answer = await asyncio.wait_for(reader.read(), 5)
+            held = time.monotonic() - started
+            writer.close()
+            assert _status(answer) == 408 and 0.25 < held < 2
+            # A silent connection is closed too (no answer: it sent nothing).
+            reader, writer = await asyncio.open_connection(host, int(port))
+            assert await asyncio.wait_for(reader.read(), 5) == b""
+            writer.close()
+            # A kept-alive connection: served, then its next head is timed from its first byte.
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200")
+            await asyncio.sleep(0.4)  # idle past the head timeout: fine (keep-alive covers it)
+            writer.write(b"GET /hea")
+            answer = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            assert _status(answer) == 408
+            assert router.metrics.client_timeouts.labels("header")._value.get() == 3
+    finally:
+        await runner.cleanup()
+
+
+async def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeout():
+    runner, url, _ = await _worker()
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0, keepalive_timeout_s=0.3)
+        async with start_router(config) as router:
+            host, port = router.url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+            await reader.readuntil(b"\r\n\r\n")
+            await reader.readexactly(0)
+            assert await asyncio.wait_for(reader.read(), 5) == b""  # closed by the router
+            writer.close()
+            assert router.metrics.client_timeouts.labels("idle")._value.get() == 1
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_slow_body_gets_408():
+    runner, url, seen = await _worker()
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0, body_timeout_s=0.3)
+        async with start_router(config) as router:
+            host, port = router.url.removeprefix("http://").rsplit(":", 1)
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(_post(b"/v1/completions", b'{"prompt": [1, 2, 3]}')[:-5])  # body cut short
+            answer = await asyncio.wait_for(reader.read(), 5)
+            writer.close()
+            assert _status(answer) == 408
+            assert router.metrics.client_timeouts.labels("body")._value.get() == 1
+        assert seen == []
+    finally:
+        await runner.cleanup()
+
+
+async def test_at_the_connection_limit_slow_heads_are_shed_and_otherwise_503_not_silence():
+    runner, url, _ = await _worker()
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0, max_connections=5)
+        async with start_router(config) as router:
+            host, port = router.url.removeprefix("http://").rsplit(":", 1)
+            # Five slow heads: a sixth connection sheds the oldest of them and is served.
+            slow = []
+            for _ in range(5):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(b"GET /hea")
+                slow.append((reader, writer))
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.05)
+            answer = await _raw(router.url, b"GET /health HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
+            assert _status(answer) == 200
+            assert await asyncio.wait_for(slow[0][0].read(), 2) == b""  # the oldest was closed
+            assert router.metrics.client_timeouts.labels("shed")._value.get() == 1
+            for _, writer in slow:
+                writer.close()
+            await asyncio.sleep(0.1)
+            # Five kept-alive connections (each served once): nothing to shed, so 503.
+            held = []
+            for _ in range(5):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+                await reader.readuntil(b"\r\n\r\n")
+                held.append((reader, writer))
+            answer = await _raw(router.url, b"GET /health HTTP/1.1\r\nHost: r\r\n\r\n")
+            assert _status(answer) == 503 and b"too many connections" in answer
+            assert router.metrics.connections_refused._value.get() == 1
+            for _, writer in held:
+                writer.close()
+            await asyncio.sleep(0.1)
+            answer = await _raw(router.url, b"GET /health HTTP/1.1\r\nHost: r\r\nConnection: close\r\n\r\n")
+            assert _status(answer) == 200  # slots freed
+    finally:
+        await runner.cleanup()
+
+
+def test_the_default_connection_limit_leaves_a_descriptor_per_upstream():
+    assert default_max_connections(1024) == 448
+    assert default_max_connections(100) == 16
+
+
+async def test_bodies_over_the_limit_413_before_reading_and_compressed_ones_415():
+    runner, url, seen = await _worker()
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0, max_body_bytes=1000)
+        async with start_router(config) as router:
+            # Declared too large: refused without waiting for the body (none is sent).
+            head = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: 50000000\r\n\r\n")
+            answer = await _raw(router.url, head, read_timeout=2)
+            assert _status(answer) == 413
+            plain = json.dumps({"prompt": [1, 2, 3]}).encode()
+            for encoding, body in ((b"gzip", plain), (b"gzip", gzip.compress(plain)),
+                                   (b"deflate", zlib.compress(b'{"prompt": "' + b"a" * 60_000 + b'"}')),
+                                   (b"br", plain)):
+                answer = await _raw(router.url, _post(b"/v1/completions", body, b"Content-Encoding: " + encoding))
+                assert _status(answer) == 415, answer[:200]
+            answer = await _raw(router.url, _post(b"/v1/completions", plain, b"Content-Encoding: identity"))
+            assert _status(answer) == 200
+            assert router.metrics.rejected_requests.labels("content_encoding")._value.get() == 4
+            assert router.metrics.rejected_requests.labels("body_too_large")._value.get() == 1
+        assert seen == [plain]  # nothing compressed or oversized was forwarded
+    finally:
+        await runner.cleanup()
+
+
+def test_the_body_limit_is_derived_from_the_tokenizers_max_length(tiny_model_dir):
+    assert derived_max_body_bytes(8192, 22) == 8192 * 66 + 2**20
+    assert derived_max_body_bytes(8192, 2) == 8192 * 12 + 2**20  # ids take 12 bytes each
+    assert derived_max_body_bytes(10**6, 100) == DEFAULT_MAX_BODY_BYTES  # capped
+    from kvroute.proxy.app import Router
+
+    router = Router(RouterConfig(workers=["http://127.0.0.1:9"], tokenizer=str(tiny_model_dir)))
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    assert router.max_body_bytes < DEFAULT_MAX_BODY_BYTES
+    assert router.max_body_bytes >= config["model_max_length"] * 12 + 2**20
+    assert Router(RouterConfig(workers=["http://127.0.0.1:9"])).max_body_bytes == DEFAULT_MAX_BODY_BYTES
+    explicit = Router(RouterConfig(workers=["http://127.0.0.1:9"], tokenizer=str(tiny_model_dir), max_body_bytes=5))
+    assert explicit.max_body_bytes == 5
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory):
+    from kvroute.tinymodel import build_tiny_model
+
+    path = tmp_path_factory.mktemp("tiny")
+    build_tiny_model(str(path))
+    return path
+
+
+async def test_deep_json_is_400_at_any_depth_and_never_5xx():
+    runner, url, seen = await _worker()
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0)
+        async with start_router(config) as router:
+            for depth in (65, 500, 981, 5000, 100_000):
+                for shape in ("[" * depth + "]" * depth, '{"a":' * depth + "1" + "}" * depth):
+                    body = ('{"prompt": [1], "x": ' + shape + "}").encode()
+                    answer = await _raw(router.url, _post(b"/v1/completions", body))
+                    assert _status(answer) == 400, (depth, answer[:300])
+                    assert b"nested deeper" in answer
+            # Brackets inside strings are text, not nesting.
+            body = json.dumps({"prompt": "[" * 5000 + "{" * 5000}).encode()
+            assert _status(await _raw(router.url, _post(b"/v1/completions", body))) == 200
+            shallow = json.dumps({"prompt": [1], "x": [[[[[[1]]]]]]}).encode()
+            assert _status(await _raw(router.url, _post(b"/v1/completions", shallow))) == 200
+        assert len(seen) == 2
+    finally:
+        await runner.cleanup()
+
+
+async def test_a_large_body_is_parsed_off_the_event_loop_and_health_stays_fast():
+    runner, url, seen = await _worker()
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0, offload_bytes=1024)
+        async with start_router(config) as router, aiohttp.ClientSession() as s:
+            words = " ".join(f"w{i}" for i in range(400_000))
+            body = {"messages": [{"role": "user", "content": words}]}
+            big = asyncio.ensure_future(s.post(f"{router.url}/v1/chat/completions", json=body))
+            latencies = []
+            while not big.done():
+                t = time.perf_counter()
+                async with s.get(f"{router.url}/health") as r:
+                    assert r.status == 200
+                latencies.append(time.perf_counter() - t)
+                await asyncio.sleep(0.005)
+            assert (await big).status == 200
+            assert router.metrics.offloaded_requests._value.get() == 1
+            assert len(latencies) > 3  # health was answered while the big one was parsed
+        assert len(seen) == 1
+    finally:
+        await runner.cleanup()
+
+
+def test_prompt_caches_are_bounded_in_bytes():
+    cache = ByteLRU(1000, lambda k, v: len(v))
+    for i in range(50):
+        cache.put(i, "x" * 100)
+    assert cache.nbytes <= 1000 and len(cache) == 10 and cache.evictions == 40
+    cache.put("huge", "x" * 200)  # over an eighth of the bound: not cached
+    assert cache.get("huge") is None
+    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16), cache_bytes=4 << 20)
+    rng = np.random.default_rng(0)
+    for _ in range(40):
+        text = " ".join(str(x) for x in rng.integers(0, 10**6, 3000))  # ~20 KB each
+        hasher.text(text)
+        hasher.chat({"messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]})
+    nbytes, evictions = hasher.cache_stats()
+    assert nbytes <= 4 << 20 and evictions > 0
+
+
+async def test_a_redirecting_health_check_is_unhealthy_and_not_followed():
+    trap_hits = []
+
+    async def trap(request):
+        trap_hits.append(request.path)
+        return web.Response()
+
+    trap_runner, trap_url, _ = await _worker([("GET", "/target", trap)])
+
+    async def redirect(request):
+        raise web.HTTPFound(f"{trap_url}/target")
+
+    runner = web.AppRunner(web.Application(), shutdown_timeout=0.1)
+    runner.app.router.add_get("/health", redirect)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    worker_url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        config = RouterConfig(workers=[worker_url], health_interval_s=0.05, health_timeout_s=0.5)
+        async with start_router(config) as router:
+            for _ in range(100):
+                await asyncio.sleep(0.02)
+                if not router.pool.available():
+                    break
+            assert router.pool.available() == []
+            assert router.metrics.health_failures.labels(worker_url)._value.get() >= 1
+        assert trap_hits == []
+    finally:
+        await runner.cleanup()
+        await trap_runner.cleanup()
+
+
+async def test_stream_timeouts_are_on_by_default():
+    config = RouterConfig()
+    assert (config.first_byte_timeout_s, config.stream_idle_timeout_s) == (
+        DEFAULT_FIRST_BYTE_TIMEOUT_S, DEFAULT_STREAM_IDLE_TIMEOUT_S)
+    assert DEFAULT_STREAM_IDLE_TIMEOUT_S >= 180  # a 130k-token prefill on a small GPU
+
+
+def test_serve_with_a_missing_worker_file_exits_2_with_one_line():
+    result = subprocess.run([sys.executable, "-m", "kvroute", "serve", "--worker-file", "/nonexistent/w"],
+                            capture_output=True, text=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().count("\n") == 0 and "cannot read worker file" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_long_texts_encode_in_slices_to_the_same_ids():
+    from kvroute.proxy import prompts
+
+    tokenizer = SyntheticTokenizer()
+    text = ("word, <|im_start|>x\n\ty " * 20_000) + "tail"
+    assert len(text) > 4 * prompts._TEXT_SLICE
+    assert prompts._encode(tokenizer, text, False).tolist() == tokenizer.encode(text)
+
+
+def test_texts_longer_than_any_accepted_prompt_are_routed_untokenized():
+    from kvroute.proxy.prompts import DEFAULT_MAX_TEXT_BYTES, max_text_bytes
+
+    assert max_text_bytes(8192, 22) == 8192 * 22 and max_text_bytes(None, None) == DEFAULT_MAX_TEXT_BYTES
+    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16), max_text_bytes=1000)
+    assert hasher.text("a " * 400).num_tokens == 400
+    assert hasher.text("a " * 600).block_hashes == [] and hasher.untokenized == 1
+    long_chat = {"messages": [{"role": "user", "content": "a " * 600}]}
+    assert hasher.chat(long_chat).block_hashes == [] and hasher.untokenized == 2
+
+
+def test_large_id_prompts_parse_from_the_bytes_to_the_same_blocks(monkeypatch):
+    from kvroute.proxy import prompts
+
+    monkeypatch.setattr(prompts, "_RAW_IDS_SLICE", 64)  # many slices
+    ids = list(range(0, 4_000_000_000, 9_999_991))
+    raw = json.dumps({"prompt": ids, "max_tokens": 3, "stream": True}).encode()
+    body = prompts.parse_large_ids(raw)
+    assert body["prompt"].tolist() == ids and body["max_tokens"] == 3 and body["stream"] is True
+    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16))
+    assert hasher.completion(body) == hasher.completion(json.loads(raw))
+    for bad in ([1, 2.5], [1, -2], [2**32], [10**30], ["1"], [[1]], []):
+        assert prompts.parse_large_ids(json.dumps({"prompt": bad}).encode()) is None, bad
+
+
+async def test_a_large_bad_id_prompt_is_still_a_400():
+    runner, url, seen = await _worker()
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0, offload_bytes=100)
+        async with start_router(config) as router:
+            for prompt, status in (([1] * 100 + [-1], 400), ([1] * 100 + [2**40], 400), ([5] * 100, 200)):
+                body = json.dumps({"prompt": prompt}).encode()
+                assert _status(await _raw(router.url, _post(b"/v1/completions", body))) == status
+            assert router.metrics.offloaded_requests._value.get() == 3
+        assert len(seen) == 1
+    finally:
+        await runner.cleanup()
+
+
+def test_id_prompts_longer_than_any_accepted_one_are_not_hashed():
+    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16), max_prompt_tokens=100)
+    assert len(hasher.completion({"prompt": list(range(100))}).block_hashes) == 6
+    info = hasher.completion({"prompt": list(range(101))})
+    assert (info.num_tokens, info.block_hashes, hasher.untokenized) == (101, [], 1)
