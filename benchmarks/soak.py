@@ -17,7 +17,10 @@ Nothing lost or duplicated is checked at the workers: each worker's
 worker's first life is compared with the scrape taken just before the kill). The restart is
 followed from the router's side: its first KV events after the restart, the first request the
 kv-aware policy sends it that hits its rebuilt cache (``cached_tokens`` > 0), and its share of
-requests afterwards.
+requests afterwards. With ``--stop-for S`` another worker is SIGSTOPped at the kill for S
+seconds (a hung process, not a dead one: its connections stay open) and then SIGCONTed; its
+requests must end as ``ok`` or ``clean`` too, within the router's timeouts, and the slowest
+request of the run is reported. ``--all-streamed`` streams every request (default: half).
 
 ``soak``: ``--requests`` short requests (random 64-token prompts: every prefix new, so the
 predicted index churns) through ``kvroute serve`` as a child process against ``instant``
@@ -27,6 +30,7 @@ default (the mode that could grow without bound); ``--events`` feeds the index f
 workers' KV events instead.
 
     python benchmarks/soak.py worker-death [--requests 20000] [--concurrency 32]
+    python benchmarks/soak.py worker-death --requests 2000 --concurrency 12 --stop-for 20 --all-streamed
     python benchmarks/soak.py soak [--requests 1000000] [--concurrency 32] [--events]
 """
 
@@ -109,6 +113,12 @@ class WorkerProcess:
 
     def kill(self) -> None:
         self.proc.send_signal(signal.SIGKILL)
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
 
     async def restart(self) -> None:
         await self.proc.wait()
@@ -212,6 +222,12 @@ class DeathResult:
     victim_hit_rate_after: float
     others_hit_rate: float
     clean_errors_on_victim: int
+    restart_to_first_ok_s: float | None = None
+    slowest_request_s: float = 0.0
+    # the SIGSTOPped worker (``--stop-for``): its name, seconds stopped, ok and clean outcomes
+    paused: str | None = None
+    paused_s: float = 0.0
+    paused_outcomes: tuple[int, int] = (0, 0)
 
     @property
     def passed(self) -> bool:
@@ -240,6 +256,8 @@ async def run_worker_death(
     emulate_args: tuple[str, ...] = ("--timing", "reference-gpu", "--time-scale", "0.5"),
     seed: int = 0,
     progress: bool = False,
+    stop_s: float = 0.0,
+    all_streamed: bool = False,
 ) -> DeathResult:
     rng = random.Random(seed)
     tmp = tempfile.mkdtemp(prefix="kvr-death-")
@@ -249,6 +267,7 @@ async def run_worker_death(
     ]
     await asyncio.gather(*(w.start() for w in fleet))
     victim = fleet[rng.randrange(workers)]
+    paused = fleet[(fleet.index(victim) + 1) % workers] if stop_s > 0 and workers > 1 else None
     events = EventsSettings(per_worker={w.url: EventsSource(w.events, w.replay) for w in fleet})
     config = RouterConfig(workers=[w.url for w in fleet], policy="kv-aware", seed=seed,
                           events=events, health_interval_s=health_interval_s)
@@ -274,7 +293,8 @@ async def run_worker_death(
                     if i == kill_index:
                         killed.set()
                     prompt = rng.choice(shared) + [rng.randrange(1000, 30000) for _ in range(BLOCK)]
-                    outcomes.append(await one_request(session, router.url, prompt, max_tokens, i % 2 == 0))
+                    stream = all_streamed or i % 2 == 0
+                    outcomes.append(await one_request(session, router.url, prompt, max_tokens, stream))
                     if progress and len(outcomes) % 2000 == 0:
                         print(f"  {len(outcomes)} requests, {time.monotonic() - started:.1f} s",
                               file=sys.stderr, flush=True)
@@ -289,6 +309,20 @@ async def run_worker_death(
                     print(f"  SIGKILL {name} after {len(outcomes)} requests, "
                           f"{marks['kill'] - started:.1f} s", file=sys.stderr, flush=True)
                 marks["scraped"] = scraped
+                if paused is not None:
+                    paused.pause()
+                    marks["pause"] = time.monotonic()
+
+                    async def resume_later() -> None:
+                        await asyncio.sleep(stop_s)
+                        paused.resume()
+                        marks["resume"] = time.monotonic()
+                        if progress:
+                            print(f"  SIGCONT {paused.url} after {stop_s:g} s", file=sys.stderr, flush=True)
+
+                    resumer = asyncio.ensure_future(resume_later())
+                    if progress:
+                        print(f"  SIGSTOP {paused.url}", file=sys.stderr, flush=True)
                 await asyncio.sleep(down_s)
                 before = applied._value.get()
                 await victim.restart()
@@ -299,6 +333,8 @@ async def run_worker_death(
                     await asyncio.sleep(0.002)
                 if applied._value.get() != before:
                     marks["first_event"] = time.monotonic()
+                if paused is not None:
+                    await resumer
 
             started = time.monotonic()
             chaos_task = asyncio.ensure_future(chaos())
@@ -315,6 +351,9 @@ async def run_worker_death(
             first_event = marks.get("first_event", float("inf"))
             after = [o for o in outcomes if o.kind == "ok" and o.sent >= first_event]
             on_victim = [o for o in after if o.worker == name]
+            back = [o.done for o in outcomes if o.kind == "ok" and o.worker == name and o.sent >= marks["restart"]]
+            on_paused = [o for o in outcomes if paused is not None and o.worker == paused.url
+                         and o.sent < marks.get("resume", 0.0) and o.done > marks.get("pause", 0.0)]
             hits = sorted(o.sent for o in on_victim if o.cached_tokens >= BLOCK)
             others = [o for o in after if o.worker != name]
             return DeathResult(
@@ -334,6 +373,11 @@ async def run_worker_death(
                 victim_hit_rate_after=sum(o.cached_tokens >= BLOCK for o in on_victim) / max(len(on_victim), 1),
                 others_hit_rate=sum(o.cached_tokens >= BLOCK for o in others) / max(len(others), 1),
                 clean_errors_on_victim=sum(1 for o in outcomes if o.kind == "clean" and o.worker == name),
+                restart_to_first_ok_s=min(back) - marks["restart"] if back else None,
+                slowest_request_s=max((o.done - o.sent for o in outcomes), default=0.0),
+                paused=paused.url if paused is not None else None,
+                paused_s=marks["resume"] - marks["pause"] if paused is not None else 0.0,
+                paused_outcomes=(sum(o.kind == "ok" for o in on_paused), sum(o.kind == "clean" for o in on_paused)),
             )
     finally:
         await asyncio.gather(*(w.stop() for w in fleet))
@@ -361,6 +405,13 @@ def print_death(r: DeathResult) -> None:
     print(f"  first KV events -> first kv-aware hit routed to it: {hit}")
     print(f"  after its first events: {r.victim_share_after:.1%} of requests went to it, "
           f"request hit rate there {r.victim_hit_rate_after:.1%} (others {r.others_hit_rate:.1%})")
+    back = "never" if r.restart_to_first_ok_s is None else f"{r.restart_to_first_ok_s:.3f} s"
+    print(f"  restart -> its first complete answer: {back}")
+    if r.paused is not None:
+        ok, clean = r.paused_outcomes
+        print(f"  SIGSTOPped worker {r.paused} for {r.paused_s:.1f} s: requests in flight across the stop "
+              f"ended ok {ok}, clean error {clean}")
+    print(f"  slowest request of the run: {r.slowest_request_s:.1f} s")
     print("  PASS" if r.passed else "  FAIL")
 
 
@@ -509,6 +560,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     death.add_argument("--down", type=float, default=3.0, help="seconds the worker stays dead")
     death.add_argument("--health-interval", type=float, default=2.0)
     death.add_argument("--seed", type=int, default=0)
+    death.add_argument("--stop-for", type=float, default=0.0, metavar="S",
+                       help="also SIGSTOP another worker at the kill, for S seconds (default: none)")
+    death.add_argument("--all-streamed", action="store_true", help="stream every request (default: half)")
     soak = sub.add_parser("soak", help="many short requests: RSS, fds and index size must stay flat")
     soak.add_argument("--requests", type=int, default=1_000_000)
     soak.add_argument("--concurrency", type=int, default=32)
@@ -526,6 +580,7 @@ def main(argv: list[str] | None = None) -> int:
         result = aio.run(run_worker_death(
             args.requests, args.concurrency, args.workers, kill_at=args.kill_at, down_s=args.down,
             health_interval_s=args.health_interval, seed=args.seed, progress=True,
+            stop_s=args.stop_for, all_streamed=args.all_streamed,
         ))
         print_death(result)
         return 0 if result.passed else 1

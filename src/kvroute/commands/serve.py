@@ -125,7 +125,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     workers.add_argument("--discovery-interval", type=float, default=5.0, metavar="S",
                          help="seconds between --dns lookups / --worker-file checks (default: %(default)s)")
     workers.add_argument("--health-interval", type=float, default=2.0, metavar="S",
-                         help="seconds between GET /health checks; 0 disables them (default: %(default)s)")
+                         help="seconds between GET /health checks of a healthy worker; one taken out is checked "
+                              "4 times as often, to return soon after a restart; 0 disables them "
+                              "(default: %(default)s)")
 
     routing = parser.add_argument_group("routing")
     routing.add_argument("--policy", default="kv-aware", choices=sorted(POLICIES),

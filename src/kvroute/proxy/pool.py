@@ -6,7 +6,9 @@
   ones are forgotten by the index, ``ready=False`` ones get no new requests);
 * checks ``GET /health`` periodically; a worker that fails a check, or refuses a connection,
   leaves the available set and its index entries are dropped (the router would otherwise keep
-  steering prefixes to a dead worker); a later passing check brings it back;
+  steering prefixes to a dead worker); a later passing check brings it back. A worker out of
+  the set is checked :data:`UNHEALTHY_CHECKS_PER_INTERVAL` times as often (Envoy's
+  ``unhealthy_interval``), so a restarted worker is back within a fraction of the interval;
 * ejects outliers: ``eject_after_failures`` consecutive failed requests (first-byte or idle
   timeouts, 5xx answers: a worker alive but not serving) take a worker out for ``eject_base_s`` times its number of ejections in a
   row (at most :data:`MAX_EJECTION_S`); it returns at the first passing health check after
@@ -50,6 +52,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds before a subscriber that crashed is started again.
 _SUBSCRIBER_RESTART_S = 1.0
+#: How many times as often as a healthy worker one out of the available set is checked.
+UNHEALTHY_CHECKS_PER_INTERVAL = 4
+
 #: Longest ejection, whatever the number of ejections in a row.
 MAX_EJECTION_S = 300.0
 #: Most bytes of a health check's answer read.
@@ -249,9 +254,17 @@ class WorkerPool:
             self.first_update.set()
 
     async def _health_loop(self) -> None:
+        tick = 0
         while True:
-            await asyncio.sleep(self.health_interval_s)
-            workers = list(self.workers.values())
+            await asyncio.sleep(self.health_interval_s / UNHEALTHY_CHECKS_PER_INTERVAL)
+            tick += 1
+            every = tick % UNHEALTHY_CHECKS_PER_INTERVAL == 0
+            now = time.monotonic()
+            # Healthy workers every interval; the others (not still ejected) every tick.
+            workers = [w for w in self.workers.values()
+                       if every or (not w.healthy and now >= w.ejected_until)]
+            if not workers:
+                continue
             results = await asyncio.gather(*(self._check(w) for w in workers))
             for worker, problem in zip(workers, results, strict=True):
                 if self.workers.get(worker.name) is not worker:
