@@ -793,9 +793,11 @@ class Router:
     async def _route(
         self, request: web.Request, parse: Callable[[dict], PromptInfo], started: float
     ) -> web.StreamResponse:
+        length = request.content_length
+        if length is not None and length > self.max_body_bytes:
+            return self._too_large()  # whatever it claims to be: nothing of it is read
         if request.content_type != _JSON:
             return _error(400, "Content-Type must be application/json", "BadRequestError")
-        length = request.content_length
         if length is not None and self.config.offload_bytes < length <= self.max_body_bytes:
             # A large body: at most two in memory at once, parsed off the event loop.
             async with self._large_bodies:
