@@ -22,21 +22,31 @@ set of workers for every router so each starts with cold caches:
     its CPU time per request: user + system time of the router's process tree
     (``/proc/<pid>/stat``) over the window ÷ requests.
 
-Routers (``--routers``):
+Routers (``--routers NAME[:SETTING],...``; ``--list-settings`` shows every setting's flags):
 
 * ``service``      ``kvroute service``: random per TCP connection, the Kubernetes baseline;
 * ``kvroute``      ``kvroute serve --policy kv-aware`` with the workers' KV events and the
-                   tokenizer (exact token matching);
+                   tokenizer (exact token matching); its defaults only;
 * ``sglang``       sglang-router, ``--policy cache_aware`` (prefix tree of routed text);
-* ``vllm-router``  vllm-router, ``--policy cache_aware`` (it calls a worker's
-                   ``/v1/completions/render`` or ``/tokenize`` for every request);
-* ``dynamo``       Dynamo 1.6.1 frontend, ``--router-mode kv``. It cannot front HTTP workers:
+                   settings ``defaults``, ``tuned`` (tree sized to a worker's KV and evicted
+                   every second), ``balance`` (a tight load guard);
+* ``vllm-router``  vllm-router (it calls a worker's ``/v1/completions/render`` or
+                   ``/tokenize`` for every request); settings ``defaults`` and ``tuned``
+                   (``cache_aware``), ``kv_aware`` (the workers' KV events);
+* ``dynamo``       Dynamo 1.6.1 frontend, ``--router-mode kv``; settings ``defaults`` and
+                   ``tuned`` (``--router-prefill-load-scale 6``). It cannot front HTTP workers:
                    it runs its own ``dynamo.mocker`` workers (same block size, block count and
                    W, but Dynamo's own timing model), so its row is compared as-is;
 * ``floor``        not a router and not in the default list: ``peers/aiohttp_floor.py``, an
                    aiohttp + uvloop proxy that only passes requests to a random worker and
                    relays the answers. Its CPU per request is what the stack ``kvroute serve``
                    is built on costs before any routing work.
+
+``--warmup on,off`` measures every point with and without the sequential warmup (separate
+rows): on an idle fleet a tree router's ties all break the same way during a sequential
+warmup, which decides where every prefix lives. ``--runs N`` measures every point N times,
+interleaved (each router once per run, the order reversed each run, so all see the same state
+of a shared machine), and reports median (min–max).
 
 Peers are installed from PyPI, each into its own virtual environment under
 ``${KVROUTE_CACHE:-~/.cache/kvroute}/peers/<name>`` (reused when present; ``--reinstall``
@@ -56,6 +66,8 @@ Results: a table on stdout, and ``results.json`` plus one log per process under 
 Examples:
 
     python benchmarks/peers.py --out /tmp/peers                  # compare, every router
+    python benchmarks/peers.py --mode compare --routers kvroute,sglang:all,vllm-router:all,dynamo:all \
+        --warmup on,off --runs 3                                 # the README's peer table
     python benchmarks/peers.py --quick --out /tmp/peers-smoke    # short smoke run of both modes
     python benchmarks/peers.py --mode overhead --routers kvroute,sglang,vllm-router,dynamo
     python benchmarks/peers.py --install-only                    # just prepare the venvs
