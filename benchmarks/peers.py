@@ -1089,6 +1089,41 @@ def summary_table(summaries: Sequence[CompareSummary]) -> list[list[str]]:
     return out
 
 
+def markdown_table(summaries: Sequence[CompareSummary]) -> str:
+    """The summaries as a Markdown table for the READMEs: one line per (router:setting,
+    warmup), each concurrency's hit rate, TTFT p50/p99 and load max/mean side by side."""
+    levels = sorted({m.concurrency for m in summaries})
+    lines: dict[tuple[str, bool], dict[int, CompareSummary]] = {}
+    for m in summaries:
+        lines.setdefault((m.label, m.warmup), {})[m.concurrency] = m
+    head = ["router:setting", "workers", "warmup", "runs"]
+    for c in levels:
+        head += [f"hit rate c={c}", f"TTFT p50 / p99 ms c={c}", f"load max/mean c={c}"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (label, warmup), by_c in lines.items():
+        first = next(iter(by_c.values()))
+        runs = "/".join(str(by_c[c].runs) if c in by_c else "0" for c in levels)
+        cells = [label, first.runs_on, "on" if warmup else "off", runs]
+        for c in levels:
+            m = by_c.get(c)
+            if m is None or m.hit_rate is None:
+                cells += ["—", "—", "—"]
+                continue
+            p50 = m.ttft_p50_ms.show(0) if m.ttft_p50_ms else "—"
+            p99 = m.ttft_p99_ms.show(0) if m.ttft_p99_ms else "—"
+            cells += [m.hit_rate.show(3), f"{p50} / {p99}",
+                      m.load_max_over_mean.show(2) if m.load_max_over_mean else "—"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def rows_from_results(path: Path) -> list[CompareRow]:
+    """The compare rows a run saved in its ``results.json`` (``--report``)."""
+    saved = json.loads(path.read_text())
+    names = {f.name for f in CompareRow.__dataclass_fields__.values()}
+    return [CompareRow(**{k: v for k, v in r.items() if k in names}) for r in saved.get("compare", [])]
+
+
 def overhead_table(rows: Sequence[OverheadRow]) -> list[list[str]]:
     out = [["router", "added TTFT p50/p99 ms", "added e2e p50/p99 ms", "router e2e p50/p99 ms",
             "direct e2e p50/p99 ms", "CPU µs/req", "req/s loaded", "load avg", "note"]]
@@ -1138,6 +1173,9 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "%(default)s, each at its defaults; NAME:all = every setting of NAME; "
                         "--list-settings shows them; also: floor, the bare aiohttp + uvloop proxy "
                         "kvroute serve is built on)")
+    p.add_argument("--report", type=Path, default=None, metavar="RESULTS_JSON",
+                   help="measure nothing: print the summary of a run's results.json (a finished "
+                        "or an interrupted one) as a table and as Markdown")
     p.add_argument("--list-settings", action="store_true",
                    help="print every router's named settings with their flags and sources, and exit")
     p.add_argument("--out", type=Path, default=None,
@@ -1274,6 +1312,7 @@ async def main(args: argparse.Namespace) -> int:
                 print_table(f"compare ({title}; median (min–max) of {args.runs} run(s); workers: "
                             "emulated = kvroute emulate, Dynamo mocker = its own)",
                             summary_table(results["compare_summary"]))
+                (out / "compare.md").write_text(markdown_table(results["compare_summary"]) + "\n")
             if args.mode in ("overhead", "both"):
                 # Twice the requests: the loaded pass gets prompts the latency pass did not send,
                 # so a router that caches tokenization is charged for new text, as in service.
@@ -1349,6 +1388,11 @@ def run(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     if args.list_settings:
         print(settings_text())
+        return 0
+    if args.report is not None:
+        summaries = summarize_compare(rows_from_results(args.report))
+        print_table(f"compare summary of {args.report}", summary_table(summaries))
+        print("\n" + markdown_table(summaries))
         return 0
 
     async def guarded() -> int:

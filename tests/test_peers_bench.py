@@ -285,3 +285,18 @@ async def test_the_floor_proxy_relays_a_stream_chunk_by_chunk(serve_app):
             await proc.wait()
     assert body == b"".join(events)
     assert seen == [{"prompt": "hi", "stream": True}]
+
+
+def test_saved_results_report_as_markdown_with_every_concurrency_side_by_side(tmp_path):
+    rows = [_row("kvroute", 0.85, 200.0, c=8, run=0), _row("kvroute", 0.87, 220.0, c=8, run=1),
+            _row("kvroute", 0.86, 400.0, c=16, run=0),
+            _row("dynamo", 0.80, 150.0, setting="tuned", warmup=False, c=8)]
+    peers._save(tmp_path, {"compare": rows})
+    back = peers.rows_from_results(tmp_path / "results.json")
+    assert [(r.label, r.warmup, r.concurrency, r.run) for r in back] == [
+        (r.label, r.warmup, r.concurrency, r.run) for r in rows]
+    md = peers.markdown_table(peers.summarize_compare(back)).splitlines()
+    assert md[0].startswith("| router:setting | workers | warmup | runs | hit rate c=8 |")
+    assert "hit rate c=16" in md[0]
+    assert md[2] == "| kvroute:defaults | emulated | on | 2/1 | 0.860 (0.850–0.870) | 50 / 210 (200–220) | 1.00 | 0.860 | 50 / 400 | 1.00 |"
+    assert md[3].startswith("| dynamo:tuned | Dynamo mocker | off | 1/0 | 0.800 |") and md[3].endswith("| — | — | — |")
