@@ -1117,6 +1117,35 @@ def markdown_table(summaries: Sequence[CompareSummary]) -> str:
     return "\n".join(out)
 
 
+def compact_table(summaries: Sequence[CompareSummary]) -> str:
+    """The README's short form: one line per router:setting, each figure as
+    "no warmup / warmup" (median, with min–max over the runs)."""
+    by: dict[str, dict[tuple[bool, int], CompareSummary]] = {}
+    for m in summaries:
+        by.setdefault(m.label, {})[(m.warmup, m.concurrency)] = m
+    levels = sorted({m.concurrency for m in summaries})
+    top = levels[-1]
+
+    def cell(c: int, attr: str, digits: int) -> str:
+        got = []
+        for w in (False, True):
+            m = d.get((w, c))
+            v = getattr(m, attr) if m is not None else None
+            got.append("—" if v is None else v.show(digits))
+        return " / ".join(got)
+
+    head = ["router:setting", "workers"] + [f"hit rate c={c}" for c in levels] + [
+        f"TTFT p99 ms c={top}", f"load max/mean c={top}", "runs"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, d in by.items():
+        first = next(iter(d.values()))
+        runs = ", ".join(str(d[k].runs) if k in d else "0" for c in levels for k in ((False, c), (True, c)))
+        cells = [label, first.runs_on] + [cell(c, "hit_rate", 3) for c in levels] + [
+            cell(top, "ttft_p99_ms", 0), cell(top, "load_max_over_mean", 2), runs]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
 def rows_from_results(path: Path) -> list[CompareRow]:
     """The compare rows a run saved in its ``results.json`` (``--report``)."""
     saved = json.loads(path.read_text())
@@ -1393,6 +1422,7 @@ def run(argv: Sequence[str] | None = None) -> int:
         summaries = summarize_compare(rows_from_results(args.report))
         print_table(f"compare summary of {args.report}", summary_table(summaries))
         print("\n" + markdown_table(summaries))
+        print("\n(each cell: no warmup / warmup)\n" + compact_table(summaries))
         return 0
 
     async def guarded() -> int:

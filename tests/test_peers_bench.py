@@ -300,3 +300,13 @@ def test_saved_results_report_as_markdown_with_every_concurrency_side_by_side(tm
     assert "hit rate c=16" in md[0]
     assert md[2] == "| kvroute:defaults | emulated | on | 2/1 | 0.860 (0.850–0.870) | 50 / 210 (200–220) | 1.00 | 0.860 | 50 / 400 | 1.00 |"
     assert md[3].startswith("| dynamo:tuned | Dynamo mocker | off | 1/0 | 0.800 |") and md[3].endswith("| — | — | — |")
+
+
+def test_compact_table_puts_no_warmup_and_warmup_in_one_cell():
+    rows = [_row("sglang", 0.84, 600.0, warmup=False, c=16), _row("sglang", 0.17, 3500.0, warmup=True, c=16),
+            _row("sglang", 0.83, 200.0, warmup=False, c=8, run=0), _row("sglang", 0.85, 210.0, warmup=False, c=8, run=1)]
+    lines = peers.compact_table(peers.summarize_compare(rows)).splitlines()
+    assert lines[0] == ("| router:setting | workers | hit rate c=8 | hit rate c=16 | TTFT p99 ms c=16 | "
+                        "load max/mean c=16 | runs |")
+    assert lines[2] == ("| sglang:defaults | emulated | 0.840 (0.830–0.850) / — | 0.840 / 0.170 | "
+                        "600 / 3,500 | 1.00 / 1.00 | 2, 0, 1, 1 |")
