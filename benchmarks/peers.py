@@ -1117,6 +1117,17 @@ def markdown_table(summaries: Sequence[CompareSummary]) -> str:
     return "\n".join(out)
 
 
+def pooled_rows(paths: Sequence[Path]) -> list[CompareRow]:
+    """The rows of several results files, each file's runs numbered after the previous ones."""
+    out: list[CompareRow] = []
+    for path in paths:
+        offset = max((r.run for r in out), default=-1) + 1
+        for r in rows_from_results(path):
+            r.run += offset
+            out.append(r)
+    return out
+
+
 def compact_table(summaries: Sequence[CompareSummary]) -> str:
     """The README's short form: one line per router:setting, each figure as
     "no warmup / warmup" (median, with min–max over the runs)."""
@@ -1202,9 +1213,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                         "%(default)s, each at its defaults; NAME:all = every setting of NAME; "
                         "--list-settings shows them; also: floor, the bare aiohttp + uvloop proxy "
                         "kvroute serve is built on)")
-    p.add_argument("--report", type=Path, default=None, metavar="RESULTS_JSON",
-                   help="measure nothing: print the summary of a run's results.json (a finished "
-                        "or an interrupted one) as a table and as Markdown")
+    p.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="measure nothing: print the summary of runs' results.json files (finished "
+                        "or interrupted ones; several are pooled, as further runs) as a table and "
+                        "as Markdown")
     p.add_argument("--list-settings", action="store_true",
                    help="print every router's named settings with their flags and sources, and exit")
     p.add_argument("--out", type=Path, default=None,
@@ -1419,8 +1431,9 @@ def run(argv: Sequence[str] | None = None) -> int:
         print(settings_text())
         return 0
     if args.report is not None:
-        summaries = summarize_compare(rows_from_results(args.report))
-        print_table(f"compare summary of {args.report}", summary_table(summaries))
+        rows = pooled_rows(args.report)
+        summaries = summarize_compare(rows)
+        print_table(f"compare summary of {', '.join(map(str, args.report))}", summary_table(summaries))
         print("\n" + markdown_table(summaries))
         print("\n(each cell: no warmup / warmup)\n" + compact_table(summaries))
         return 0

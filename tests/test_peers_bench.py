@@ -310,3 +310,14 @@ def test_compact_table_puts_no_warmup_and_warmup_in_one_cell():
                         "load max/mean c=16 | runs |")
     assert lines[2] == ("| sglang:defaults | emulated | 0.840 (0.830–0.850) / — | 0.840 / 0.170 | "
                         "600 / 3,500 | 1.00 / 1.00 | 2, 0, 1, 1 |")
+
+
+def test_several_results_files_pool_as_further_runs(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    peers._save(tmp_path / "a", {"compare": [_row("kvroute", 0.80, 100.0, run=0), _row("kvroute", 0.82, 100.0, run=1)]})
+    peers._save(tmp_path / "b", {"compare": [_row("kvroute", 0.90, 100.0, run=0)]})
+    rows = peers.pooled_rows([tmp_path / "a" / "results.json", tmp_path / "b" / "results.json"])
+    assert [r.run for r in rows] == [0, 1, 2]
+    (summary,) = peers.summarize_compare(rows)
+    assert (summary.runs, summary.hit_rate.median, summary.hit_rate.high) == (3, 0.82, 0.90)
