@@ -22,21 +22,31 @@ set of workers for every router so each starts with cold caches:
     its CPU time per request: user + system time of the router's process tree
     (``/proc/<pid>/stat``) over the window ÷ requests.
 
-Routers (``--routers``):
+Routers (``--routers NAME[:SETTING],...``; ``--list-settings`` shows every setting's flags):
 
 * ``service``      ``kvroute service``: random per TCP connection, the Kubernetes baseline;
 * ``kvroute``      ``kvroute serve --policy kv-aware`` with the workers' KV events and the
-                   tokenizer (exact token matching);
+                   tokenizer (exact token matching); its defaults only;
 * ``sglang``       sglang-router, ``--policy cache_aware`` (prefix tree of routed text);
-* ``vllm-router``  vllm-router, ``--policy cache_aware`` (it calls a worker's
-                   ``/v1/completions/render`` or ``/tokenize`` for every request);
-* ``dynamo``       Dynamo 1.6.1 frontend, ``--router-mode kv``. It cannot front HTTP workers:
+                   settings ``defaults``, ``tuned`` (tree sized to a worker's KV and evicted
+                   every second), ``balance`` (a tight load guard);
+* ``vllm-router``  vllm-router (it calls a worker's ``/v1/completions/render`` or
+                   ``/tokenize`` for every request); settings ``defaults`` and ``tuned``
+                   (``cache_aware``), ``kv_aware`` (the workers' KV events);
+* ``dynamo``       Dynamo 1.6.1 frontend, ``--router-mode kv``; settings ``defaults`` and
+                   ``tuned`` (``--router-prefill-load-scale 6``). It cannot front HTTP workers:
                    it runs its own ``dynamo.mocker`` workers (same block size, block count and
                    W, but Dynamo's own timing model), so its row is compared as-is;
 * ``floor``        not a router and not in the default list: ``peers/aiohttp_floor.py``, an
                    aiohttp + uvloop proxy that only passes requests to a random worker and
                    relays the answers. Its CPU per request is what the stack ``kvroute serve``
                    is built on costs before any routing work.
+
+``--warmup on,off`` measures every point with and without the sequential warmup (separate
+rows): on an idle fleet a tree router's ties all break the same way during a sequential
+warmup, which decides where every prefix lives. ``--runs N`` measures every point N times,
+interleaved (each router once per run, the order reversed each run, so all see the same state
+of a shared machine), and reports median (min–max).
 
 Peers are installed from PyPI, each into its own virtual environment under
 ``${KVROUTE_CACHE:-~/.cache/kvroute}/peers/<name>`` (reused when present; ``--reinstall``
@@ -56,6 +66,8 @@ Results: a table on stdout, and ``results.json`` plus one log per process under 
 Examples:
 
     python benchmarks/peers.py --out /tmp/peers                  # compare, every router
+    python benchmarks/peers.py --mode compare --routers kvroute,sglang:all,vllm-router:all,dynamo:all \
+        --warmup on,off --runs 3                                 # the README's peer table
     python benchmarks/peers.py --quick --out /tmp/peers-smoke    # short smoke run of both modes
     python benchmarks/peers.py --mode overhead --routers kvroute,sglang,vllm-router,dynamo
     python benchmarks/peers.py --install-only                    # just prepare the venvs
@@ -123,6 +135,130 @@ DYNAMO_REQUIREMENTS = (
     "typing-extensions>=4.10.0", "zstandard>=0.23.0,<1.0",
 )
 STARTUP_TIMEOUT_S = 120.0
+
+
+# -- named settings per router ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One named configuration of a router: the flags added to its command line, and why.
+
+    Args:
+        name: what ``--routers ROUTER:NAME`` selects; reported as ``ROUTER:NAME``.
+        args: flags appended to the router's command (after the bench's own).
+        why: what the flags do and where that is documented (shown by ``--list-settings``).
+        policy: the routing policy, for the peers that take ``--policy`` (sglang, vllm-router).
+        kv_events: pass the emulated workers' KV event endpoints to the router (vllm-router's
+            ``kv_aware``: ``--kv-event-source`` / ``--kv-event-replay-source``).
+    """
+
+    name: str
+    args: tuple[str, ...] = ()
+    why: str = ""
+    policy: str = "cache_aware"
+    kv_events: bool = False
+
+
+#: Every router's selectable settings; the first is what a bare ``--routers NAME`` runs.
+#: kvroute (and the baselines) run as shipped only: the comparison tunes the peers, not kvroute.
+SETTINGS: dict[str, dict[str, Setting]] = {
+    "service": {"defaults": Setting("defaults", why="kvroute service: random per TCP connection")},
+    "kvroute": {"defaults": Setting("defaults", why="kvroute serve --policy kv-aware as shipped")},
+    "floor": {"defaults": Setting("defaults", why="the bare aiohttp + uvloop relay (overhead only)")},
+    "sglang": {
+        "defaults": Setting("defaults", why=(
+            "cache_aware as shipped: --cache-threshold 0.3, --balance-abs-threshold 64, "
+            "--balance-rel-threshold 1.5, --eviction-interval-secs 60, --max-tree-size 67108864 "
+            "(sglang-router 0.3.2 launch_router --help)")),
+        "tuned": Setting("tuned", ("--eviction-interval-secs", "1", "--max-tree-size", "80000"), (
+            "the approximate tree bounded to about one worker's KV cache in characters (~64k "
+            "fit here: 585 blocks x 16 tokens) and evicted every second, so the tree forgets "
+            "what the worker's LRU dropped; best of 48k/64k/80k/96k/128k in issue 19's sweep. "
+            "The eviction trims each worker's (tenant's) share of the tree to --max-tree-size "
+            "by LRU (smg docs/concepts/routing/cache-aware.md, 'Memory Management')")),
+        "balance": Setting("balance", ("--balance-abs-threshold", "2", "--balance-rel-threshold", "1.2"), (
+            "a tight load guard (the old table's 'tuned' row): balancing fires when "
+            "max - min load > abs AND max > rel x min (launch_router --help)")),
+    },
+    "vllm-router": {
+        "defaults": Setting("defaults", why=(
+            "cache_aware as shipped: --cache-threshold 0.3, --balance-abs-threshold 64, "
+            "--balance-rel-threshold 1.5, --eviction-interval-secs 120, --max-tree-size 33554432 "
+            "(per-worker character budget; vllm-router 0.1.17 --help)")),
+        "tuned": Setting("tuned", ("--eviction-interval-secs", "1", "--max-tree-size", "128000"), (
+            "cache_aware with the per-worker character budget ('enforced at cache eviction', "
+            "--help) near one worker's KV cache and evicted every second; 128k was its best in "
+            "issue 19's sweep")),
+        "kv_aware": Setting("kv_aware", ("--kv-event-block-size", str(BLOCK_SIZE), "--kv-event-model", MODEL), (
+            "policy kv_aware: block hashes from each worker's real KV events "
+            "(--kv-event-source URL=ENDPOINT, --kv-event-replay-source; src/policies/kv_aware.rs "
+            "in vllm-project/router). Its static sources have no topic flag and saw nothing of "
+            "workers publishing on a topic (issue 19), so the emulated workers publish on "
+            "topic \"\", vLLM's default"),
+            policy="kv_aware", kv_events=True),
+    },
+    "dynamo": {
+        "defaults": Setting("defaults", why=(
+            "--router-mode kv as shipped: --router-kv-overlap-score-credit 1.0, "
+            "--router-prefill-load-scale 1.0, --router-temperature 0, KV events and active-block "
+            "tracking on (ai-dynamo 1.6.1 python -m dynamo.frontend --help)")),
+        "tuned": Setting("tuned", ("--router-prefill-load-scale", "6"), (
+            "the prompt-side prefill load left after the overlap credit, scaled 6x (--help: 'Scale "
+            "applied to adjusted prompt-side prefill load after overlap ... credits are "
+            "subtracted'), so a cached prefix weighs more against balance; the shipped weights "
+            "favour balance (load max/mean 1.02); 6 was the best of issue 19's sweep")),
+    },
+}
+
+
+@dataclass(frozen=True)
+class RouterEntry:
+    """One row of the comparison: a router and one of its named settings."""
+
+    router: str
+    setting: Setting
+
+    @property
+    def label(self) -> str:
+        return f"{self.router}:{self.setting.name}"
+
+
+def parse_router_entries(spec: str) -> list[RouterEntry]:
+    """``NAME[:SETTING][,...]`` -> entries; ``NAME`` alone is its defaults, ``NAME:all`` every
+    setting it has. Raises ValueError naming what is unknown."""
+    entries: list[RouterEntry] = []
+    for item in (x.strip() for x in spec.split(",")):
+        if not item:
+            continue
+        router, _, setting = item.partition(":")
+        router, setting = router.strip(), setting.strip() or "defaults"
+        if router not in SETTINGS:
+            raise ValueError(f"unknown router {router!r}; choose from {', '.join(ROUTERS)}")
+        names = list(SETTINGS[router]) if setting == "all" else [setting]
+        for name in names:
+            if name not in SETTINGS[router]:
+                raise ValueError(f"{router} has no setting {name!r}; it has {', '.join(SETTINGS[router])}")
+            entry = RouterEntry(router, SETTINGS[router][name])
+            if entry not in entries:
+                entries.append(entry)
+    if not entries:
+        raise ValueError("no router given")
+    return entries
+
+
+def parse_warmup(spec: str) -> list[bool]:
+    """``on``, ``off`` or ``on,off`` -> [True], [False], [True, False]."""
+    values = {"on": True, "off": False}
+    out: list[bool] = []
+    for item in (x.strip().lower() for x in spec.split(",")):
+        if item not in values:
+            raise ValueError(f"expected on and/or off, got {item!r}")
+        if values[item] not in out:
+            out.append(values[item])
+    if not out:
+        raise ValueError("expected on and/or off")
+    return out
 
 
 # -- installing the peers ------------------------------------------------------------------------
@@ -390,7 +526,8 @@ async def start_emulated(workers: int, tokenizer: Path, timing: str, run_dir: Pa
     """
     base = free_port_block(2 * workers)
     config = {
-        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "kv-events",
+        # Topic "" (vLLM's default): vllm-router's static event sources subscribe to it only.
+        "enable_kv_cache_events": True, "publisher": "zmq", "topic": "",
         "endpoint": f"tcp://*:{base}", "replay_endpoint": f"tcp://*:{base + workers}",
     }
     fleet = await launch_emulated(workers, [
@@ -489,54 +626,70 @@ def _peer(env: Env, router: str) -> Install:
     return install
 
 
-async def launch(router: str, env: Env, timing: str, tag: str) -> RouterRun:
-    """Fresh workers and a fresh ``router`` in front of them (Dynamo: its own mocker workers).
+def router_command(router: str, setting: Setting, env: Env, port: int, backends: Backends,
+                   prometheus: int | None = None) -> list[str]:
+    """The command line that starts ``router`` with ``setting`` in front of ``backends``
+    (HTTP on 127.0.0.1:``port``; the peers' Prometheus metrics on ``prometheus``)."""
+    if router == "service":
+        cmd = [sys.executable, "-m", "kvroute", "service", "--listen", f"127.0.0.1:{port}", "--seed", "0"]
+        for u in backends.urls:
+            cmd += ["--backend", u.removeprefix("http://")]
+    elif router == "kvroute":
+        cmd = [sys.executable, "-m", "kvroute", "serve", "--host", "127.0.0.1", "--port", str(port),
+               "--policy", "kv-aware", "--tokenizer", str(env.tokenizer),
+               "--block-size", str(BLOCK_SIZE), "--seed", "0"]
+        for u, events in zip(backends.urls, backends.kv_events, strict=True):
+            cmd += ["--worker", u, "--kv-events", f"{u}={events}"]
+    elif router == "floor":
+        cmd = [sys.executable, str(FLOOR_PROXY), "--port", str(port)]
+        for u in backends.urls:
+            cmd += ["--worker", u]
+    elif router == "sglang":
+        peer = _peer(env, router)
+        # Both hosts and a local tokenizer, or it resolves one from a model hub (benchmarks/peers/README.md).
+        cmd = [peer.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
+               "--port", str(port), "--prometheus-host", "127.0.0.1",
+               "--prometheus-port", str(prometheus), "--tokenizer-path", str(env.tokenizer),
+               "--policy", setting.policy, "--log-level", "warn", "--worker-urls", *backends.urls]
+    elif router == "vllm-router":
+        peer = _peer(env, router)
+        cmd = [peer.bin("vllm-router"), "--host", "127.0.0.1", "--port", str(port),
+               "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus),
+               "--policy", setting.policy,
+               "--log-level", "warning", "--worker-urls", *backends.urls]
+        if setting.kv_events:
+            # "EVENTS,REPLAY" per worker -> one static source and one replay source each.
+            for u, events in zip(backends.urls, backends.kv_events, strict=True):
+                live, _, replay = events.partition(",")
+                cmd += ["--kv-event-source", f"{u}={live}"]
+                if replay:
+                    cmd += ["--kv-event-replay-source", f"{u}={replay}"]
+    else:
+        raise UserError(f"unknown router {router!r}")
+    return cmd + list(setting.args) + env.extra_args.get(router, [])
+
+
+async def launch(entry: RouterEntry, env: Env, timing: str, tag: str) -> RouterRun:
+    """Fresh workers and a fresh router in front of them (Dynamo: its own mocker workers).
 
     ``timing`` is the emulator's cost preset: ``reference-gpu`` (compare) or ``instant``.
     """
+    router = entry.router
     if router == "dynamo":
-        return await _launch_dynamo(env, timing, tag)
+        return await _launch_dynamo(env, entry.setting, timing, tag)
     backends = await start_emulated(env.workers, env.tokenizer, timing, env.run_dir)
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
-    log = env.logs / f"{router}-{tag}.log"
+    log = env.logs / f"{router}-{entry.setting.name}-{tag}.log"
     proc: Process | None = None
     metrics_url = None if router in ("service", "floor") else url + "/metrics"
     try:
-        if router == "service":
-            cmd = [sys.executable, "-m", "kvroute", "service", "--listen", f"127.0.0.1:{port}", "--seed", "0"]
-            for u in backends.urls:
-                cmd += ["--backend", u.removeprefix("http://")]
-        elif router == "kvroute":
-            cmd = [sys.executable, "-m", "kvroute", "serve", "--host", "127.0.0.1", "--port", str(port),
-                   "--policy", "kv-aware", "--tokenizer", str(env.tokenizer),
-                   "--block-size", str(BLOCK_SIZE), "--seed", "0"]
-            for u, events in zip(backends.urls, backends.kv_events, strict=True):
-                cmd += ["--worker", u, "--kv-events", f"{u}={events}"]
-        elif router == "floor":
-            cmd = [sys.executable, str(FLOOR_PROXY), "--port", str(port)]
-            for u in backends.urls:
-                cmd += ["--worker", u]
-        elif router == "sglang":
-            peer = _peer(env, router)
-            # Both hosts and a local tokenizer, or it resolves one from a model hub (benchmarks/peers/README.md).
+        prometheus = None
+        if router in ("sglang", "vllm-router"):
             prometheus = free_ports(1)[0]
             metrics_url = f"http://127.0.0.1:{prometheus}/metrics"
-            cmd = [peer.python, "-m", "sglang_router.launch_router", "--host", "127.0.0.1",
-                   "--port", str(port), "--prometheus-host", "127.0.0.1",
-                   "--prometheus-port", str(prometheus), "--tokenizer-path", str(env.tokenizer),
-                   "--policy", "cache_aware", "--log-level", "warn", "--worker-urls", *backends.urls]
-        elif router == "vllm-router":
-            peer = _peer(env, router)
-            prometheus = free_ports(1)[0]
-            metrics_url = f"http://127.0.0.1:{prometheus}/metrics"
-            cmd = [peer.bin("vllm-router"), "--host", "127.0.0.1", "--port", str(port),
-                   "--prometheus-host", "127.0.0.1", "--prometheus-port", str(prometheus),
-                   "--policy", "cache_aware",
-                   "--log-level", "warning", "--worker-urls", *backends.urls]
-        else:
-            raise UserError(f"unknown router {router!r}")
-        proc = await Process.start(router, cmd + env.extra_args.get(router, []), log)
+        cmd = router_command(router, entry.setting, env, port, backends, prometheus)
+        proc = await Process.start(router, cmd, log)
         await wait_ready(url, proc)
     except BaseException:
         if proc is not None:
@@ -546,7 +699,7 @@ async def launch(router: str, env: Env, timing: str, tag: str) -> RouterRun:
     return RouterRun(url, [proc], backends, metrics_url=metrics_url)
 
 
-async def _launch_dynamo(env: Env, timing: str, tag: str) -> RouterRun:
+async def _launch_dynamo(env: Env, setting: Setting, timing: str, tag: str) -> RouterRun:
     """Dynamo's frontend (kv router) and ``dynamo.mocker`` workers, with file discovery, TCP
     request plane and ZMQ event plane: no etcd or NATS, everything on 127.0.0.1."""
     peer = _peer(env, "dynamo")
@@ -562,7 +715,7 @@ async def _launch_dynamo(env: Env, timing: str, tag: str) -> RouterRun:
     # 1 = the mocker's real time; a huge ratio = no model time (the emulator's instant preset).
     # Its documented "0 = infinite" still took ~6.5 ms per output token in 1.6.1.
     speedup = "1000000" if timing == "instant" else "1"
-    mocker_log = env.logs / f"dynamo-mocker-{tag}.log"
+    mocker_log = env.logs / f"dynamo-mocker-{setting.name}-{tag}.log"
     mocker = await Process.start("dynamo.mocker", [
         peer.python, "-m", "dynamo.mocker", "--model-path", str(env.tokenizer), "--model-name", MODEL,
         "--num-workers", str(env.workers), "--block-size", str(BLOCK_SIZE),
@@ -591,8 +744,8 @@ async def _launch_dynamo(env: Env, timing: str, tag: str) -> RouterRun:
         frontend = await Process.start("dynamo.frontend", [
             peer.python, "-m", "dynamo.frontend", "--http-host", "127.0.0.1", "--http-port", str(port),
             "--router-mode", "kv", "--kv-cache-block-size", str(BLOCK_SIZE), *planes,
-            *env.extra_args.get("dynamo", []),
-        ], env.logs / f"dynamo-frontend-{tag}.log", {**base, "DYN_LOG": "warn"})
+            *setting.args, *env.extra_args.get("dynamo", []),
+        ], env.logs / f"dynamo-frontend-{setting.name}-{tag}.log", {**base, "DYN_LOG": "warn"})
         await wait_ready(url, frontend)
         await _wait_dynamo_workers(env.workers, frontend)
     except BaseException:
@@ -630,6 +783,11 @@ def _note(run: RouterRun, env: Env, router: str) -> str:
     return "; ".join(filter(None, [f"args: {shlex.join(extra)}" if extra else "", run.note]))
 
 
+#: Where each router's requests are served: Dynamo cannot front HTTP workers.
+def runs_on(router: str) -> str:
+    return "Dynamo mocker" if router == "dynamo" else "emulated"
+
+
 @dataclass
 class CompareRow:
     router: str
@@ -639,6 +797,14 @@ class CompareRow:
     error: str | None = None
     note: str = ""
     machine_load: float | None = None  # 1-minute load average after measuring (shared CPUs)
+    setting: str = "defaults"
+    warmup: bool = True
+    run: int = 0
+    args: list[str] = field(default_factory=list)  # the setting's flags
+
+    @property
+    def label(self) -> str:
+        return f"{self.router}:{self.setting}"
 
     @property
     def load_max_over_mean(self) -> float | None:
@@ -646,43 +812,123 @@ class CompareRow:
         return max(values) / float(np.mean(values)) if values and sum(values) else None
 
 
-async def run_compare(router: str, env: Env, workload: BenchWorkload, levels: Sequence[int],
-                      timeout_s: float) -> list[CompareRow]:
-    """One point per concurrency level, each with fresh workers and a fresh router."""
-    rows = []
-    for c in levels:
-        row = CompareRow(router, c)
-        rows.append(row)
-        try:
-            run = await launch(router, env, "reference-gpu", f"c{c}")
-        except UserError as exc:
-            row.error = str(exc)
-            print(f"  {router} c={c}: cannot start: {exc}", flush=True)
-            continue
-        row.note = _note(run, env, router)
-        try:
-            load = WindowLoad(run.backends)
-            # Emulated workers: their /metrics for the reset before the trial (cold caches).
-            target = BenchTarget(run.url, tuple(run.backends.urls), MODEL, router, env.workers)
-            options = BenchOptions(concurrency=(c,), trials=1, reset=bool(run.backends.urls),
-                                   timeout_s=timeout_s, allow_missing_cached_tokens=True)
-            runner = BenchRunner(target, options, sink=load, hooks=load)
-            started = time.monotonic()
-            points = await runner.run([workload])
-            stats: TrialStats = points[0].trials[0]
-            row.stats = stats.to_json()
-            row.worker_requests = load.loads.get(c, {})
-            row.machine_load = os.getloadavg()[0]
-            print(f"  {router} c={c}: hit {stats.request_hit_rate:.3f}, TTFT p99 "
-                  f"{_f(stats.ttft_p99_ms)} ms, {stats.throughput_rps:.2f} req/s "
-                  f"({time.monotonic() - started:.0f} s)", flush=True)
-        except UserError as exc:
-            row.error = str(exc)
-            print(f"  {router} c={c}: failed: {exc}", flush=True)
-        finally:
-            await run.save_metrics(env.logs / f"{router}-c{c}.metrics.txt")
-            await run.close()
-    return rows
+async def run_point(entry: RouterEntry, env: Env, workload: BenchWorkload, c: int, warmup: bool,
+                    run_no: int, timeout_s: float) -> CompareRow:
+    """One closed-loop point with fresh workers and a fresh router: ``warmup`` sends the
+    workload's one-request-per-prefix warmup sequentially before the measured window."""
+    router = entry.router
+    row = CompareRow(router, c, setting=entry.setting.name, warmup=warmup, run=run_no,
+                     args=list(entry.setting.args))
+    what = f"{entry.label} c={c} warmup={'on' if warmup else 'off'} run {run_no + 1}"
+    tag = f"c{c}-w{int(warmup)}-r{run_no}"
+    try:
+        run = await launch(entry, env, "reference-gpu", tag)
+    except UserError as exc:
+        row.error = str(exc)
+        print(f"  {what}: cannot start: {exc}", flush=True)
+        return row
+    row.note = _note(run, env, router)
+    try:
+        load = WindowLoad(run.backends)
+        # Emulated workers: their /metrics for the reset before the trial (cold caches).
+        target = BenchTarget(run.url, tuple(run.backends.urls), MODEL, entry.label, env.workers)
+        options = BenchOptions(concurrency=(c,), trials=1, reset=bool(run.backends.urls),
+                               timeout_s=timeout_s, allow_missing_cached_tokens=True, warmup=warmup)
+        runner = BenchRunner(target, options, sink=load, hooks=load)
+        started = time.monotonic()
+        points = await runner.run([workload])
+        stats: TrialStats = points[0].trials[0]
+        row.stats = stats.to_json()
+        row.worker_requests = load.loads.get(c, {})
+        row.machine_load = os.getloadavg()[0]
+        print(f"  {what}: hit {stats.request_hit_rate:.3f}, TTFT p50/p99 {_f(stats.ttft_p50_ms)}/"
+              f"{_f(stats.ttft_p99_ms)} ms, {stats.throughput_rps:.2f} req/s, load max/mean "
+              f"{_f(row.load_max_over_mean, 2)} ({time.monotonic() - started:.0f} s, "
+              f"load avg {row.machine_load:.1f})", flush=True)
+    except UserError as exc:
+        row.error = str(exc)
+        print(f"  {what}: failed: {exc}", flush=True)
+    finally:
+        await run.save_metrics(env.logs / f"{router}-{entry.setting.name}-{tag}.metrics.txt")
+        await run.close()
+    return row
+
+
+def compare_schedule(entries: Sequence[RouterEntry], levels: Sequence[int], warmups: Sequence[bool],
+                     runs: int) -> list[tuple[int, int, bool, RouterEntry]]:
+    """The order points are measured in: ``(run, c, warmup, entry)``. Every router is measured
+    once per (run, c, warmup) before any is measured again, the order reversed each run, so
+    kvroute and the peers see the same state of a shared machine."""
+    out = []
+    for n in range(runs):
+        for c in levels:
+            for w in warmups:
+                for entry in (entries if n % 2 == 0 else list(entries)[::-1]):
+                    out.append((n, c, w, entry))
+    return out
+
+
+@dataclass
+class Spread:
+    """The median and range of one figure over a point's runs."""
+
+    median: float
+    low: float
+    high: float
+    n: int
+
+    @classmethod
+    def of(cls, values: Sequence[float | None]) -> Spread | None:
+        got = [float(v) for v in values if v is not None]
+        if not got:
+            return None
+        return cls(float(np.median(got)), min(got), max(got), len(got))
+
+    def show(self, digits: int) -> str:
+        if self.n == 1 or round(self.low, digits) == round(self.high, digits):
+            return f"{self.median:,.{digits}f}"
+        return f"{self.median:,.{digits}f} ({self.low:,.{digits}f}–{self.high:,.{digits}f})"
+
+
+@dataclass
+class CompareSummary:
+    """One (router:setting, warmup, c) over its runs: medians with min–max."""
+
+    label: str
+    runs_on: str
+    warmup: bool
+    concurrency: int
+    runs: int
+    failed_runs: int
+    hit_rate: Spread | None
+    ttft_p50_ms: Spread | None
+    ttft_p99_ms: Spread | None
+    rps: Spread | None
+    load_max_over_mean: Spread | None
+    machine_load: Spread | None
+    args: list[str] = field(default_factory=list)
+    error: str | None = None
+
+
+def summarize_compare(rows: Sequence[CompareRow]) -> list[CompareSummary]:
+    """Group the rows by (router:setting, warmup, c), in first-seen order."""
+    groups: dict[tuple[str, bool, int], list[CompareRow]] = {}
+    for r in rows:
+        groups.setdefault((r.label, r.warmup, r.concurrency), []).append(r)
+    out = []
+    for (label, warmup, c), rs in groups.items():
+        ok = [r for r in rs if r.stats is not None]
+        out.append(CompareSummary(
+            label, runs_on(rs[0].router), warmup, c, len(ok), len(rs) - len(ok),
+            Spread.of([r.stats["request_hit_rate"] for r in ok]),
+            Spread.of([r.stats["ttft_p50_ms"] for r in ok]),
+            Spread.of([r.stats["ttft_p99_ms"] for r in ok]),
+            Spread.of([r.stats["throughput_rps"] for r in ok]),
+            Spread.of([r.load_max_over_mean for r in ok]),
+            Spread.of([r.machine_load for r in ok]),
+            rs[0].args, next((r.error for r in rs if r.error), None),
+        ))
+    return out
 
 
 @dataclass
@@ -744,19 +990,20 @@ async def _collect(client: BenchClient, requests, concurrency: int) -> list[Requ
     return records
 
 
-async def run_overhead(router: str, env: Env, workload: BenchWorkload, loaded_concurrency: int,
+async def run_overhead(entry: RouterEntry, env: Env, workload: BenchWorkload, loaded_concurrency: int,
                        timeout_s: float) -> OverheadRow:
     """Added latency versus a direct call to a worker, and router CPU per request (instant
     workers). Dynamo has no HTTP workers: its direct baseline is filled in afterwards by
     ``_direct_baseline_for_dynamo``."""
+    router = entry.router if entry.setting.name == "defaults" else entry.label
     row = OverheadRow(router)
     try:
-        run = await launch(router, env, "instant", "overhead")
+        run = await launch(entry, env, "instant", "overhead")
     except UserError as exc:
         row.error = str(exc)
         print(f"  {router}: cannot start: {exc}", flush=True)
         return row
-    row.note = _note(run, env, router)
+    row.note = _note(run, env, entry.router)
     try:
         half = len(workload.requests) // 2
         warm, measured, loaded_requests = workload.warmup, workload.requests[:half], workload.requests[half:]
@@ -808,22 +1055,113 @@ def _f(value: float | None, digits: int = 1) -> str:
 
 
 def compare_table(rows: Sequence[CompareRow]) -> list[list[str]]:
-    """The compare table as strings: header first."""
-    out = [["router", "c", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "req/s", "load max/mean",
-            "requests max/mean", "failed", "load avg", "note"]]
+    """Every measured point (one per run) as strings: header first."""
+    out = [["router", "warmup", "run", "c", "hit rate", "TTFT p50 ms", "TTFT p99 ms", "req/s",
+            "load max/mean", "requests max/mean", "failed", "load avg", "note"]]
     for r in rows:
+        head = [r.label, "on" if r.warmup else "off", str(r.run + 1), str(r.concurrency)]
         if r.stats is None:
-            out.append([r.router, str(r.concurrency), "—", "—", "—", "—", "—", "—", "—", "—",
-                        (r.error or "")[:100]])
+            out.append([*head, "—", "—", "—", "—", "—", "—", "—", "—", (r.error or "")[:100]])
             continue
         s, values = r.stats, list(r.worker_requests.values())
         counts = f"{max(values)}/{np.mean(values):.1f}" if values else "—"
         out.append([
-            r.router, str(r.concurrency), f"{s['request_hit_rate']:.3f}", _f(s["ttft_p50_ms"]),
+            *head, f"{s['request_hit_rate']:.3f}", _f(s["ttft_p50_ms"]),
             _f(s["ttft_p99_ms"]), f"{s['throughput_rps']:.2f}", _f(r.load_max_over_mean, 2), counts,
             str(s["failed"]), _f(r.machine_load), r.note or (r.error or ""),
         ])
     return out
+
+
+def summary_table(summaries: Sequence[CompareSummary]) -> list[list[str]]:
+    """Each (router:setting, warmup, c) over its runs: median (min–max)."""
+    def show(v: Spread | None, digits: int) -> str:
+        return "—" if v is None else v.show(digits)
+
+    out = [["router:setting", "workers", "warmup", "c", "runs", "hit rate", "TTFT p50 ms",
+            "TTFT p99 ms", "req/s", "load max/mean", "load avg", "flags"]]
+    for m in summaries:
+        runs = str(m.runs) + (f" (+{m.failed_runs} failed)" if m.failed_runs else "")
+        out.append([m.label, m.runs_on, "on" if m.warmup else "off", str(m.concurrency), runs,
+                    show(m.hit_rate, 3), show(m.ttft_p50_ms, 0), show(m.ttft_p99_ms, 0),
+                    show(m.rps, 1), show(m.load_max_over_mean, 2), show(m.machine_load, 1),
+                    shlex.join(m.args) if m.args else ((m.error or "")[:80] if not m.runs else "")])
+    return out
+
+
+def markdown_table(summaries: Sequence[CompareSummary]) -> str:
+    """The summaries as a Markdown table for the READMEs: one line per (router:setting,
+    warmup), each concurrency's hit rate, TTFT p50/p99 and load max/mean side by side."""
+    levels = sorted({m.concurrency for m in summaries})
+    lines: dict[tuple[str, bool], dict[int, CompareSummary]] = {}
+    for m in summaries:
+        lines.setdefault((m.label, m.warmup), {})[m.concurrency] = m
+    head = ["router:setting", "workers", "warmup", "runs"]
+    for c in levels:
+        head += [f"hit rate c={c}", f"TTFT p50 / p99 ms c={c}", f"load max/mean c={c}"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for (label, warmup), by_c in lines.items():
+        first = next(iter(by_c.values()))
+        runs = "/".join(str(by_c[c].runs) if c in by_c else "0" for c in levels)
+        cells = [label, first.runs_on, "on" if warmup else "off", runs]
+        for c in levels:
+            m = by_c.get(c)
+            if m is None or m.hit_rate is None:
+                cells += ["—", "—", "—"]
+                continue
+            p50 = m.ttft_p50_ms.show(0) if m.ttft_p50_ms else "—"
+            p99 = m.ttft_p99_ms.show(0) if m.ttft_p99_ms else "—"
+            cells += [m.hit_rate.show(3), f"{p50} / {p99}",
+                      m.load_max_over_mean.show(2) if m.load_max_over_mean else "—"]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def pooled_rows(paths: Sequence[Path]) -> list[CompareRow]:
+    """The rows of several results files, each file's runs numbered after the previous ones."""
+    out: list[CompareRow] = []
+    for path in paths:
+        offset = max((r.run for r in out), default=-1) + 1
+        for r in rows_from_results(path):
+            r.run += offset
+            out.append(r)
+    return out
+
+
+def compact_table(summaries: Sequence[CompareSummary]) -> str:
+    """The README's short form: one line per router:setting, each figure as
+    "no warmup / warmup" (median, with min–max over the runs)."""
+    by: dict[str, dict[tuple[bool, int], CompareSummary]] = {}
+    for m in summaries:
+        by.setdefault(m.label, {})[(m.warmup, m.concurrency)] = m
+    levels = sorted({m.concurrency for m in summaries})
+    top = levels[-1]
+
+    def cell(c: int, attr: str, digits: int) -> str:
+        got = []
+        for w in (False, True):
+            m = d.get((w, c))
+            v = getattr(m, attr) if m is not None else None
+            got.append("—" if v is None else v.show(digits))
+        return " / ".join(got)
+
+    head = ["router:setting", "workers"] + [f"hit rate c={c}" for c in levels] + [
+        f"TTFT p99 ms c={top}", f"load max/mean c={top}", "runs"]
+    out = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for label, d in by.items():
+        first = next(iter(d.values()))
+        runs = ", ".join(str(d[k].runs) if k in d else "0" for c in levels for k in ((False, c), (True, c)))
+        cells = [label, first.runs_on] + [cell(c, "hit_rate", 3) for c in levels] + [
+            cell(top, "ttft_p99_ms", 0), cell(top, "load_max_over_mean", 2), runs]
+        out.append("| " + " | ".join(cells) + " |")
+    return "\n".join(out)
+
+
+def rows_from_results(path: Path) -> list[CompareRow]:
+    """The compare rows a run saved in its ``results.json`` (``--report``)."""
+    saved = json.loads(path.read_text())
+    names = {f.name for f in CompareRow.__dataclass_fields__.values()}
+    return [CompareRow(**{k: v for k, v in r.items() if k in names}) for r in saved.get("compare", [])]
 
 
 def overhead_table(rows: Sequence[OverheadRow]) -> list[list[str]]:
@@ -870,9 +1208,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--mode", choices=MODES, default="both",
                    help="compare (hit rate, TTFT, load), overhead (added latency, CPU), or both "
                         "(default %(default)s)")
-    p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), metavar="NAME[,NAME...]",
-                   help="which routers, in order (default %(default)s; also: floor, the bare "
-                        "aiohttp + uvloop proxy kvroute serve is built on)")
+    p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), metavar="NAME[:SETTING][,...]",
+                   help="which routers, in order, each with one of its named settings (default "
+                        "%(default)s, each at its defaults; NAME:all = every setting of NAME; "
+                        "--list-settings shows them; also: floor, the bare aiohttp + uvloop proxy "
+                        "kvroute serve is built on)")
+    p.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
+                   help="measure nothing: print the summary of runs' results.json files (finished "
+                        "or interrupted ones; several are pooled, as further runs) as a table and "
+                        "as Markdown")
+    p.add_argument("--list-settings", action="store_true",
+                   help="print every router's named settings with their flags and sources, and exit")
     p.add_argument("--out", type=Path, default=None,
                    help="results folder (default ./kvroute-results/peers-<timestamp>)")
     p.add_argument("--quick", action="store_true",
@@ -885,6 +1231,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--requests", type=int, default=None,
                    help="measured requests per point (default the reference's max(200, 20·K))")
     g.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    g.add_argument("--warmup", default="on", metavar="on|off|on,off",
+                   help="the sequential warmup (one request per prefix, one at a time) before each "
+                        "measured window: on, off, or both as separate rows (default %(default)s)")
+    g.add_argument("--no-warmup", dest="warmup", action="store_const", const="off",
+                   help="same as --warmup off")
+    g.add_argument("--runs", type=int, default=1,
+                   help="measure every point this many times, interleaved (every router once per "
+                        "run, the order reversed each run) and report median (min–max) "
+                        "(default %(default)s)")
     o = p.add_argument_group("overhead")
     o.add_argument("--overhead-requests", type=int, default=200,
                    help="requests in the latency pass, and as many other ones in the loaded pass "
@@ -914,11 +1269,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         if not sep or name.strip() not in ROUTERS:
             p.error(f"--router-args {spec!r}: expected ROUTER=ARGS with ROUTER one of {', '.join(ROUTERS)}")
         args.extra_args.setdefault(name.strip(), []).extend(shlex.split(flags))
-    routers = [r.strip() for r in args.routers.split(",") if r.strip()]
-    bad = [r for r in routers if r not in ROUTERS]
-    if bad or not routers:
-        p.error(f"--routers: unknown {', '.join(bad) or '(none)'}; choose from {', '.join(ROUTERS)}")
-    args.router_list = routers
+    try:
+        args.entries = parse_router_entries(args.routers)
+    except ValueError as exc:
+        p.error(f"--routers: {exc}")
+    args.router_list = list(dict.fromkeys(e.router for e in args.entries))
+    try:
+        args.warmups = parse_warmup(args.warmup)
+    except ValueError as exc:
+        p.error(f"--warmup: {exc}")
     try:
         args.levels = [int(c) for c in args.concurrency.split(",") if c.strip()]
     except ValueError:
@@ -929,6 +1288,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--workers and --prefixes must be >= 1")
     if args.rounds < 1:
         p.error("--rounds must be >= 1")
+    if args.runs < 1:
+        p.error("--runs must be >= 1")
     if args.quick:
         args.requests = args.requests or 48
         args.levels = args.levels[:1]
@@ -982,11 +1343,17 @@ async def main(args: argparse.Namespace) -> int:
                       f"{len(workload.requests)} requests per point", flush=True)
                 rows: list[CompareRow] = []
                 results["compare"] = rows
-                for router in args.router_list:
-                    rows += await run_compare(router, env, workload, args.levels, args.timeout)
+                for n, c, warm, entry in compare_schedule(args.entries, args.levels, args.warmups, args.runs):
+                    rows.append(await run_point(entry, env, workload, c, warm, n, args.timeout))
+                    results["compare_summary"] = summarize_compare(rows)
                     _save(out, results)
-                print_table(f"compare (K={args.prefixes}, W={args.workers}, reference-gpu timing)",
-                            compare_table(rows))
+                title = f"K={args.prefixes}, W={args.workers}, reference-gpu timing"
+                if args.runs > 1:
+                    print_table(f"compare, every run ({title})", compare_table(rows))
+                print_table(f"compare ({title}; median (min–max) of {args.runs} run(s); workers: "
+                            "emulated = kvroute emulate, Dynamo mocker = its own)",
+                            summary_table(results["compare_summary"]))
+                (out / "compare.md").write_text(markdown_table(results["compare_summary"]) + "\n")
             if args.mode in ("overhead", "both"):
                 # Twice the requests: the loaded pass gets prompts the latency pass did not send,
                 # so a router that caches tokenization is charged for new text, as in service.
@@ -995,13 +1362,13 @@ async def main(args: argparse.Namespace) -> int:
                 print(f"\noverhead: {args.overhead_requests} + {args.overhead_requests} requests of "
                       f"{workload.prefix_tokens + workload.suffix_tokens:.0f} tokens, "
                       f"instant workers", flush=True)
-                rounds: dict[str, list[OverheadRow]] = {r: [] for r in args.router_list}
+                rounds: dict[str, list[OverheadRow]] = {e.label: [] for e in args.entries}
                 results["overhead_rounds"] = rounds
                 for n in range(args.rounds):
-                    order = args.router_list if n % 2 == 0 else args.router_list[::-1]
-                    for router in order:
-                        rounds[router].append(await run_overhead(
-                            router, env, workload, args.overhead_concurrency, args.timeout))
+                    order = args.entries if n % 2 == 0 else args.entries[::-1]
+                    for entry in order:
+                        rounds[entry.label].append(await run_overhead(
+                            entry, env, workload, args.overhead_concurrency, args.timeout))
                         _save(out, results)
                 orows = [median_row(rows) for rows in rounds.values()]
                 results["overhead"] = orows
@@ -1020,9 +1387,9 @@ async def main(args: argparse.Namespace) -> int:
 def _direct_baseline_for_dynamo(rows: list[OverheadRow]) -> None:
     """Dynamo's mockers take no HTTP calls, so its "direct" is the emulated workers' direct
     latency from the other routers' runs (median over them): both take no model time."""
-    others = [r for r in rows if r.router != "dynamo" and r.direct_e2e_ms is not None]
+    others = [r for r in rows if not r.router.startswith("dynamo") and r.direct_e2e_ms is not None]
     for r in rows:
-        if r.router == "dynamo" and r.router_e2e_ms is not None and others:
+        if r.router.startswith("dynamo") and r.router_e2e_ms is not None and others:
             for which in ("ttft", "e2e"):
                 values = [getattr(o, f"direct_{which}_ms") for o in others]
                 setattr(r, f"direct_{which}_ms", tuple(float(np.median([v[i] for v in values])) for i in (0, 1)))
@@ -1043,8 +1410,33 @@ def _save(out: Path, results: dict) -> None:
     (out / "results.json").write_text(json.dumps(results, indent=2, default=default))
 
 
+def settings_text() -> str:
+    """Every router's named settings: flags and what they do (``--list-settings``)."""
+    lines = []
+    for router, settings in SETTINGS.items():
+        lines.append(f"{router} ({runs_on(router)} workers)")
+        for st in settings.values():
+            flags = " ".join(filter(None, [
+                f"--policy {st.policy}" if router in ("sglang", "vllm-router") else "",
+                "--kv-event-source/--kv-event-replay-source per worker" if st.kv_events else "",
+                shlex.join(st.args)]))
+            lines.append(f"  {router}:{st.name}  {flags or '(no extra flags)'}")
+            lines.append(f"      {st.why}")
+    return "\n".join(lines)
+
+
 def run(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.list_settings:
+        print(settings_text())
+        return 0
+    if args.report is not None:
+        rows = pooled_rows(args.report)
+        summaries = summarize_compare(rows)
+        print_table(f"compare summary of {', '.join(map(str, args.report))}", summary_table(summaries))
+        print("\n" + markdown_table(summaries))
+        print("\n(each cell: no warmup / warmup)\n" + compact_table(summaries))
+        return 0
 
     async def guarded() -> int:
         task = asyncio.current_task()

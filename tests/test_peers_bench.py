@@ -77,13 +77,142 @@ def test_compare_table_shows_hit_rate_and_load_balance():
     stats = {"request_hit_rate": 0.9375, "ttft_p50_ms": 120.0, "ttft_p99_ms": 480.26,
              "throughput_rps": 15.5, "failed": 0}
     ok = peers.CompareRow("kvroute", 8, stats, {"a": 30, "b": 10, "c": 20})
-    missing = peers.CompareRow("dynamo", 8, error="not installed: pip failed")
+    missing = peers.CompareRow("dynamo", 8, error="not installed: pip failed", setting="tuned",
+                               warmup=False, run=1)
     header, first, second = peers.compare_table([ok, missing])
-    assert header[:3] == ["router", "c", "hit rate"]
-    assert first[:6] == ["kvroute", "8", "0.938", "120.0", "480.3", "15.50"]
-    assert first[6] == "1.50" and first[7] == "30/20.0"
-    assert second[2] == "—" and "not installed" in second[-1]
+    assert header[:5] == ["router", "warmup", "run", "c", "hit rate"]
+    assert first[:8] == ["kvroute:defaults", "on", "1", "8", "0.938", "120.0", "480.3", "15.50"]
+    assert first[8] == "1.50" and first[9] == "30/20.0"
+    assert second[:4] == ["dynamo:tuned", "off", "2", "8"]
+    assert second[4] == "—" and "not installed" in second[-1]
     assert header[-2] == "load avg"
+
+
+def test_router_settings_parse_into_separate_entries():
+    entries = peers.parse_router_entries("kvroute,sglang:defaults,sglang:tuned,vllm-router:kv_aware")
+    assert [e.label for e in entries] == ["kvroute:defaults", "sglang:defaults", "sglang:tuned",
+                                          "vllm-router:kv_aware"]
+    assert entries[2].setting.args == ("--eviction-interval-secs", "1", "--max-tree-size", "80000")
+    assert entries[3].setting.policy == "kv_aware" and entries[3].setting.kv_events
+    every = [e.label for e in peers.parse_router_entries("dynamo:all,dynamo")]
+    assert every == [f"dynamo:{name}" for name in peers.SETTINGS["dynamo"]]  # no duplicate
+    args = peers.parse_args(["--routers", "sglang:tuned,kvroute"])
+    assert args.router_list == ["sglang", "kvroute"]  # what gets installed
+    assert [e.label for e in args.entries] == ["sglang:tuned", "kvroute:defaults"]
+
+
+def test_kvroute_runs_with_its_defaults_only():
+    assert list(peers.SETTINGS["kvroute"]) == ["defaults"]
+    assert peers.SETTINGS["kvroute"]["defaults"].args == ()
+    with pytest.raises(ValueError, match="no setting 'tuned'"):
+        peers.parse_router_entries("kvroute:tuned")
+
+
+@pytest.mark.parametrize("argv", [["--routers", "sglang:fast"], ["--routers", "kvroute:tuned"],
+                                  ["--routers", ","], ["--warmup", "maybe"], ["--runs", "0"]])
+def test_bad_settings_warmup_and_runs_are_refused(argv, capsys):
+    with pytest.raises(SystemExit):
+        peers.parse_args(argv)
+    assert "error" in capsys.readouterr().err
+
+
+def test_warmup_option_selects_one_or_both_conditions():
+    assert peers.parse_args([]).warmups == [True]
+    assert peers.parse_args(["--no-warmup"]).warmups == [False]
+    assert peers.parse_args(["--warmup", "on,off"]).warmups == [True, False]
+    assert peers.parse_args(["--warmup", "off,on,off"]).warmups == [False, True]
+    assert peers.parse_args(["--runs", "3"]).runs == 3
+
+
+def test_the_schedule_interleaves_routers_and_reverses_each_run():
+    a, b = peers.parse_router_entries("kvroute,sglang:tuned")
+    order = peers.compare_schedule([a, b], [8, 16], [False, True], 2)
+    assert len(order) == 2 * 2 * 2 * 2
+    assert [(n, c, w, e.label) for n, c, w, e in order[:4]] == [
+        (0, 8, False, "kvroute:defaults"), (0, 8, False, "sglang:tuned"),
+        (0, 8, True, "kvroute:defaults"), (0, 8, True, "sglang:tuned")]
+    assert [e.label for n, c, w, e in order[8:10]] == ["sglang:tuned", "kvroute:defaults"]
+
+
+def _row(router, hit, p99, warmup=True, setting="defaults", c=8, run=0, loads=None):
+    stats = {"request_hit_rate": hit, "ttft_p50_ms": 50.0, "ttft_p99_ms": p99,
+             "throughput_rps": 15.0, "failed": 0}
+    return peers.CompareRow(router, c, stats, loads or {"a": 10, "b": 10}, setting=setting,
+                            warmup=warmup, run=run)
+
+
+def test_runs_summarize_to_median_and_range_per_setting_and_warmup():
+    rows = [_row("sglang", 0.80, 300.0, setting="tuned", run=0),
+            _row("sglang", 0.84, 200.0, setting="tuned", run=1),
+            _row("sglang", 0.82, 250.0, setting="tuned", run=2, loads={"a": 15, "b": 5}),
+            _row("sglang", 0.15, 3000.0, run=0),
+            _row("sglang", 0.83, 250.0, warmup=False, run=0),
+            peers.CompareRow("dynamo", 8, error="cannot start", setting="tuned")]
+    got = {(m.label, m.warmup): m for m in peers.summarize_compare(rows)}
+    tuned = got[("sglang:tuned", True)]
+    assert (tuned.runs, tuned.failed_runs, tuned.runs_on) == (3, 0, "emulated")
+    assert (tuned.hit_rate.median, tuned.hit_rate.low, tuned.hit_rate.high) == (0.82, 0.80, 0.84)
+    assert tuned.load_max_over_mean.high == 1.5
+    assert got[("sglang:defaults", True)].hit_rate.median == 0.15
+    assert got[("sglang:defaults", False)].hit_rate.median == 0.83  # warmup is its own row
+    failed = got[("dynamo:tuned", True)]
+    assert (failed.runs, failed.failed_runs, failed.hit_rate, failed.runs_on) == (0, 1, None, "Dynamo mocker")
+    table = peers.summary_table(peers.summarize_compare(rows))
+    assert table[0][:6] == ["router:setting", "workers", "warmup", "c", "runs", "hit rate"]
+    assert table[1][5] == "0.820 (0.800–0.840)" and table[1][7] == "250 (200–300)"
+    assert table[2][5] == "0.150"  # one run: no range
+    assert table[-1][4] == "0 (+1 failed)" and "cannot start" in table[-1][-1]
+
+
+def _backends(n=2):
+    urls = [f"http://127.0.0.1:{8000 + i}" for i in range(n)]
+    events = [f"tcp://127.0.0.1:{5557 + i},tcp://127.0.0.1:{5657 + i}" for i in range(n)]
+    return peers.Backends(urls, events, dict, None)
+
+
+def _env(tmp_path):
+    venv = str(tmp_path / "venv")
+    installs = {p: peers.Install(p, venv, ok=True) for p in ("sglang", "vllm-router", "dynamo")}
+    return peers.Env(2, tmp_path / "tok", installs, tmp_path / "logs", tmp_path,
+                     {"sglang": ["--log-level", "debug"]})
+
+
+def test_commands_carry_each_settings_flags(tmp_path):
+    env, backends = _env(tmp_path), _backends()
+    tuned = peers.router_command("sglang", peers.SETTINGS["sglang"]["tuned"], env, 9000, backends, 9100)
+    assert tuned[tuned.index("--policy") + 1] == "cache_aware"
+    assert tuned[-6:] == ["--eviction-interval-secs", "1", "--max-tree-size", "80000",
+                          "--log-level", "debug"]  # the setting, then --router-args
+    default = peers.router_command("vllm-router", peers.SETTINGS["vllm-router"]["defaults"], env, 9000,
+                                   backends, 9100)
+    assert "--kv-event-source" not in default and default[default.index("--policy") + 1] == "cache_aware"
+
+
+def test_vllm_router_kv_aware_gets_every_workers_event_endpoints(tmp_path):
+    env, backends = _env(tmp_path), _backends()
+    cmd = peers.router_command("vllm-router", peers.SETTINGS["vllm-router"]["kv_aware"], env, 9000,
+                               backends, 9100)
+    assert cmd[cmd.index("--policy") + 1] == "kv_aware"
+    sources = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--kv-event-source"]
+    replays = [cmd[i + 1] for i, a in enumerate(cmd) if a == "--kv-event-replay-source"]
+    assert sources == ["http://127.0.0.1:8000=tcp://127.0.0.1:5557", "http://127.0.0.1:8001=tcp://127.0.0.1:5558"]
+    assert replays == ["http://127.0.0.1:8000=tcp://127.0.0.1:5657", "http://127.0.0.1:8001=tcp://127.0.0.1:5658"]
+    assert cmd[cmd.index("--kv-event-block-size") + 1] == str(peers.BLOCK_SIZE)
+
+
+def test_kvroute_command_ignores_peer_settings_and_takes_events(tmp_path):
+    env, backends = _env(tmp_path), _backends()
+    cmd = peers.router_command("kvroute", peers.SETTINGS["kvroute"]["defaults"], env, 9000, backends)
+    assert cmd[cmd.index("--policy") + 1] == "kv-aware"
+    assert cmd.count("--kv-events") == 2 and "--eviction-interval-secs" not in cmd
+
+
+def test_list_settings_names_every_setting_with_its_flags():
+    text = peers.settings_text()
+    for router, settings in peers.SETTINGS.items():
+        for name in settings:
+            assert f"{router}:{name}" in text
+    assert "--router-prefill-load-scale 6" in text and "Dynamo mocker" in text
 
 
 def test_added_latency_is_router_minus_direct():
@@ -156,3 +285,39 @@ async def test_the_floor_proxy_relays_a_stream_chunk_by_chunk(serve_app):
             await proc.wait()
     assert body == b"".join(events)
     assert seen == [{"prompt": "hi", "stream": True}]
+
+
+def test_saved_results_report_as_markdown_with_every_concurrency_side_by_side(tmp_path):
+    rows = [_row("kvroute", 0.85, 200.0, c=8, run=0), _row("kvroute", 0.87, 220.0, c=8, run=1),
+            _row("kvroute", 0.86, 400.0, c=16, run=0),
+            _row("dynamo", 0.80, 150.0, setting="tuned", warmup=False, c=8)]
+    peers._save(tmp_path, {"compare": rows})
+    back = peers.rows_from_results(tmp_path / "results.json")
+    assert [(r.label, r.warmup, r.concurrency, r.run) for r in back] == [
+        (r.label, r.warmup, r.concurrency, r.run) for r in rows]
+    md = peers.markdown_table(peers.summarize_compare(back)).splitlines()
+    assert md[0].startswith("| router:setting | workers | warmup | runs | hit rate c=8 |")
+    assert "hit rate c=16" in md[0]
+    assert md[2] == "| kvroute:defaults | emulated | on | 2/1 | 0.860 (0.850–0.870) | 50 / 210 (200–220) | 1.00 | 0.860 | 50 / 400 | 1.00 |"
+    assert md[3].startswith("| dynamo:tuned | Dynamo mocker | off | 1/0 | 0.800 |") and md[3].endswith("| — | — | — |")
+
+
+def test_compact_table_puts_no_warmup_and_warmup_in_one_cell():
+    rows = [_row("sglang", 0.84, 600.0, warmup=False, c=16), _row("sglang", 0.17, 3500.0, warmup=True, c=16),
+            _row("sglang", 0.83, 200.0, warmup=False, c=8, run=0), _row("sglang", 0.85, 210.0, warmup=False, c=8, run=1)]
+    lines = peers.compact_table(peers.summarize_compare(rows)).splitlines()
+    assert lines[0] == ("| router:setting | workers | hit rate c=8 | hit rate c=16 | TTFT p99 ms c=16 | "
+                        "load max/mean c=16 | runs |")
+    assert lines[2] == ("| sglang:defaults | emulated | 0.840 (0.830–0.850) / — | 0.840 / 0.170 | "
+                        "600 / 3,500 | 1.00 / 1.00 | 2, 0, 1, 1 |")
+
+
+def test_several_results_files_pool_as_further_runs(tmp_path):
+    (tmp_path / "a").mkdir()
+    (tmp_path / "b").mkdir()
+    peers._save(tmp_path / "a", {"compare": [_row("kvroute", 0.80, 100.0, run=0), _row("kvroute", 0.82, 100.0, run=1)]})
+    peers._save(tmp_path / "b", {"compare": [_row("kvroute", 0.90, 100.0, run=0)]})
+    rows = peers.pooled_rows([tmp_path / "a" / "results.json", tmp_path / "b" / "results.json"])
+    assert [r.run for r in rows] == [0, 1, 2]
+    (summary,) = peers.summarize_compare(rows)
+    assert (summary.runs, summary.hit_rate.median, summary.hit_rate.high) == (3, 0.82, 0.90)
