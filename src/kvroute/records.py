@@ -91,6 +91,13 @@ class TrialStats:
         return asdict(self)
 
 
+def busiest_share(stats: TrialStats, workers: int) -> float:
+    """Requests of the busiest worker ÷ the mean per worker over ``workers`` (idle ones count;
+    1.0: perfectly even), from the trial's per-worker counts; 0.0 when none were recorded."""
+    served = stats.worker_requests
+    return max(served.values()) * workers / sum(served.values()) if served else 0.0
+
+
 def summarize(
     records: list[RequestRecord],
     duration_s: float | None = None,

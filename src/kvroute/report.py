@@ -20,7 +20,7 @@ from collections.abc import Iterable
 from rich.console import Console
 from rich.table import Table
 
-from kvroute.records import Point
+from kvroute.records import Point, busiest_share
 
 
 def topology(point: Point) -> str:
@@ -162,11 +162,15 @@ def _by_concurrency_table(points: list[Point], title: str, cell) -> Table:
     return table
 
 
+def _ttft_cell(p: Point) -> str:
+    return f"{_fmt(p.median('ttft_p50_ms'), '.0f')} / {_fmt(p.median('ttft_p99_ms'), '.0f')}"
+
+
 def ttft_table(points: list[Point]) -> Table:
     return _by_concurrency_table(
         points,
         "3. TTFT p50 / p99, ms, by K and concurrency",
-        lambda p: f"{_fmt(p.median('ttft_p50_ms'), '.0f')} / {_fmt(p.median('ttft_p99_ms'), '.0f')}",
+        _ttft_cell,
     )
 
 
@@ -230,15 +234,14 @@ def trace_replay_table(points: list[Point], reference: list[Point] | None = None
         table.add_column(name, justify="left" if name == "topology" else "right")
     for p in sorted(points, key=lambda p: (-p.workers, p.policy)):
         r = ref.get((p.workers, p.policy))
-        served = p.trials[0].worker_requests if p.trials else {}
-        busiest = max(served.values()) * p.workers / sum(served.values()) if served else None
-        ttft = lambda q: f"{_fmt(q.median('ttft_p50_ms'), '.0f')} / {_fmt(q.median('ttft_p99_ms'), '.0f')}"  # noqa: E731
+        # Behind a Service no response names its worker: no counts, no figure.
+        busiest = busiest_share(p.trials[0], p.workers) if p.trials and p.trials[0].worker_requests else None
         table.add_row(
             topology(p), _fmt(p.median("requests"), ".0f"), _fmt(p.median("failed"), ".0f"),
             _pct(p.median("token_hit_rate")), _pct(p.median("metrics_token_hit_rate")),
             _pct(r.median("token_hit_rate")) if r else "—",
             _pct(p.median("request_hit_rate")), _pct(r.median("request_hit_rate")) if r else "—",
-            ttft(p), ttft(r) if r else "—", _fmt(busiest, ".2f"),
+            _ttft_cell(p), _ttft_cell(r) if r else "—", _fmt(busiest, ".2f"),
         )
     return table
 

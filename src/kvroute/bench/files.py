@@ -25,6 +25,7 @@ import numpy as np
 
 from kvroute.bench.runner import TrialResult, TrialSink
 from kvroute.errors import UserError
+from kvroute.plotting import pyplot
 from kvroute.records import MEDIAN_FIELDS, Point, RequestRecord, write_points_json
 
 RECORDS = "records.jsonl"
@@ -147,15 +148,6 @@ def write_csv(path: Path, points: list[Point]) -> Path:
 # -- plots ------------------------------------------------------------------------------------
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: files only
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _report_concurrency(points: list[Point], preferred: int = 8) -> int:
     levels = sorted({p.concurrency for p in points})
     return preferred if preferred in levels else levels[len(levels) // 2]
@@ -225,7 +217,7 @@ def plot_hit_rate(points: list[Point], capacity: float | None, reference: list[P
     the simulator's prediction (crosses), min(1, C/K) and the routing bound min(1, W·C/K)."""
     from matplotlib.lines import Line2D
 
-    plt = _pyplot()
+    plt = pyplot()
     c = _report_concurrency(points)
     chosen = [p for p in points if p.concurrency == c]
     fleets = sorted({p.workers for p in chosen}, reverse=True)
@@ -271,7 +263,7 @@ def plot_ttft_cdf(points: list[Point], samples: dict[tuple[int, int, int, str], 
     the topology is the colour, hits solid and misses dashed."""
     from matplotlib.lines import Line2D
 
-    plt = _pyplot()
+    plt = pyplot()
     c = min(p.concurrency for p in points)
     keys = [k for k in samples if k[2] == c]
     fleets = sorted({k[0] for k in keys}, reverse=True) or [0]
@@ -311,7 +303,7 @@ def plot_ttft_vs_concurrency(points: list[Point]):
     (columns), the topology as the colour; concurrency levels are categories, evenly spaced."""
     from matplotlib.lines import Line2D
 
-    plt = _pyplot()
+    plt = pyplot()
     fleets = sorted({p.workers for p in points}, reverse=True)
     ks = sorted({p.prefixes for p in points})
     levels = sorted({p.concurrency for p in points})
@@ -362,7 +354,7 @@ def write_plots(
     the TTFT CDFs by hit and miss for both."""
     if not points:
         return []
-    plt = _pyplot()
+    plt = pyplot()
     figures = []
     if timelines:
         figures.append(("hit_rate_over_time.png",
@@ -423,7 +415,7 @@ def plot_hit_rate_over_time(timelines: Timelines, reference: Timelines | None = 
     ``source`` names where ``timelines`` come from (``measured``, or ``simulated``)."""
     from matplotlib.lines import Line2D
 
-    plt = _pyplot()
+    plt = pyplot()
     edges = _time_bins({**(reference or {}), **timelines})
     unit, unit_name = _minutes_or_seconds(edges)
     mids = (edges[:-1] + edges[1:]) / 2 / unit
@@ -467,7 +459,7 @@ def plot_worker_load_over_time(timelines: Timelines):
     """Each worker's requests in flight over time (averaged per time bin), one panel per replay
     (fleet size and topology), one line per worker: a hotspot is one line far above the
     others; the panel's title gives the busiest worker's requests ÷ the mean."""
-    plt = _pyplot()
+    plt = pyplot()
     edges = _time_bins(timelines)
     unit, unit_name = _minutes_or_seconds(edges)
     mids = (edges[:-1] + edges[1:]) / 2 / unit

@@ -18,11 +18,11 @@ from kvroute.bench.files import PointSamples, Timelines, write_plots
 from kvroute.commands._common import add_trace_window_arguments
 from kvroute.engine import get_preset
 from kvroute.errors import UserError
-from kvroute.records import Point, write_points_json
+from kvroute.records import Point, busiest_share, write_points_json
 from kvroute.report import output_console
 from kvroute.sim import WorkerConfig
 from kvroute.trace import load_trace
-from kvroute.trace.simulate import busiest_share, simulate_trace, trace_policy
+from kvroute.trace.simulate import simulate_trace, trace_policy
 from kvroute.workload import parse_int_list
 
 

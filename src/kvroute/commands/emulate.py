@@ -9,7 +9,7 @@ import signal
 import sys
 
 from kvroute import aio
-from kvroute.emulator.config import MODEL_PRESETS, EmulatorConfig
+from kvroute.emulator.config import DEFAULT_MAX_MODEL_LEN, MODEL_PRESETS, EmulatorConfig
 from kvroute.engine.cost import PRESETS
 from kvroute.errors import UserError
 from kvroute.units import parse_bytes, parse_tokens
@@ -57,7 +57,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="model name(s) the server answers to; the first is used in responses and "
         "metrics (default: the model preset's name)",
     )
-    serve.add_argument("--max-model-len", type=int, default=4096, help="context length (default: %(default)s)")
+    serve.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN,
+                       help="context length (default: %(default)s)")
     serve.add_argument(
         "--block-size", type=int,
         help="tokens per KV block (default: the model preset's: 16, or 128 for tiny-cpu)",

@@ -15,6 +15,7 @@ from kvroute.analytic import MODEL_PRESETS
 from kvroute.bench.files import ResultsWriter, tables_as_html
 from kvroute.bench.progress import ProgressHooks, sweep_progress
 from kvroute.commands._common import add_trace_window_arguments, add_workload_arguments, workload_spec
+from kvroute.emulator.config import DEFAULT_MAX_MODEL_LEN
 from kvroute.engine import PRESETS
 from kvroute.errors import UserError
 from kvroute.experiment import (
@@ -44,8 +45,6 @@ from kvroute.workload import parse_int_list
 ENGINES = ("emulator", "vllm", "urls")
 #: ``vllm serve --max-model-len``: room for the reference's 2,435-token requests and more.
 VLLM_MAX_MODEL_LEN = 4096
-#: ``kvroute emulate --max-model-len``'s default.
-EMULATED_MAX_MODEL_LEN = 4096
 VLLM_MODEL_NAME = "tiny"
 
 NAME = "experiment"
@@ -200,7 +199,7 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         seed=args.seed,
         vocab_size=TinyModelConfig().vocab_size if args.engine == "vllm" else None,
         trace=trace,
-        max_model_len=args.max_model_len or (VLLM_MAX_MODEL_LEN if args.engine == "vllm" else EMULATED_MAX_MODEL_LEN),
+        max_model_len=args.max_model_len or (VLLM_MAX_MODEL_LEN if args.engine == "vllm" else DEFAULT_MAX_MODEL_LEN),
     )
 
 

@@ -43,6 +43,10 @@ MODEL_PRESETS: dict[str, ModelPreset] = {
     )
 }
 
+#: ``--max-model-len`` of an emulated worker unless told otherwise.
+DEFAULT_MAX_MODEL_LEN = 4096
+
+
 @dataclass(frozen=True, slots=True)
 class EmulatorConfig:
     """One emulated worker's settings (shared by all workers of a ``--workers N`` group).
@@ -64,7 +68,7 @@ class EmulatorConfig:
     """
 
     served_model_name: tuple[str, ...] = ("Qwen/Qwen3-0.6B",)
-    max_model_len: int = 4096
+    max_model_len: int = DEFAULT_MAX_MODEL_LEN
     block_size: int = 16
     kv_cache_memory_bytes: int = 1 << 30
     kv_bytes_per_token: int = analytic.MODEL_PRESETS["qwen3-0.6b"].kv_bytes_per_token

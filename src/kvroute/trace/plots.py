@@ -6,6 +6,7 @@ from pathlib import Path
 
 import numpy as np
 
+from kvroute.plotting import pyplot
 from kvroute.trace.reuse import CURVE_CAPACITIES, POLICIES, TraceReuse, _fmt_tokens
 
 _COLORS = {"random": "tab:red", "prefix-affine": "tab:blue", "pooled": "tab:green"}
@@ -16,22 +17,13 @@ _LABELS = {
 }
 
 
-def _pyplot():
-    import matplotlib
-
-    matplotlib.use("Agg")  # no display: files only
-    import matplotlib.pyplot as plt
-
-    return plt
-
-
 def _name(reuse: TraceReuse) -> str:
     return Path(reuse.summary["path"]).name
 
 
 def plot_lru_curve(reuse: TraceReuse):
     """LRU hit ratio against one cache's capacity in tokens (the paper's Figure 9)."""
-    plt = _pyplot()
+    plt = pyplot()
     fig, ax = plt.subplots(figsize=(7, 4.4))
     grid = np.logspace(4, 8, 161)
     ax.plot(grid, reuse.single.token_hit(grid), "-", color="tab:blue", lw=2, label="LRU, tokens hit")
@@ -60,7 +52,7 @@ def plot_lru_curve(reuse: TraceReuse):
 
 def plot_fleet(reuse: TraceReuse):
     """Per fleet size: hit ratio against each worker's capacity X, the three policies."""
-    plt = _pyplot()
+    plt = pyplot()
     n = len(reuse.fleets)
     cols = min(n, 2)
     rows = (n + cols - 1) // cols
@@ -94,7 +86,7 @@ def plot_fleet(reuse: TraceReuse):
 
 def write_plots(reuse: TraceReuse, out: Path) -> list[Path]:
     """``lru_hit_vs_capacity.png`` and ``fleet_hit_vs_capacity.png`` in ``out``."""
-    plt = _pyplot()
+    plt = pyplot()
     out.mkdir(parents=True, exist_ok=True)
     paths = []
     for name, make in (("lru_hit_vs_capacity.png", plot_lru_curve), ("fleet_hit_vs_capacity.png", plot_fleet)):

@@ -43,12 +43,6 @@ class TraceRun:
         return summarize(self.records, self.duration_s, None)
 
 
-def busiest_share(stats: TrialStats, workers: int) -> float:
-    """Requests of the busiest worker ÷ the mean per worker (1.0: perfectly even)."""
-    served = stats.worker_requests
-    return max(served.values()) * workers / sum(served.values()) if served else 0.0
-
-
 def trace_policy(name: str, seed: int, block_size: int, options: dict | None = None) -> Policy:
     """The policy ``name`` as a trace replay runs it: seeded as the simulator's first trial
     (the seed a Service balancer is reseeded with for that trial), with the workers' block
