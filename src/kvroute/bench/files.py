@@ -48,6 +48,12 @@ class PointSamples:
     hit: list[float] = field(default_factory=list)
     miss: list[float] = field(default_factory=list)
 
+    def add(self, records: list[RequestRecord]) -> None:
+        """The TTFTs of ``records`` that were answered, each to its side."""
+        for r in records:
+            if r.ok and r.ttft_s is not None:
+                (self.hit if r.hit else self.miss).append(r.ttft_s)
+
 
 class ResultsWriter(TrialSink):
     """Writes trials as they finish and the reports at the end.
@@ -94,10 +100,7 @@ class ResultsWriter(TrialSink):
                 for d in result.window
             ])
         key = (target.num_workers, result.prefixes, result.concurrency, target.label)
-        samples = self.samples.setdefault(key, PointSamples())
-        for r in result.records:
-            if r.ok and r.ttft_s is not None:
-                (samples.hit if r.hit else samples.miss).append(r.ttft_s)
+        self.samples.setdefault(key, PointSamples()).add(result.records)
         if result.concurrency == 0:
             self.timelines.setdefault((target.num_workers, target.label), list(result.records))
         self.trials_written += 1

@@ -75,10 +75,7 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
                                "busiest_over_mean": busiest, **stats.to_json()})
                 report_points.append(Point(w, 0, 0, name, [stats]))
                 timelines[(w, name)] = result.records
-                split = samples.setdefault((w, 0, 0, name), PointSamples())
-                for r in result.records:
-                    if r.ok and r.ttft_s is not None:
-                        (split.hit if r.hit else split.miss).append(r.ttft_s)
+                samples.setdefault((w, 0, 0, name), PointSamples()).add(result.records)
                 table.add_row(
                     str(w), name, f"{stats.requests:,}", f"{result.refused:,}",
                     f"{stats.request_hit_rate:.1%}", f"{stats.token_hit_rate:.1%}",
