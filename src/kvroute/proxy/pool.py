@@ -27,7 +27,6 @@ in flight, unlike a scraped signal.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import time
 
@@ -52,6 +51,9 @@ logger = logging.getLogger(__name__)
 
 #: Seconds before a subscriber that crashed is started again.
 _SUBSCRIBER_RESTART_S = 1.0
+#: Seconds ``close`` waits for each cancelled background task.
+_CLOSE_TASK_S = 5.0
+
 #: How many times as often as a healthy worker one out of the available set is checked.
 UNHEALTHY_CHECKS_PER_INTERVAL = 4
 
@@ -368,8 +370,13 @@ class WorkerPool:
         for task in tasks:
             task.cancel()
         for task in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await task
+            try:
+                # Bounded: a task that ignores its cancel must not keep the router from closing.
+                await asyncio.wait_for(task, _CLOSE_TASK_S)
+            except TimeoutError:
+                logger.warning("a background task did not stop within %gs of its cancel: %r", _CLOSE_TASK_S, task)
+            except (asyncio.CancelledError, Exception):
+                pass
         self._tasks.clear()
         for worker in self.workers.values():
             worker.subscriber_task = None
