@@ -22,6 +22,8 @@ use crate::routing::PyKvIndex;
 ///     index: the router's ``KvIndex``: batches are applied to it, and only the conditions
 ///         that reset a worker (replay failed, restart, malformed) are posted as notices.
 ///         None: every item is posted (``KVEventSubscriber``).
+///     coalesce_s: after taking batches, the thread lets the next ones gather this long
+///         before it polls again (one wake-up for several engine steps; 0: no wait).
 #[pyclass(module = "kvroute._native", frozen)]
 pub struct KvEventConsumer {
     inner: Consumer,
@@ -64,9 +66,11 @@ fn notice_to_py<'py>(py: Python<'py>, notice: Notice) -> PyResult<Bound<'py, PyA
 #[pymethods]
 impl KvEventConsumer {
     #[new]
-    #[pyo3(signature = (index = None))]
-    fn new(index: Option<PyRef<'_, PyKvIndex>>) -> PyResult<Self> {
-        let inner = Consumer::start(index.map(|i| i.inner.clone())).map_err(|e| {
+    #[pyo3(signature = (index = None, *, coalesce_s = 0.0))]
+    fn new(index: Option<PyRef<'_, PyKvIndex>>, coalesce_s: f64) -> PyResult<Self> {
+        let coalesce = Duration::try_from_secs_f64(coalesce_s)
+            .map_err(|_| PyValueError::new_err(format!("bad coalesce_s {coalesce_s}")))?;
+        let inner = Consumer::start(index.map(|i| i.inner.clone()), coalesce).map_err(|e| {
             PyRuntimeError::new_err(format!("cannot start the KV event consumer: {e}"))
         })?;
         Ok(Self { inner })

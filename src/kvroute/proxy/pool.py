@@ -48,6 +48,11 @@ logger = logging.getLogger(__name__)
 #: Seconds ``close`` waits for each cancelled background task, and for the event consumer.
 _CLOSE_TASK_S = 5.0
 
+#: Seconds the event consumer lets batches gather after taking some: one wake-up of its
+#: thread for several engine steps (``benchmarks/kv_events_consume.py``); the index learns of a
+#: batch at most this much later, beside engine steps of tens of milliseconds.
+EVENTS_COALESCE_S = 0.002
+
 #: The consumer's counters and the metric each one feeds (a ``RouterMetrics`` attribute).
 _EVENT_METRICS = (
     ("events", "events"),
@@ -335,7 +340,7 @@ class WorkerPool:
 
     def _event_consumer(self) -> KvEventConsumer:
         if self.consumer is None:
-            self.consumer = KvEventConsumer(self.index)
+            self.consumer = KvEventConsumer(self.index, coalesce_s=EVENTS_COALESCE_S)
             try:
                 self._notice_loop = asyncio.get_running_loop()
             except RuntimeError:  # no loop (a test driving the pool by hand): read at sync
