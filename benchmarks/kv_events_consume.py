@@ -44,8 +44,8 @@ from kvroute._native import KvEventConsumer, SequenceTracker
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import BlockRemoved, BlockStored, EventBatch
 from kvroute.fleet import free_ports
-from kvroute.proxy.pool import EVENTS_COALESCE_S
 from kvroute.kvevents.wire import decode_batch, decode_native, encode_batch
+from kvroute.proxy.pool import EVENTS_COALESCE_S
 from kvroute.routing.index import KvIndex
 
 BLOCK = 16
