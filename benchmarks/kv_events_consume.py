@@ -1,26 +1,27 @@
-"""CPU per KV event batch in the router's consumer: ``async for`` over the subscriber versus
-``KVEventSubscriber.run(callback)``, and ``run`` on native batches.
+"""CPU per KV event batch in the router's consumer: the native consumer thread that ``kvroute
+serve`` runs, beside the pyzmq + asyncio reader it replaced (kept here only as the "before").
 
 A child process publishes vLLM-format batches (one engine step each: a ``BlockStored`` of
 ``--blocks`` blocks with their tokens and as many one-block ``BlockRemoved``, like a step that
 prefills a new request's suffix into a full cache) on a ZeroMQ PUB socket on 127.0.0.1, paced
-at ``--rate`` batches per second, as a busy engine publishes them. This process subscribes
-under uvloop, applies every batch to a ``KvIndex``, and measures its own CPU time (all of its
-threads, ZeroMQ's I/O thread included) from the first batch to the last, divided by the
-batches. The ways alternate over ``--rounds`` rounds (each with a fresh publisher and subscriber),
-since only figures from one run compare on a shared machine:
+at ``--rate`` batches per second, as a busy engine publishes them. This process consumes them
+into a ``KvIndex`` and measures its own CPU time (all of its threads: libzmq's I/O threads and
+the consumer's included) from the first batch to the last, divided by the batches. The ways
+alternate over ``--rounds`` rounds (each with a fresh publisher and consumer), since only
+figures from one run compare on a shared machine:
 
-* ``iterate`` and ``run``: batches decoded into ``kvroute.engine.events`` objects and applied
-  to the Python ``KvIndex`` (today's router);
-* ``native``: ``run`` on a ``native=True`` subscriber, batches decoded into a
-  ``NativeEventBatch`` (events stay in Rust) and applied by ``KvIndex.apply_native``, as
-  ``kvroute serve`` does: socket, event loop, sequence tracker, decoding and the index.
+* ``native`` (after): ``kvroute._native.KvEventConsumer`` over the index, as the router's
+  pool makes it (batches gather ``EVENTS_COALESCE_S`` between two wake-ups of its thread):
+  its thread receives, runs the sequence tracker, decodes and applies; the main thread only
+  sleeps (it looks at the consumer's counters four times a second);
+* ``pyzmq`` (before): the router's former consumer, reduced to its fast path: a uvloop
+  reader callback on the SUB socket's ``ZMQ_FD`` taking messages with ``NOBLOCK``, the
+  native tracker's in-order check, ``decode_native`` and ``KvIndex.apply_native``.
 
 Then, without sockets, the native parts alone per batch: the sequence tracker's in-order
-check, ``decode_native`` and ``decode_batch`` (with the Python objects), so the Python I/O
-part of the figures above can be told from the native part.
+check, ``decode_native`` and ``decode_batch`` (with the Python objects).
 
-At a paced rate the event loop is idle between batches, so every batch pays a full wake-up:
+At a paced rate the consumer is idle between batches, so every batch pays a full wake-up:
 the case where the per-batch machinery matters most.
 
     python benchmarks/kv_events_consume.py [--rate 1500] [--batches 6000] [--rounds 2]
@@ -39,12 +40,12 @@ import numpy as np
 import uvloop
 import zmq
 
-from kvroute._native import SequenceTracker
+from kvroute._native import KvEventConsumer, SequenceTracker
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import BlockRemoved, BlockStored, EventBatch
 from kvroute.fleet import free_ports
-from kvroute.kvevents import EventsReceived, KVEventSubscriber
 from kvroute.kvevents.wire import decode_batch, decode_native, encode_batch
+from kvroute.proxy.pool import EVENTS_COALESCE_S
 from kvroute.routing.index import KvIndex
 
 BLOCK = 16
@@ -83,41 +84,69 @@ def publish(port: int, rate: float, batches: int, blocks: int) -> None:
     pub.close(linger=1000)
 
 
-async def consume(port: int, way: str, batches: int, timeout_s: float) -> float:
-    """CPU seconds of this process per batch, from the first batch to the last."""
+def consume_native(port: int, batches: int, timeout_s: float) -> float:
+    """The native consumer: CPU seconds of this process per batch, first batch to last."""
     index = KvIndex(BlockHasher(BLOCK))
-    native = way == "native"
-    subscriber = KVEventSubscriber(f"tcp://127.0.0.1:{port}", replay_endpoint=None, native=native)
+    consumer = KvEventConsumer(index, coalesce_s=EVENTS_COALESCE_S)
+    consumer.add_worker("worker", f"tcp://127.0.0.1:{port}", None, catch_up=False)
+    deadline = time.monotonic() + timeout_s
+
+    def applied() -> int:
+        return consumer.counters()["worker"]["batches"]
+
+    try:
+        while (first := applied()) == 0:
+            assert time.monotonic() < deadline, "no batch arrived"
+            time.sleep(0.001)
+        started = time.process_time()
+        while (last := applied()) < batches:
+            assert time.monotonic() < deadline, f"{last} of {batches} batches arrived"
+            time.sleep(0.25)
+        return (time.process_time() - started) / (last - first)
+    finally:
+        assert consumer.close(5.0)
+
+
+async def consume_pyzmq(port: int, batches: int, timeout_s: float) -> float:
+    """The former Python reader's fast path (see the module docs), the same measure."""
+    index = KvIndex(BlockHasher(BLOCK))
+    tracker = SequenceTracker()
+    sub = zmq.Context.instance().socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.RCVHWM, 100_000)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect(f"tcp://127.0.0.1:{port}")
+    loop = asyncio.get_running_loop()
+    done = asyncio.Event()
     got = 0
     started = 0.0
-    done = asyncio.Event()
 
-    def on_item(item: object) -> None:
+    def drain() -> None:
         nonlocal got, started
-        if isinstance(item, EventsReceived):
-            if native:
-                index.apply_native("worker", item.batch)
-            else:
-                index.apply("worker", item.batch.events)
-        got += 1
-        if got == 1:
-            started = time.process_time()
-        elif got == batches:
-            done.set()
-
-    async def iterate() -> None:
-        async for item in subscriber:
-            on_item(item)
-            if done.is_set():
+        for _ in range(64):
+            try:
+                frames = sub.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
                 return
+            if tracker.in_order(frames) is None:
+                continue  # the publisher sends in order; nothing else happens here
+            index.apply_native("worker", decode_native(frames[2]))
+            got += 1
+            if got == 1:
+                started = time.process_time()
+            elif got == batches:
+                done.set()
+        loop.call_soon(drain)
 
-    consumer = asyncio.ensure_future(iterate() if way == "iterate" else subscriber.run(on_item))
+    fd = sub.getsockopt(zmq.FD)
+    loop.add_reader(fd, drain)
     try:
+        drain()
         await asyncio.wait_for(done.wait(), timeout_s)
         return (time.process_time() - started) / (batches - 1)
     finally:
-        await subscriber.close()  # ends run() and the iteration alike
-        await consumer
+        loop.remove_reader(fd)
+        sub.close(linger=0)
 
 
 def main() -> None:
@@ -131,7 +160,7 @@ def main() -> None:
     if args.publish is not None:
         publish(args.publish, args.rate, args.batches, args.blocks)
         return
-    ways = ("iterate", "run", "native")
+    ways = ("pyzmq", "native")
     figures: dict[str, list[float]] = {way: [] for way in ways}
     for round_ in range(args.rounds):
         for way in ways if round_ % 2 == 0 else ways[::-1]:
@@ -141,7 +170,10 @@ def main() -> None:
             try:
                 # The publisher's pace plus its start-up, with room to spare.
                 timeout_s = args.batches / args.rate + 30.0
-                per_batch = uvloop.run(consume(port, way, args.batches, timeout_s))
+                if way == "native":
+                    per_batch = consume_native(port, args.batches, timeout_s)
+                else:
+                    per_batch = uvloop.run(consume_pyzmq(port, args.batches, timeout_s))
             finally:
                 child.wait(timeout=60)
             figures[way].append(per_batch * 1e6)

@@ -278,7 +278,11 @@ async def run_worker_death(
         ) as session:
             await asyncio.sleep(0.3)  # SUB sockets connect
             name = victim.url
-            applied = router.metrics.events.labels(name)
+            events_applied = router.metrics.events.labels(name)
+
+            def applied_events() -> float:
+                router.pool.sync_event_metrics()  # the native consumer's counts, as /metrics copies them
+                return events_applied._value.get()
             outcomes: list[Outcome] = []
             marks: dict[str, float] = {}
             next_index = 0
@@ -324,14 +328,14 @@ async def run_worker_death(
                     if progress:
                         print(f"  SIGSTOP {paused.url}", file=sys.stderr, flush=True)
                 await asyncio.sleep(down_s)
-                before = applied._value.get()
+                before = applied_events()
                 await victim.restart()
                 marks["restart"] = time.monotonic()
                 if progress:
                     print(f"  restarted after {len(outcomes)} requests", file=sys.stderr, flush=True)
-                while applied._value.get() == before and next_index < requests:
+                while applied_events() == before and next_index < requests:
                     await asyncio.sleep(0.002)
-                if applied._value.get() != before:
+                if applied_events() != before:
                     marks["first_event"] = time.monotonic()
                 if paused is not None:
                     await resumer
@@ -348,6 +352,7 @@ async def run_worker_death(
                          and (w is not victim or o.done > marks["kill"]))
                 counts[w.url] = (ok, served)
             first_ok = sum(1 for o in outcomes if o.kind == "ok" and o.worker == name and o.done <= marks["kill"])
+            router.pool.sync_event_metrics()  # the engine-restart count below, from the native consumer
             first_event = marks.get("first_event", float("inf"))
             after = [o for o in outcomes if o.kind == "ok" and o.sent >= first_event]
             on_victim = [o for o in after if o.worker == name]

@@ -167,8 +167,11 @@ def overlap(router, tokens: list[int], worker: str) -> int:
     return router.index.overlaps(hashes, [worker], time.monotonic())[0]
 
 
-def counter(metric, worker: str) -> float:
-    return metric.labels(worker)._value.get()
+def counter(router, metric: str, worker: str) -> float:
+    """A router metric's value for ``worker``, the KV event counts copied from the native
+    consumer first (as a ``/metrics`` scrape does)."""
+    router.pool.sync_event_metrics()
+    return getattr(router.metrics, metric).labels(worker)._value.get()
 
 
 A = list(range(100, 100 + 2 * BS))
@@ -191,10 +194,9 @@ async def test_dropped_messages_are_replayed_and_both_wire_shapes_mix():
                 await publisher.publish(2, batch(stored(B, 2000), shape="array"))
                 await until(lambda: overlap(router, B, url) == 3)
                 assert overlap(router, A + A_MORE, url) == 4  # the replayed batch chained onto seq 0
-                m = router.metrics
-                assert counter(m.event_gaps, url) == 1
-                assert counter(m.replay_failures, url) == 0
-                assert counter(m.events, url) == 3
+                assert counter(router, "event_gaps", url) == 1
+                assert counter(router, "replay_failures", url) == 0
+                assert counter(router, "events", url) == 3
     finally:
         publisher.close()
 
@@ -212,7 +214,7 @@ async def test_replay_endpoint_down_drops_the_workers_entries_and_predictions_br
                 await publisher.publish(0, batch(stored(A, 1000)))
                 await until(lambda: overlap(router, A, url) == 2)
                 await publisher.publish(2, batch(stored(B, 2000)))  # seq 1 lost for good
-                await until(lambda: counter(router.metrics.replay_failures, url) == 1)
+                await until(lambda: counter(router, "replay_failures", url) == 1)
                 await until(lambda: overlap(router, B, url) == 3)
                 # What the worker held before the lost batch is unknown now: dropped.
                 assert overlap(router, A, url) == 0
@@ -234,7 +236,6 @@ async def test_malformed_payloads_and_unknown_event_types_are_counted_and_skippe
             config = RouterConfig(workers=[url], events=events, predicted_ttl_s=0.0, health_interval_s=0)
             async with start_router(config) as router, aiohttp.ClientSession() as s:
                 await publisher.subscribed()
-                m = router.metrics
                 await publisher.publish(0, batch(stored(A, 1000)))
                 await publisher.publish(1, b"\xc1\xc1 not msgpack")
                 await publisher.publish(2, msgspec.msgpack.encode([1.0, [{"type": "BlockStored"}]]))
@@ -245,8 +246,8 @@ async def test_malformed_payloads_and_unknown_event_types_are_counted_and_skippe
                 good[1].append({"type": "CacheResized", "blocks": 99})
                 await publisher.publish(3, msgspec.msgpack.encode(good))
                 await until(lambda: overlap(router, B, url) == 3)
-                assert counter(m.events_malformed, url) == 3
-                assert counter(m.events_unknown, url) == 2
+                assert counter(router, "events_malformed", url) == 3
+                assert counter(router, "events_unknown", url) == 2
                 # Malformed batches may have stored or removed anything: the worker was reset.
                 assert overlap(router, A, url) == 0
                 # The subscriber is still running and the router still serves.
@@ -357,7 +358,7 @@ async def test_hanging_generations_eject_a_worker_whose_health_check_passes():
 
             for _ in range(4):
                 assert await send() == good
-            assert counter(router.metrics.ejections, wedged) == 1
+            assert counter(router, "ejections", wedged) == 1
             ejected_at = time.monotonic()
 
             def names() -> list[str]:

@@ -1,5 +1,6 @@
 """The router's index fed by emulated workers' KV events: kv-aware routing follows the events,
-evictions remove blocks, and each subscriber condition acts on the index as documented."""
+evictions remove blocks, and each stream condition acts on the index as documented (the
+router's native event consumer against pyzmq sockets)."""
 
 from __future__ import annotations
 
@@ -9,13 +10,14 @@ import time
 
 import aiohttp
 import pytest
+import zmq
+import zmq.asyncio
 
 from kvroute.blocks import BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.engine import BlockStored
 from kvroute.engine.events import EventBatch
-from kvroute.kvevents import EngineRestarted, EventsReceived, GapDetected, MalformedPayload, ReplayFailed
-from kvroute.kvevents.wire import decode_native, encode_batch
+from kvroute.kvevents.wire import END_SEQ, encode_batch, encode_seq
 from kvroute.proxy import WORKER_HEADER, EventsSettings, EventsSource, RouterConfig, start_router
 from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import WorkerPool
@@ -66,6 +68,7 @@ async def test_kv_aware_sends_a_repeated_prefix_where_the_events_put_it():
                 assert await complete(s, router.url, prefix + [20 + i] * 5) == owner
             # A prompt sharing nothing is free to go elsewhere (the emptiest cache wins ties).
             assert await complete(s, router.url, list(range(5000, 5000 + 4 * BS))) != owner
+            router.pool.sync_event_metrics()
             assert router.metrics.events.labels(owner)._value.get() > 0
     finally:
         await asyncio.gather(*(w.close() for w in workers))
@@ -140,43 +143,106 @@ async def test_predicted_mode_keeps_a_prefix_on_one_worker_without_events():
         await asyncio.gather(*(w.close() for w in workers))
 
 
-def native_batch(events, ts: float = 0.0):
-    """The batch a native subscriber yields for these events (encoded as vLLM would)."""
-    return decode_native(encode_batch(EventBatch(ts, events)))
+class ScriptedEngine:
+    """An engine's KV event sockets, driven by hand: XPUB (the test knows when the router has
+    subscribed) and a ROUTER replay socket answering from ``buffer`` (seq -> payload), in
+    current vLLM's framing. A pyzmq (libzmq) peer, as vLLM's and the emulator's are."""
 
-
-class RecordingIndex:
     def __init__(self) -> None:
-        self.calls: list[tuple] = []
+        self.ctx = zmq.asyncio.Context()
+        self.pub = self.ctx.socket(zmq.XPUB)
+        self.pub.bind("tcp://127.0.0.1:*")
+        self.endpoint = self.pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.router = self.ctx.socket(zmq.ROUTER)
+        self.router.bind("tcp://127.0.0.1:*")
+        self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
+        self.buffer: dict[int, bytes] = {}
+        self.answered = asyncio.Event()
+        self.task = asyncio.ensure_future(self.serve_replay())
 
-    def apply_native(self, worker, batch):
-        self.calls.append(("apply", worker, len(batch)))
+    async def subscribed(self) -> None:
+        """Subscribed, and the catch-up replay answered: what is sent now arrives live."""
+        assert (await asyncio.wait_for(self.pub.recv(), 5.0))[0] == 1
+        await asyncio.wait_for(self.answered.wait(), 5.0)
 
-    def reset_worker(self, worker):
-        self.calls.append(("reset", worker))
+    async def send(self, seq: int, payload: bytes, live: bool = True) -> None:
+        self.buffer[seq] = payload
+        if live:
+            await self.pub.send_multipart([b"", encode_seq(seq), payload])
 
-    def remove_worker(self, worker):
-        self.calls.append(("remove", worker))
+    async def serve_replay(self) -> None:
+        while True:
+            client, _, start = await self.router.recv_multipart()
+            for seq in sorted(s for s in self.buffer if s >= int.from_bytes(start, "big")):
+                await self.router.send_multipart([client, b"", b"", encode_seq(seq), self.buffer[seq]])
+            await self.router.send_multipart([client, b"", b"", END_SEQ, b""])
+            self.answered.set()
+
+    def close(self) -> None:
+        self.task.cancel()
+        self.ctx.destroy(linger=0)
+
+
+def stored_batch(tokens: list[int], first_hash: int, parent: int | None = None) -> bytes:
+    n = len(tokens) // BS
+    return encode_batch(EventBatch(0.0, [BlockStored(list(range(first_hash, first_hash + n)), parent, tokens, BS)]))
+
+
+A = list(range(100, 100 + 2 * BS))
+B = list(range(500, 500 + 2 * BS))
+C = list(range(900, 900 + 3 * BS))
 
 
 @pytest.mark.parametrize(
-    "item, expected, counter",
+    "condition, counter, resets",
     [
-        (EventsReceived(0, native_batch([BlockStored([1], None, list(range(16)), 16)])), ("apply", "w", 1), "events"),
-        (GapDetected(3, 9), None, "event_gaps"),
-        (ReplayFailed(3, 9, "buffer starts at 5"), ("reset", "w"), "replay_failures"),
-        (EngineRestarted(41, 0), ("reset", "w"), "engine_restarts"),
-        (MalformedPayload(4, "bad msgpack"), ("reset", "w"), "events_malformed"),
+        ("in-order", "events", False),
+        ("gap-filled", "event_gaps", False),
+        ("replay-failed", "replay_failures", True),
+        ("restart", "engine_restarts", True),
+        ("malformed", "events_malformed", True),
     ],
 )
-async def test_subscriber_conditions_act_on_the_index(item, expected, counter):
+async def test_each_stream_condition_acts_on_the_index(condition, counter, resets):
+    """The pool's native consumer against a pyzmq engine: batches reach the index; a gap is
+    filled by replay; a replay that cannot fill it, a restart and a malformed batch reset the
+    worker (what it held before is unknown), and each is counted under its metric."""
     from kvroute.proxy.discovery import Endpoint
+    from kvroute.routing import KvIndex
 
-    index = RecordingIndex()
+    engine = ScriptedEngine()
+    url = "http://127.0.0.1:9"
+    index = KvIndex(BlockHasher(BS))
     metrics = RouterMetrics()
-    async with aiohttp.ClientSession() as session:
-        pool = WorkerPool(index, metrics, session, EventsSettings(), "kv-aware", health_interval_s=0)
-        pool.update([Endpoint("http://127.0.0.1:9", "w")])
-        pool._on_event_item(pool.workers["w"], item)
-    assert index.calls == ([expected] if expected else [])
-    assert getattr(metrics, counter).labels("w")._value.get() == 1
+    events = EventsSettings(per_worker={url: EventsSource(engine.endpoint, engine.replay_endpoint)})
+    pool = WorkerPool(index, metrics, None, events, "kv-aware", health_interval_s=0)
+    hasher = BlockHasher(BS)
+
+    def held(tokens: list[int]) -> int:
+        return index.overlaps(hasher.hash_blocks(tokens), ["w"], time.monotonic())[0]
+
+    try:
+        pool.update([Endpoint(url, "w")])
+        await engine.subscribed()
+        await engine.send(0, stored_batch(A, 1000))
+        await until(lambda: held(A) == 2)
+        if condition == "gap-filled":
+            await engine.send(1, stored_batch(B, 2000), live=False)  # dropped on the way
+            await engine.send(2, stored_batch(C, 3000))
+        elif condition == "replay-failed":
+            await engine.send(2, stored_batch(C, 3000))  # 1 is in no buffer: lost for good
+        elif condition == "restart":
+            await engine.send(0, stored_batch(C, 3000))  # a new engine counting from 0 again
+        elif condition == "malformed":
+            await engine.send(1, b"\xc1 not msgpack")
+            await engine.send(2, stored_batch(C, 3000))
+        if condition != "in-order":
+            await until(lambda: held(C) == 3)
+        assert held(A) == (0 if resets else 2)
+        if condition == "gap-filled":
+            assert held(B) == 2
+        pool.sync_event_metrics()
+        assert getattr(metrics, counter).labels("w")._value.get() == 1
+    finally:
+        await pool.close()
+        engine.close()

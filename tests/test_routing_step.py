@@ -4,9 +4,11 @@ the simulator lacks.
 
 The simulator records its routing step's inputs (the journal: requests with their time,
 first tokens, finishes, each worker's KV events); the same sequence is then replayed through
-a ``Router`` (its ``_choose``, its ``_Load`` accounting and its pool's ``_on_event_item``, on
-the replay's clock), which must choose every request's worker and charge every prefill as the
-simulator did, and end with the same loads and index."""
+a ``Router`` (its ``_choose`` and its ``_Load`` accounting, on the replay's clock; each
+worker's events encoded as vLLM publishes them, decoded natively and applied to the router's
+index, which is what its native event consumer does with every batch it receives), which must
+choose every request's worker and charge every prefill as the simulator did, and end with the
+same loads and index."""
 
 import random
 
@@ -15,7 +17,6 @@ import pytest
 from kvroute.blocks import BlockHasher
 from kvroute.engine import REFERENCE_GPU
 from kvroute.engine.events import EventBatch
-from kvroute.kvevents import EventsReceived
 from kvroute.kvevents.wire import decode_native, encode_batch
 from kvroute.proxy.app import Router, RouterConfig, _Load
 from kvroute.proxy.discovery import Endpoint
@@ -79,7 +80,7 @@ def replay_through_router(policy_name: str, seed: int, journal, names):
             load.finish()
         else:
             _, slot, events, now = entry
-            pool._on_event_item(workers[slot], EventsReceived(0, decode_native(encode_batch(EventBatch(now, list(events))))))
+            router.index.apply_native(workers[slot].name, decode_native(encode_batch(EventBatch(now, list(events)))))
     return router, chosen
 
 

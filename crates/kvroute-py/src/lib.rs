@@ -8,6 +8,7 @@
 use pyo3::prelude::*;
 
 mod blocks;
+mod consumer;
 mod engine;
 mod kvevents;
 mod routing;
@@ -20,6 +21,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     engine::register(m)?;
     routing::register(m)?;
     kvevents::register(m)?;
+    consumer::register(m)?;
     sim::register(m)?;
     Ok(())
 }

@@ -10,6 +10,7 @@ use kvroute_core::index::{self, MemoryBound};
 use kvroute_core::policies::{self, Choose, KvAwareConfig, PrefixHashConfig};
 use kvroute_core::pyrandom::PyRandom;
 use kvroute_core::routing::{self, JournalEntry};
+use kvroute_io::{SharedIndex, lock_index};
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
@@ -205,10 +206,20 @@ impl IndexStats {
 ///     max_blocks / max_bytes: the memory bound over event-backed (worker, block) entries
 ///         (at most one of them; bytes are converted at ``ENTRY_BYTES`` per entry); beyond it
 ///         the least recently touched entries are dropped. None: unbounded.
+///
+/// The index is shared (``Arc<Mutex<..>>``) with the native KV-event consumer
+/// (``kvroute.kvevents.KvEventConsumer``), which applies batches from its own thread.
 #[pyclass(module = "kvroute._native", name = "KvIndex")]
 pub struct PyKvIndex {
-    pub inner: index::KvIndex,
+    /// The core's index, shared with a consumer thread that feeds it.
+    pub inner: SharedIndex,
     hasher: Py<BlockHasher>,
+}
+
+impl PyKvIndex {
+    fn index(&self) -> std::sync::MutexGuard<'_, index::KvIndex> {
+        lock_index(&self.inner)
+    }
 }
 
 #[pymethods]
@@ -249,7 +260,7 @@ impl PyKvIndex {
         )
         .map_err(|e| PyValueError::new_err(e.to_string()))?;
         Ok(Self {
-            inner,
+            inner: std::sync::Arc::new(std::sync::Mutex::new(inner)),
             hasher: hasher.unbind(),
         })
     }
@@ -261,25 +272,25 @@ impl PyKvIndex {
 
     #[getter]
     fn predicted_ttl(&self) -> Option<f64> {
-        self.inner.predicted_ttl()
+        self.index().predicted_ttl()
     }
 
     #[getter]
     fn predicted_capacity_blocks(&self) -> Option<usize> {
-        self.inner.predicted_capacity()
+        self.index().predicted_capacity()
     }
 
     /// The memory bound in (worker, block) entries, or None.
     #[getter]
     fn max_blocks(&self) -> Option<usize> {
-        self.inner.bound_blocks()
+        self.index().bound_blocks()
     }
 
     /// Apply one worker's KV cache events (``kvroute.engine.events``), in the order the
     /// engine emitted them.
     fn apply(&mut self, py: Python<'_>, worker: &str, events: &Bound<'_, PyAny>) -> PyResult<()> {
         let events = events_of(py, events)?;
-        self.inner.apply(worker, &events);
+        self.index().apply(worker, &events);
         Ok(())
     }
 
@@ -287,41 +298,42 @@ impl PyKvIndex {
     /// (``kvroute.kvevents.wire.decode_native``): no Python event objects on the way. What a
     /// router's subscriber does with every batch it receives.
     fn apply_native(&mut self, worker: &str, batch: PyRef<'_, crate::kvevents::NativeEventBatch>) {
-        self.inner.apply(worker, batch.events());
+        self.index().apply(worker, batch.events());
     }
 
     /// The router sent a prompt with these own block hashes to ``worker`` at ``now``.
     fn record_routed(&mut self, worker: &str, block_hashes: Vec<u64>, now: f64) {
-        self.inner.record_routed(worker, &block_hashes, now);
+        self.index().record_routed(worker, &block_hashes, now);
     }
 
     /// Number of leading blocks of the prompt each worker holds, aligned with ``workers``
     /// (distinct names; a worker the index has never heard of holds nothing).
     fn overlaps(&mut self, block_hashes: Vec<u64>, workers: Vec<String>, now: f64) -> Vec<usize> {
-        let ids: Vec<Option<usize>> = workers.iter().map(|n| self.inner.worker_id(n)).collect();
+        let mut index = self.index();
+        let ids: Vec<Option<usize>> = workers.iter().map(|n| index.worker_id(n)).collect();
         let mut out = Vec::with_capacity(ids.len());
-        self.inner.overlaps_into(&block_hashes, &ids, now, &mut out);
+        index.overlaps_into(&block_hashes, &ids, now, &mut out);
         out
     }
 
     /// Blocks the index attributes to ``worker`` (event-backed plus predicted).
     fn worker_blocks(&self, worker: &str) -> usize {
-        self.inner.worker_blocks(worker)
+        self.index().worker_blocks(worker)
     }
 
     /// Forget what ``worker`` holds (engine restart, AllBlocksCleared, lost events); it
     /// stays known and starts again from an empty cache.
     fn reset_worker(&mut self, worker: &str) {
-        self.inner.reset_worker(worker);
+        self.index().reset_worker(worker);
     }
 
     /// Forget ``worker`` entirely (it left the pool).
     fn remove_worker(&mut self, worker: &str) {
-        self.inner.remove_worker(worker);
+        self.index().remove_worker(worker);
     }
 
     fn stats(&self) -> IndexStats {
-        let s = self.inner.stats();
+        let s = self.index().stats();
         IndexStats {
             workers: s.workers,
             blocks: s.blocks,
@@ -335,7 +347,7 @@ impl PyKvIndex {
 
     /// Sizes of the internal tables (to check that nothing is left behind).
     fn table_sizes<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let t = self.inner.table_sizes();
+        let t = self.index().table_sizes();
         let d = PyDict::new(py);
         d.set_item("held_keys", t.held_keys)?;
         d.set_item("predicted_keys", t.predicted_keys)?;
@@ -866,8 +878,10 @@ impl RoutingStep {
         } else if self.inner.live_slots().is_empty() {
             return Err(PyValueError::new_err("no worker in the routing step"));
         }
-        let mut index = self.index.as_ref().map(|i| i.borrow_mut(py));
-        let ix = index.as_deref_mut().map(|i| &mut i.inner);
+        // Locked for the decision: the consumer thread applies batches between decisions.
+        let index_ref = self.index.as_ref().map(|i| i.borrow(py));
+        let mut index = index_ref.as_ref().map(|i| lock_index(&i.inner));
+        let ix = index.as_deref_mut();
         let routed = if let Some(native) = &self.native {
             let mut policy = native.borrow_mut(py);
             self.inner.route(
@@ -930,9 +944,9 @@ impl RoutingStep {
             return Ok(());
         };
         let events = events_of(py, events)?;
-        let mut index = index.borrow_mut(py);
+        let index = index.borrow(py);
         self.inner
-            .apply_events(&mut index.inner, slot, &events, now);
+            .apply_events(&mut lock_index(&index.inner), slot, &events, now);
         Ok(())
     }
 

@@ -5,6 +5,7 @@
 //! Python handles for the run and put back after it, and the routing step, its index and its
 //! policy are borrowed for the run, so a test can look at all of them afterwards.
 
+use kvroute_io::lock_index;
 use std::sync::Arc;
 
 use kvroute_core::engine::scheduler;
@@ -116,7 +117,9 @@ fn simulate<'py>(
     let foreign_obj = step.policy.clone_ref(py);
     let foreign_bound = foreign_obj.bind(py);
     let index_obj = step.index.as_ref().map(|i| i.clone_ref(py));
-    let mut index = index_obj.as_ref().map(|i| i.borrow_mut(py));
+    let index_ref = index_obj.as_ref().map(|i| i.borrow(py));
+    // Held for the whole run: the simulator's index is fed by its own engines only.
+    let mut index = index_ref.as_ref().map(|i| lock_index(&i.inner));
     let mut native_policy = native.as_ref().map(|p| p.borrow_mut(py));
     // A policy written in Python (a test's oracle) is asked through the binding's adapter.
     let mut foreign = ForeignPolicy {
@@ -141,7 +144,7 @@ fn simulate<'py>(
     }
     let mut placement = StepPlacement {
         step: &mut step.inner,
-        index: index.as_deref_mut().map(|i| &mut i.inner),
+        index: index.as_deref_mut(),
         policy,
     };
     let mut sim = Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);

@@ -4,9 +4,12 @@
   ``EventsSettings`` / ``EventsSource`` (where a subscriber finds each worker's sockets).
 * :mod:`.wire` - msgpack payloads of both vLLM shapes, sans I/O.
 * :mod:`.publisher` - ``KVEventPublisher``, a ``ZmqEventPublisher`` twin for the emulator.
-* :mod:`.subscriber` - ``KVEventSubscriber``, asyncio consumer with gap replay, for the router.
+* :mod:`.subscriber` - ``KVEventSubscriber``, async iterator over one engine's items (gaps,
+  replays, restarts), over the native consumer ``KvEventConsumer`` (``kvroute-io``), which
+  the router runs over its index directly.
 """
 
+from kvroute._native import KvEventConsumer
 from kvroute.kvevents.config import (
     PUBLISHER_KINDS,
     EventsSettings,
@@ -47,6 +50,7 @@ __all__ = [
     "KVEventPublisher",
     "KVEventSubscriber",
     "KVEventsConfig",
+    "KvEventConsumer",
     "MalformedPayload",
     "PUBLISHER_KINDS",
     "ReplayFailed",

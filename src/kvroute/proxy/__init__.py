@@ -2,7 +2,7 @@
 the worker holding most of its prefix, fed by the workers' KV events or by its own predictions.
 
 * :mod:`.app` — ``RouterConfig``, ``Router``, ``start_router`` (HTTP routes, forwarding, drain).
-* :mod:`.pool` — worker membership, health checks, load accounting, KV event subscribers.
+* :mod:`.pool` — worker membership, health checks, load accounting, the native KV event consumer.
 * :mod:`.discovery` — ``Endpoint`` and the ``Discovery`` sources (static, file, DNS).
 * :mod:`.prompts` — request body to token ids to block hashes, exactly as the engine tokenizes.
 * :mod:`.metrics` — the router's Prometheus metrics.

@@ -531,7 +531,7 @@ class Router:
         return True
 
     async def close(self) -> None:
-        """Stop listening (aborting in-flight requests), stop the pool and its subscribers."""
+        """Stop listening (aborting in-flight requests), stop the pool and its event consumer."""
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
@@ -621,6 +621,7 @@ class Router:
         return web.Response(status=200)
 
     async def metrics_route(self, request: web.Request) -> web.Response:
+        self.pool.sync_event_metrics()
         stats = self.index.stats()
         self.metrics.index_blocks.set(stats.blocks)
         self.metrics.index_predicted.set(stats.predicted)

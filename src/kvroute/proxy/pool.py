@@ -13,10 +13,14 @@
   timeouts, 5xx answers: a worker alive but not serving) take a worker out for ``eject_base_s`` times its number of ejections in a
   row (at most :data:`MAX_EJECTION_S`); it returns at the first passing health check after
   that (Envoy's outlier detection, simplified). A success resets both counts;
-* runs one :class:`~kvroute.kvevents.KVEventSubscriber` per worker with an events endpoint and
-  feeds the index: batches are applied; a gap that replay could not fill, a malformed batch or
-  an engine restart resets that worker's entries (the predicted entries of new routing
-  decisions bridge until its events have rebuilt them).
+* follows every worker's KV events with one native consumer (``kvroute._native.KvEventConsumer``,
+  a thread of ``kvroute-io`` that owns the SUB and replay sockets and applies each batch to the
+  shared index itself, so no batch wakes Python): each stream starts with a catch-up replay;
+  a gap that replay could not fill, a malformed batch or an engine restart resets that
+  worker's entries (the predicted entries of new routing decisions bridge until its events
+  have rebuilt them). The pool only adds and removes workers there, logs what the consumer
+  reports, and copies its counters into the metrics (:meth:`WorkerPool.sync_event_metrics`,
+  on every ``/metrics`` scrape).
 
 Load is the router's own accounting (``WorkerState.in_flight`` / ``in_flight_tokens``), kept
 by the routing step (:class:`kvroute.routing.RoutingStep`, the simulator's too) in which every
@@ -32,16 +36,8 @@ import time
 
 import aiohttp
 
-from kvroute.kvevents import (
-    EngineRestarted,
-    EventsReceived,
-    EventsSettings,
-    EventsSource,
-    GapDetected,
-    KVEventSubscriber,
-    MalformedPayload,
-    ReplayFailed,
-)
+from kvroute._native import KvEventConsumer
+from kvroute.kvevents import EventsSettings, EventsSource
 from kvroute.proxy.discovery import Discovery, Endpoint
 from kvroute.proxy.metrics import RouterMetrics
 from kvroute.routing import RoutingStep
@@ -49,10 +45,23 @@ from kvroute.routing.policies import WorkerState, make_policy
 
 logger = logging.getLogger(__name__)
 
-#: Seconds before a subscriber that crashed is started again.
-_SUBSCRIBER_RESTART_S = 1.0
-#: Seconds ``close`` waits for each cancelled background task.
+#: Seconds ``close`` waits for each cancelled background task, and for the event consumer.
 _CLOSE_TASK_S = 5.0
+
+#: Seconds the event consumer lets batches gather after taking some: one wake-up of its
+#: thread for several engine steps (``benchmarks/kv_events_consume.py``); the index learns of a
+#: batch at most this much later, beside engine steps of tens of milliseconds.
+EVENTS_COALESCE_S = 0.002
+
+#: The consumer's counters and the metric each one feeds (a ``RouterMetrics`` attribute).
+_EVENT_METRICS = (
+    ("events", "events"),
+    ("unknown_events", "events_unknown"),
+    ("malformed", "events_malformed"),
+    ("gaps", "event_gaps"),
+    ("replay_failures", "replay_failures"),
+    ("restarts", "engine_restarts"),
+)
 
 #: How many times as often as a healthy worker one out of the available set is checked.
 UNHEALTHY_CHECKS_PER_INTERVAL = 4
@@ -93,10 +102,12 @@ class Worker:
         #: Monotonic time before which health checks may not bring it back.
         self.ejected_until = 0.0
         self.events = events
-        self.subscriber_task: asyncio.Task | None = None
+        #: True while the pool's event consumer follows its stream.
+        self.subscribed = False
+        #: The consumer's counters as last copied into the metrics.
+        self.events_seen: dict[str, int] = {}
         # Children of labelled metrics, looked up once: labels() costs a dict lookup and a
         # lock on every request otherwise.
-        self.events_applied = metrics.events.labels(endpoint.name)
         self.decisions = metrics.decisions.labels(policy, endpoint.name)
 
     @property
@@ -120,7 +131,8 @@ class WorkerPool:
     """Membership, health and KV events of the router's workers.
 
     Args:
-        index: the router's ``KvIndex`` (``apply`` / ``reset_worker`` / ``remove_worker``).
+        index: the router's ``KvIndex`` (``reset_worker`` / ``remove_worker``); the event
+            consumer applies batches to it from its own thread.
         metrics: where to count events, gaps and health failures.
         session: HTTP session for health checks.
         events: where workers publish KV events.
@@ -162,6 +174,9 @@ class WorkerPool:
         self._available_slots: list[int] = []
         self._tasks: list[asyncio.Task] = []
         self.first_update = asyncio.Event()
+        #: The KV event consumer, made with the first worker that publishes events.
+        self.consumer: KvEventConsumer | None = None
+        self._notice_loop: asyncio.AbstractEventLoop | None = None
 
     # --- membership ---------------------------------------------------------------------------
 
@@ -299,74 +314,80 @@ class WorkerPool:
     # --- KV events ----------------------------------------------------------------------------
 
     def _start_events(self, worker: Worker) -> None:
-        if worker.events is not None:
-            worker.subscriber_task = asyncio.ensure_future(self._consume_events(worker))
-
-    def _stop_events(self, worker: Worker) -> None:
-        if worker.subscriber_task is not None:
-            worker.subscriber_task.cancel()
-            worker.subscriber_task = None
-
-    async def _consume_events(self, worker: Worker) -> None:
-        """Feed ``worker``'s event stream into the index, restarting the subscriber if it
-        fails (the engine's sockets come and go with the engine; ZeroMQ reconnects itself).
-
-        Each subscriber starts by replaying what the engine still buffers (``catch_up``), so
-        a router (re)started beside running engines knows their caches before their next
-        step; the worker's entries are dropped first, since that replay repeats every store
+        """Have the consumer follow ``worker``'s stream, starting with a catch-up replay (so a
+        router (re)started beside running engines knows their caches before their next step);
+        the consumer drops the worker's entries first, since that replay repeats every store
         the index may already have counted."""
         source = worker.events
-        assert source is not None
-        name = worker.name
-        while True:
-            try:
-                subscriber = KVEventSubscriber(
-                    source.endpoint, source.replay_endpoint, topic=self.events.topic, catch_up=True,
-                    native=True,
-                )
-            except Exception as exc:  # zmq.ZMQError: a malformed address
-                logger.error("worker %s: cannot subscribe to %s: %s", name, source.endpoint, exc)
-                return
-            self.index.reset_worker(name)
-            try:
-                async with subscriber:
-                    await subscriber.run(lambda item: self._on_event_item(worker, item))
-            except asyncio.CancelledError:
-                raise
-            except Exception:
-                logger.exception("worker %s: KV event subscriber failed; restarting", name)
-            await asyncio.sleep(_SUBSCRIBER_RESTART_S)
+        if source is None:
+            return
+        consumer = self._event_consumer()
+        try:
+            consumer.add_worker(
+                worker.name, source.endpoint, source.replay_endpoint, topic=self.events.topic, catch_up=True
+            )
+        except ValueError as exc:  # an address ZeroMQ refuses
+            logger.error("worker %s: %s", worker.name, exc)
+            return
+        worker.subscribed = True
+        worker.events_seen = {}
 
-    def _on_event_item(self, worker: Worker, item) -> None:
-        name = worker.name
-        if isinstance(item, EventsReceived):
-            # A native batch (the subscriber is native=True): decoded and applied in Rust.
-            self.index.apply_native(name, item.batch)
-            worker.events_applied.inc(len(item.batch))
-            if item.batch.unknown_events:
-                # A newer engine's event types: skipped, the batch's known events kept.
-                self.metrics.events_unknown.labels(name).inc(item.batch.unknown_events)
-        elif isinstance(item, GapDetected):
-            # A replay attempt follows; only its failure costs the worker its entries.
-            self.metrics.event_gaps.labels(name).inc()
-        elif isinstance(item, ReplayFailed):
-            logger.warning("worker %s: KV events %d..%d lost (%s); its index entries are reset",
-                           name, item.expected, item.got - 1, item.reason)
-            self.metrics.replay_failures.labels(name).inc()
-            self.index.reset_worker(name)
-        elif isinstance(item, EngineRestarted):
-            logger.info("worker %s: engine restarted; its index entries are reset", name)
-            self.metrics.engine_restarts.labels(name).inc()
-            self.index.reset_worker(name)
-        elif isinstance(item, MalformedPayload):
-            # The batch is lost like a failed replay: what it stored or removed is unknown.
-            logger.warning("worker %s: malformed KV event batch %s: %s", name, item.seq, item.error)
-            self.metrics.events_malformed.labels(name).inc()
-            self.index.reset_worker(name)
+    def _stop_events(self, worker: Worker) -> None:
+        if worker.subscribed and self.consumer is not None:
+            self.sync_event_metrics()  # the last counts before they go
+            self.consumer.remove_worker(worker.name)
+            worker.subscribed = False
+
+    def _event_consumer(self) -> KvEventConsumer:
+        if self.consumer is None:
+            self.consumer = KvEventConsumer(self.index, coalesce_s=EVENTS_COALESCE_S)
+            try:
+                self._notice_loop = asyncio.get_running_loop()
+            except RuntimeError:  # no loop (a test driving the pool by hand): read at sync
+                self._notice_loop = None
+            else:
+                self._notice_loop.add_reader(self.consumer.notice_fd, self._on_notices)
+        return self.consumer
+
+    def _on_notices(self) -> None:
+        """The consumer posted notices (rare: each is a worker reset): log them, and bring the
+        metrics up to date."""
+        for notice in self.consumer.take_notices():
+            kind, name = notice[0], notice[1]
+            if kind == "replay_failed":
+                _, _, expected, got, reason = notice
+                logger.warning("worker %s: KV events %d..%d lost (%s); its index entries are reset",
+                               name, expected, got - 1, reason)
+            elif kind == "restarted":
+                logger.info("worker %s: engine restarted; its index entries are reset", name)
+            elif kind == "malformed":
+                logger.warning("worker %s: malformed KV event batch %s: %s; its index entries are reset",
+                               name, notice[2], notice[3])
+            elif kind == "crashed":
+                logger.error("the KV event consumer stopped: %s; the index gets no more events", notice[2])
+        self.sync_event_metrics()
+
+    def sync_event_metrics(self) -> None:
+        """Copy the consumer's counters into the ``kvroute_router_kv_*`` metrics (they count
+        in Rust; this adds what they counted since the last copy)."""
+        if self.consumer is None:
+            return
+        counts = self.consumer.counters()
+        for worker in self.workers.values():
+            now = counts.get(worker.name)
+            if now is None or not worker.subscribed:
+                continue
+            seen = worker.events_seen
+            for key, metric in _EVENT_METRICS:
+                delta = now[key] - seen.get(key, 0)
+                if delta > 0:
+                    getattr(self.metrics, metric).labels(worker.name).inc(delta)
+            worker.events_seen = now
 
     async def close(self) -> None:
-        """Stop discovery, health checks and every subscriber."""
-        tasks = self._tasks + [w.subscriber_task for w in self.workers.values() if w.subscriber_task]
+        """Stop discovery, health checks and the event consumer (each waited for a bounded
+        time)."""
+        tasks = list(self._tasks)
         for task in tasks:
             task.cancel()
         for task in tasks:
@@ -378,5 +399,13 @@ class WorkerPool:
             except (asyncio.CancelledError, Exception):
                 pass
         self._tasks.clear()
+        consumer, self.consumer = self.consumer, None
+        if consumer is not None:
+            if self._notice_loop is not None:
+                self._notice_loop.remove_reader(consumer.notice_fd)
+                self._notice_loop = None
+            # Bounded (sockets have linger 0: this takes milliseconds), the GIL released.
+            if not consumer.close(_CLOSE_TASK_S):
+                logger.warning("the KV event consumer did not stop within %gs", _CLOSE_TASK_S)
         for worker in self.workers.values():
-            worker.subscriber_task = None
+            worker.subscribed = False
