@@ -41,9 +41,9 @@ use std::collections::VecDeque;
 use std::sync::Arc;
 
 use crate::engine::events::KvCacheEvent;
+use crate::index::KvIndex;
 use crate::placement::{Placed, Placement};
 use crate::policies::WorkerState;
-use crate::index::KvIndex;
 use crate::routing::{RoutingStep, StepPlacement};
 
 /// When the router refreshes prefixes.
@@ -108,6 +108,13 @@ pub struct RetentionConfig {
     pub refresh_cost_tokens: f64,
     /// `auto`: see `refresh_cost_tokens`.
     pub value_ratio: f64,
+    /// `auto`: refresh on a worker only while the prefixes that fit (the retained ones) carry
+    /// at least this share of its demand: where most of the demand cannot be kept anyway,
+    /// refreshing a few only reorders the losses and costs engine time.
+    pub min_coverage: f64,
+    /// `auto`: a prefix used less often than once per this many turnovers of the worker's
+    /// cache (capacity ÷ new blocks per request, in requests) is not worth holding.
+    pub max_turnovers: f64,
 }
 
 impl RetentionConfig {
@@ -123,6 +130,8 @@ impl RetentionConfig {
             reserve_factor: 1.0,
             refresh_cost_tokens: 200.0,
             value_ratio: 2.0,
+            min_coverage: 0.6,
+            max_turnovers: 2.0,
         }
     }
 }
@@ -152,8 +161,10 @@ pub struct RetentionStats {
     pub skipped_evicted: u64,
     /// Refreshes `auto` held back because the worker had a prefill waiting.
     pub deferred_busy: u64,
-    /// Refreshes `auto` did not send because they would not pay.
+    /// Refreshes `auto` did not send because they would not pay (too little saved).
     pub declined_value: u64,
+    /// Polls `auto` skipped because the prefixes that fit carry too little of the demand.
+    pub declined_coverage: u64,
 }
 
 /// A prefix the router saw a worker reuse.
@@ -174,7 +185,9 @@ impl Tracked {
     /// Worker requests between uses, as far as the router can tell now: the smoothed gap,
     /// or the time since the last use when that is longer (a prefix gone cold).
     fn interval(&self, requests: u64) -> f64 {
-        self.gap.max(requests.saturating_sub(self.last_use) as f64).max(1.0)
+        self.gap
+            .max(requests.saturating_sub(self.last_use) as f64)
+            .max(1.0)
     }
 }
 
@@ -407,9 +420,7 @@ impl Retention {
                                 .map(|(&tk, _)| tk);
                             if let Some(tk) = coldest {
                                 m.tracked.remove(&tk);
-                                if let Some(s) =
-                                    m.segments.iter_mut().find(|s| s.key == Some(tk))
-                                {
+                                if let Some(s) = m.segments.iter_mut().find(|s| s.key == Some(tk)) {
                                     s.key = None;
                                 }
                             }
@@ -504,6 +515,22 @@ impl Retention {
         if retained.is_empty() {
             return;
         }
+        if mode == RetentionMode::Auto {
+            let demand = |interval: f64| 1.0 / interval;
+            let total: f64 = m
+                .tracked
+                .values()
+                .map(|t| demand(t.interval(requests)))
+                .sum();
+            let kept: f64 = retained.iter().map(|&(_, i)| demand(i)).sum();
+            if kept < self.config.min_coverage * total {
+                stats.declined_coverage += 1;
+                return;
+            }
+            // A cold prefix (a copy placed here once) is not worth its blocks.
+            let horizon = self.config.max_turnovers * capacity as f64 / m.new_blocks.max(1.0);
+            retained.retain(|&(_, interval)| interval <= horizon);
+        }
         let margin = incoming_blocks as f64 + margin_requests * m.new_blocks.max(1.0);
         let uncached = capacity.saturating_sub(m.held()) as f64;
         loop {
@@ -531,7 +558,10 @@ impl Retention {
             }
             let Some(k) = danger else { break };
             retained.retain(|&(r, _)| r != k);
-            let t = m.tracked.get_mut(&k).expect("retained prefixes are tracked");
+            let t = m
+                .tracked
+                .get_mut(&k)
+                .expect("retained prefixes are tracked");
             if mode == RetentionMode::Auto {
                 // A refresh sent on its own makes a step (no request comes with it): only
                 // when the worker has nothing to prefill anyway.
@@ -630,8 +660,14 @@ impl Placement for RetainingPlacement<'_> {
             now,
             &mut self.pending,
         );
-        self.retention
-            .routed(r.worker, block_hashes, prompt, r.overlap, output_tokens, now);
+        self.retention.routed(
+            r.worker,
+            block_hashes,
+            prompt,
+            r.overlap,
+            output_tokens,
+            now,
+        );
         Placed {
             worker: r.worker,
             prefill_tokens: r.prefill_tokens,
@@ -662,7 +698,9 @@ mod tests {
     const BS: usize = 4;
 
     fn prompt(prefix: u32, prefix_blocks: usize, suffix: usize, salt: u32) -> (Vec<u32>, Vec<u64>) {
-        let mut tokens: Vec<u32> = (0..prefix_blocks * BS).map(|i| prefix * 1000 + i as u32).collect();
+        let mut tokens: Vec<u32> = (0..prefix_blocks * BS)
+            .map(|i| prefix * 1000 + i as u32)
+            .collect();
         tokens.extend((0..suffix).map(|i| 500_000 + salt * 100 + i as u32));
         // Toy chained hashes: block i's hash is a function of the tokens so far.
         let mut hashes = Vec::new();
@@ -714,20 +752,81 @@ mod tests {
         assert_eq!(r.tracked(0), 2);
     }
 
+    /// vLLM's free queue at block granularity, for the tests: blocks are named by their hash
+    /// (a prefix's) or a unique id (a request's own), the head is evicted first.
+    struct ReferenceLru {
+        capacity: usize,
+        queue: VecDeque<u64>,
+    }
+
+    impl ReferenceLru {
+        /// Run a request: returns whether all `prefix` blocks were cached. Its own `own` blocks
+        /// are allocated from the head; then everything is freed in reverse (own blocks first,
+        /// the prefix's first block last: the MRU end).
+        fn request(&mut self, prefix: &[u64], own: &[u64]) -> bool {
+            let hit = prefix.iter().all(|h| self.queue.contains(h));
+            self.queue.retain(|b| !prefix.contains(b));
+            while self.queue.len() + prefix.len() + own.len() > self.capacity {
+                self.queue.pop_front();
+            }
+            for &b in own.iter().rev() {
+                self.queue.push_back(b);
+            }
+            for &b in prefix.iter().rev() {
+                self.queue.push_back(b);
+            }
+            hit
+        }
+    }
+
+    /// Hits of `n` requests cycling over 4 prefixes of 10 blocks (2 blocks of suffix and 1 of
+    /// output each) on a 45-block worker, with retention in `mode` sending its refreshes
+    /// ahead of each request.
+    fn reference_hits(mode: RetentionMode, n: u32) -> (u32, u64) {
+        let mut r = Retention::new(RetentionConfig::new(mode, BS, 45));
+        let mut lru = ReferenceLru {
+            capacity: 45,
+            queue: VecDeque::new(),
+        };
+        let mut hits = 0;
+        let mut order = crate::pyrandom::PyRandom::from_seed(7);
+        for i in 0..n {
+            let p = order.randbelow(4) as u32;
+            let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
+            let prefix = &hashes[..10];
+            let own: Vec<u64> = (0..3).map(|j| (1u64 << 60) + (i as u64) * 8 + j).collect();
+            let overlap = if prefix.iter().all(|h| lru.queue.contains(h)) {
+                10
+            } else {
+                0
+            };
+            let mut out = Vec::new();
+            let mut held = |hs: &[u64]| hs.iter().take_while(|h| lru.queue.contains(h)).count();
+            r.poll(0, &idle(), &mut held, 13 - overlap, 0.0, &mut out);
+            for f in &out {
+                lru.request(&f.block_hashes, &[]);
+            }
+            if lru.request(prefix, &own) {
+                hits += 1;
+            }
+            r.routed(0, &hashes, &tokens, overlap, BS, 0.0);
+        }
+        (hits, r.stats().refreshes)
+    }
+
     #[test]
     fn prefixes_that_would_age_out_are_refreshed() {
-        // 4 prefixes of 10 blocks, 3 new blocks a request, 45 blocks: the LRU alone would evict
-        // the prefix idle longest at every request; retention keeps all four.
-        let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
-        let refreshes = drive(&mut r, 4, 200, &idle());
-        assert!(refreshes.len() > 20, "{}", refreshes.len());
-        for f in &refreshes {
-            assert_eq!(f.blocks, 10);
-            assert_eq!(f.block_hashes.len(), 10);
-            assert_eq!(f.prompt.len(), 10 * BS + 1, "the prefix and one token");
-        }
-        // Each refresh is of a tracked prefix, and no prefix is refreshed twice in a row.
-        assert!(refreshes.windows(2).all(|w| w[0].block_hashes != w[1].block_hashes));
+        // 4 prefixes of 10 blocks and 3 own blocks a request on 45 blocks: they fit, but the
+        // LRU keeps the last requests' own blocks and evicts a prefix idle for a few requests.
+        let (off, none) = reference_hits(RetentionMode::Off, 400);
+        let (on, refreshes) = reference_hits(RetentionMode::On, 400);
+        assert_eq!(none, 0);
+        assert!(off < 330, "the LRU alone loses prefixes: {off} of 400");
+        assert!(
+            on >= 380,
+            "retention keeps them (all but the first uses): {on} of 400 (off: {off})"
+        );
+        assert!(refreshes > 0);
     }
 
     #[test]
@@ -745,18 +844,30 @@ mod tests {
     }
 
     #[test]
-    fn auto_waits_for_slack() {
+    fn auto_sends_a_refresh_alone_only_when_the_worker_has_slack() {
         let mut busy = idle();
         busy.in_flight = 2;
         busy.in_flight_tokens = 300;
-        let mut r = Retention::new(RetentionConfig::new(RetentionMode::Auto, BS, 45));
-        let mut cfg = r.config().clone();
+        let mut cfg = RetentionConfig::new(RetentionMode::Auto, BS, 45);
         cfg.refresh_cost_tokens = 1.0;
-        r = Retention::new(cfg.clone());
-        assert!(drive(&mut r, 4, 100, &busy).is_empty());
-        assert!(r.stats().deferred_busy > 0);
-        let mut r = Retention::new(cfg);
-        assert!(!drive(&mut r, 4, 100, &idle()).is_empty());
+        let run = |load: &WorkerState, incoming: usize| {
+            let mut r = Retention::new(cfg.clone());
+            let mut out = Vec::new();
+            for i in 0..60u32 {
+                let p = i % 4;
+                let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
+                r.poll(0, load, &mut held_all, incoming, 0.0, &mut out);
+                r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+            }
+            (out.len(), r.stats())
+        };
+        // On its own (no request going there) while prefills wait: held back.
+        let (sent, stats) = run(&busy, 0);
+        assert_eq!(sent, 0);
+        assert!(stats.deferred_busy > 0);
+        // Ahead of a request (it rides in that request's step), or on an idle worker: sent.
+        assert!(run(&busy, 3).0 > 0);
+        assert!(run(&idle(), 0).0 > 0);
     }
 
     #[test]

@@ -444,7 +444,9 @@ impl<'p> Simulation<'p> {
         let mut hashes = Vec::with_capacity((prompt.len() + out).div_ceil(hasher.block_size()));
         hashes.extend_from_slice(shared);
         hasher.extend(&mut hashes, &prompt);
-        let placed = self.placement.place_request(&hashes, &prompt, out, self.now);
+        let placed = self
+            .placement
+            .place_request(&hashes, &prompt, out, self.now);
         // Refreshes the placement sends ahead of this request reach the engine first.
         self.send_refreshes();
         let arrival = self.now + self.config.cost.frontend_s;
@@ -500,7 +502,10 @@ impl<'p> Simulation<'p> {
             let slot = self.arrivals.len() - 1;
             self.refreshes_open += 1;
             self.refresh_stats.requests += 1;
-            self.push(self.now + self.config.cost.frontend_s, Event::Arrive { slot });
+            self.push(
+                self.now + self.config.cost.frontend_s,
+                Event::Arrive { slot },
+            );
         }
         self.refresh_buf = buf;
     }
@@ -523,7 +528,10 @@ impl<'p> Simulation<'p> {
             if seqs > 0 {
                 let cost = &self.config.cost;
                 let with = cost.step_time(result.prefill_tokens, result.decode_seqs);
-                let without = cost.step_time(result.prefill_tokens - tokens.min(result.prefill_tokens), result.decode_seqs);
+                let without = cost.step_time(
+                    result.prefill_tokens - tokens.min(result.prefill_tokens),
+                    result.decode_seqs,
+                );
                 self.refresh_stats.computed_tokens += tokens as u64;
                 self.refresh_stats.engine_s += with - without;
             }

@@ -1184,6 +1184,9 @@ fn bench_index_lookup(
 
 // -- retention ----------------------------------------------------------------------------
 
+/// A refresh as Python sees it: (prompt token ids, block hashes, blocks).
+type RefreshTuple = (Vec<u32>, Vec<u64>, usize);
+
 /// Retention (``kvroute_core::retention``): the router refreshing the prefixes each worker's
 /// LRU would otherwise evict, with a minimal request (the prefix's tokens plus one,
 /// ``max_tokens`` 1). Fed the routing step's decisions (``routed``) and asked, after anything
@@ -1285,7 +1288,7 @@ impl PyRetention {
         slot: usize,
         now: f64,
         incoming_blocks: usize,
-    ) -> PyResult<Vec<(Vec<u32>, Vec<u64>, usize)>> {
+    ) -> PyResult<Vec<RefreshTuple>> {
         let step = routing.borrow();
         step.check_slot(slot)?;
         let mut index = step.index.as_ref().map(|i| i.borrow_mut(py));
@@ -1315,7 +1318,7 @@ impl PyRetention {
     }
 
     /// What it did: ``refreshes``, ``refreshed_blocks``, ``skipped_evicted``,
-    /// ``deferred_busy``, ``declined_value``.
+    /// ``deferred_busy``, ``declined_value``, ``declined_coverage``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -1324,6 +1327,7 @@ impl PyRetention {
         d.set_item("skipped_evicted", s.skipped_evicted)?;
         d.set_item("deferred_busy", s.deferred_busy)?;
         d.set_item("declined_value", s.declined_value)?;
+        d.set_item("declined_coverage", s.declined_coverage)?;
         Ok(d)
     }
 }

@@ -8,8 +8,8 @@
 use std::sync::Arc;
 
 use kvroute_core::engine::scheduler;
-use kvroute_core::policies::Choose;
 use kvroute_core::placement::Placement;
+use kvroute_core::policies::Choose;
 use kvroute_core::retention::RetainingPlacement;
 use kvroute_core::routing::StepPlacement;
 use kvroute_core::sim::{RequestSet, SimError, Simulation, WorkerConfig};
