@@ -115,6 +115,10 @@ pub struct RetentionConfig {
     /// `auto`: a prefix used less often than once per this many turnovers of the worker's
     /// cache (capacity ÷ new blocks per request, in requests) is not worth holding.
     pub max_turnovers: f64,
+    /// `auto`: a prefix that extends an earlier tracked one (a conversation's history, reused
+    /// once by its next turn and then superseded) is retained only once the worker reused it
+    /// this many times.
+    pub min_reuses: u32,
 }
 
 impl RetentionConfig {
@@ -132,6 +136,7 @@ impl RetentionConfig {
             value_ratio: 2.0,
             min_coverage: 0.6,
             max_turnovers: 2.0,
+            min_reuses: 1,
         }
     }
 }
@@ -177,6 +182,10 @@ struct Tracked {
     last_use: u64,
     /// Smoothed worker requests between uses.
     gap: f64,
+    /// Uses seen with the prefix credited (the first, which taught it, included).
+    reuses: u32,
+    /// It took the place of shorter tracked prefixes inside it (a conversation's next turn).
+    extends: bool,
     /// The index said it was gone at the last check (cleared by its next use).
     gone: bool,
 }
@@ -390,6 +399,7 @@ impl Retention {
                         let gap = requests.saturating_sub(t.last_use) as f64;
                         t.gap = (1.0 - SMOOTHING) * t.gap + SMOOTHING * gap;
                         t.last_use = requests;
+                        t.reuses += 1;
                         t.gone = false;
                     }
                     None => {
@@ -406,6 +416,8 @@ impl Retention {
                                 hashes: block_hashes[..key_blocks].into(),
                                 last_use: requests,
                                 gap: inherited_gap.unwrap_or((tracked_count + 1) as f64),
+                                reuses: 1,
+                                extends: inherited_gap.is_some(),
                                 gone: false,
                             },
                         );
@@ -527,9 +539,16 @@ impl Retention {
                 stats.declined_coverage += 1;
                 return;
             }
-            // A cold prefix (a copy placed here once) is not worth its blocks.
+            // A cold prefix (a copy placed here once) is not worth its blocks, nor one not yet
+            // seen reused.
             let horizon = self.config.max_turnovers * capacity as f64 / m.new_blocks.max(1.0);
-            retained.retain(|&(_, interval)| interval <= horizon);
+            let min_reuses = self.config.min_reuses;
+            retained.retain(|&(k, interval)| {
+                interval <= horizon
+                    && m.tracked
+                        .get(&k)
+                        .is_some_and(|t| !t.extends || t.reuses >= min_reuses)
+            });
         }
         let margin = incoming_blocks as f64 + margin_requests * m.new_blocks.max(1.0);
         let uncached = capacity.saturating_sub(m.held()) as f64;

@@ -593,7 +593,10 @@ impl<'p> Simulation<'p> {
                         table.resize(key + 1, None);
                     }
                     table[key] = Some(sent);
-                    if !self.busy[w] {
+                    // A refresh arrives together with the request it was sent ahead of (same
+                    // time, next in the heap): that arrival starts the step they share, as
+                    // vLLM's engine loop takes both into its next step.
+                    if !self.busy[w] && sent.pos != REFRESH {
                         self.start_step(w);
                     }
                 }

@@ -1197,7 +1197,8 @@ type RefreshTuple = (Vec<u32>, Vec<u64>, usize);
 ///     block_size: tokens per KV block.
 ///     capacity_blocks: usable KV blocks per worker (``num_gpu_blocks`` − 1).
 ///     margin_requests, refresh_cost_tokens, value_ratio, min_prefix_blocks, max_tracked,
-///     reserve_factor: the knobs of ``RetentionConfig`` (defaults when None).
+///     reserve_factor, min_coverage, min_reuses: the knobs of ``RetentionConfig`` (defaults
+///     when None).
 #[pyclass(module = "kvroute._native", name = "Retention")]
 pub struct PyRetention {
     pub(crate) inner: retention::Retention,
@@ -1206,7 +1207,7 @@ pub struct PyRetention {
 #[pymethods]
 impl PyRetention {
     #[new]
-    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None))]
+    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None, min_coverage = None, min_reuses = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         mode: &str,
@@ -1218,6 +1219,8 @@ impl PyRetention {
         min_prefix_blocks: Option<usize>,
         max_tracked: Option<usize>,
         reserve_factor: Option<f64>,
+        min_coverage: Option<f64>,
+        min_reuses: Option<u32>,
     ) -> PyResult<Self> {
         let mode: retention::RetentionMode = mode.parse().map_err(PyValueError::new_err)?;
         if block_size == 0 {
@@ -1241,6 +1244,12 @@ impl PyRetention {
         }
         if let Some(v) = reserve_factor {
             config.reserve_factor = v.max(0.0);
+        }
+        if let Some(v) = min_coverage {
+            config.min_coverage = v;
+        }
+        if let Some(v) = min_reuses {
+            config.min_reuses = v;
         }
         Ok(Self {
             inner: retention::Retention::new(config),

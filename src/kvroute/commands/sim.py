@@ -112,7 +112,7 @@ def run(args: argparse.Namespace) -> int:
     options = sweep_policy_options(args, policies)
     retention = name_list(args.retention, list(RETENTION_MODES), "--retention")
     if args.trace is not None:
-        return trace_sim.run(args, policies, options, kv_geometry)
+        return trace_sim.run(args, policies, options, kv_geometry, tuple(retention))
     num_blocks, block_size, _ = kv_geometry(args)
     config = WorkerConfig(num_blocks, block_size, get_preset(args.timing))
 
