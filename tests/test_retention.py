@@ -36,15 +36,15 @@ def test_off_reproduces_todays_reference_point():
     assert off.refreshes == 0 and off.refresh_engine_s == 0.0
 
 
-def test_on_lifts_the_reference_hit_rate():
+def test_on_lifts_the_reference_hit_rate_and_keeps_ttft_p99():
     off = trial(24, 8, "off")
     on = trial(24, 8, "on")
-    # Measured 0.879 -> 0.935 (seeds 0-3: +0.05 to +0.07); the margin leaves room for tuning,
-    # not for losing the effect.
-    assert on.request_hit_rate >= off.request_hit_rate + 0.04
+    # Measured 0.879 -> 0.915 (seeds 0-3: +0.034 to +0.081) with TTFT p99 123 vs 119 ms.
+    assert on.request_hit_rate >= off.request_hit_rate + 0.03
+    assert on.ttft_p99_ms <= off.ttft_p99_ms * 1.1
     # Every refresh is counted, with the engine time it added: a refresh rides in the step of
     # the request it was sent ahead of and computes one token when its prefix is cached, so it
-    # costs far less than the prefills it saves (measured ~0.35 ms a refresh).
+    # costs far less than the prefills it saves (measured ~0.17 ms a refresh).
     assert on.refreshes > on.requests
     assert 0 < on.refresh_engine_s / on.refreshes < 0.002
 

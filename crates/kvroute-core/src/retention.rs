@@ -166,6 +166,9 @@ pub struct RetentionStats {
     pub skipped_evicted: u64,
     /// Refreshes `auto` held back because the worker had a prefill waiting.
     pub deferred_busy: u64,
+    /// Refreshes not sent because, pinned for their step beside the running requests, their
+    /// blocks could keep a request from being admitted.
+    pub deferred_full: u64,
     /// Refreshes `auto` did not send because they would not pay (too little saved).
     pub declined_value: u64,
     /// Polls `auto` skipped because the prefixes that fit carry too little of the demand.
@@ -218,6 +221,8 @@ struct WorkerModel {
     requests: u64,
     /// Smoothed new blocks per request (its own suffix and output).
     new_blocks: f64,
+    /// Smoothed blocks per request (prompt and output: what a running request pins).
+    request_blocks: f64,
 }
 
 const SMOOTHING: f64 = 0.3;
@@ -347,6 +352,11 @@ impl Retention {
             new_blocks as f64
         } else {
             (1.0 - SMOOTHING) * m.new_blocks + SMOOTHING * new_blocks as f64
+        };
+        m.request_blocks = if m.requests == 1 {
+            total as f64
+        } else {
+            (1.0 - SMOOTHING) * m.request_blocks + SMOOTHING * total as f64
         };
         let mut key = (overlap >= min_blocks).then(|| block_hashes[overlap - 1]);
         if let Some(k) = key
@@ -596,6 +606,14 @@ impl Retention {
                     stats.declined_value += 1;
                     continue;
                 }
+            }
+            // A refresh pins its prefix for one step: beside what the running requests pin
+            // (the one just routed included), that must leave the worker room to admit them,
+            // or a client request waits behind the refresh for blocks.
+            let pinned = in_flight * m.request_blocks + t.blocks as f64;
+            if pinned > capacity as f64 {
+                stats.deferred_full += 1;
+                continue;
             }
             if held_blocks(&t.hashes) < t.blocks {
                 t.gone = true;
@@ -887,6 +905,24 @@ mod tests {
         // Ahead of a request (it rides in that request's step), or on an idle worker: sent.
         assert!(run(&busy, 3).0 > 0);
         assert!(run(&idle(), 0).0 > 0);
+    }
+
+    #[test]
+    fn no_refresh_that_would_keep_the_running_requests_from_their_blocks() {
+        // 3 requests of 13 blocks running on 45 blocks: a 10-block refresh pinned beside them
+        // leaves no room for the next one, which would wait behind the refresh.
+        let mut crowded = idle();
+        crowded.in_flight = 3;
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
+        assert!(drive(&mut r, 4, 100, &crowded).is_empty());
+        assert!(r.stats().deferred_full > 0);
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
+        let mut two = idle();
+        two.in_flight = 2;
+        assert!(
+            !drive(&mut r, 4, 100, &two).is_empty(),
+            "2 × 13 + 10 blocks fit"
+        );
     }
 
     #[test]

@@ -1327,7 +1327,7 @@ impl PyRetention {
     }
 
     /// What it did: ``refreshes``, ``refreshed_blocks``, ``skipped_evicted``,
-    /// ``deferred_busy``, ``declined_value``, ``declined_coverage``.
+    /// ``deferred_busy``, ``deferred_full``, ``declined_value``, ``declined_coverage``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -1335,6 +1335,7 @@ impl PyRetention {
         d.set_item("refreshed_blocks", s.refreshed_blocks)?;
         d.set_item("skipped_evicted", s.skipped_evicted)?;
         d.set_item("deferred_busy", s.deferred_busy)?;
+        d.set_item("deferred_full", s.deferred_full)?;
         d.set_item("declined_value", s.declined_value)?;
         d.set_item("declined_coverage", s.declined_coverage)?;
         Ok(d)
