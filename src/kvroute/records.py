@@ -86,6 +86,10 @@ class TrialStats:
     duration_s: float
     metrics_token_hit_rate: float | None = None
     worker_requests: dict[str, int] = field(default_factory=dict)
+    #: Retention's refresh requests sent in the measured window, and the engine seconds they
+    #: added (simulator: per step, its time less its time without them).
+    refreshes: int = 0
+    refresh_engine_s: float = 0.0
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -160,6 +164,8 @@ MEDIAN_FIELDS = (
     "hits",
     "failed",
     "requests",
+    "refreshes",
+    "refresh_engine_s",
 )
 
 

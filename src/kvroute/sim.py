@@ -64,6 +64,9 @@ class TrialResult:
     duration_s: float
     #: Per worker prefix-cache counters over the measured window (warmup excluded).
     window_stats: list[PrefixCacheStats] = field(default_factory=list)
+    #: Retention's refreshes in the measured window: requests, engine seconds they added.
+    refreshes: int = 0
+    refresh_engine_s: float = 0.0
 
     @property
     def metrics_token_hit_rate(self) -> float | None:
@@ -71,7 +74,10 @@ class TrialResult:
         return sum(s.hits for s in self.window_stats) / queries if queries else None
 
     def stats(self) -> TrialStats:
-        return summarize(self.records, self.duration_s, self.metrics_token_hit_rate)
+        stats = summarize(self.records, self.duration_s, self.metrics_token_hit_rate)
+        stats.refreshes = self.refreshes
+        stats.refresh_engine_s = self.refresh_engine_s
+        return stats
 
 
 class Simulation:
@@ -86,7 +92,11 @@ class Simulation:
             ``make_policy`` runs entirely in Rust, one written in Python (a test's oracle) is
             called back per request.
         index: the router's index; by default a fresh one when the policy ``needs_overlap``
-            and none otherwise. Pass one to inspect it afterwards or to observe its events.
+            or retention is on, and none otherwise. Pass one to inspect it afterwards or to
+            observe its events.
+        retention: ``off``, ``on`` or ``auto`` (see ``kvroute_core::retention``): the router
+            refreshes the prefixes each worker's LRU would evict; the refreshes run on the
+            engines as requests and are counted in ``refresh_stats``, not in the records.
     """
 
     def __init__(
@@ -95,11 +105,12 @@ class Simulation:
         config: WorkerConfig,
         policy: Policy,
         index: KvIndex | None = None,
+        retention: str = "off",
     ) -> None:
         self.config = config
         self.policy = policy
         self.hasher = BlockHasher(config.block_size)
-        if index is None and policy.needs_overlap:
+        if index is None and (policy.needs_overlap or retention != "off"):
             index = KvIndex(self.hasher)
         self.index = index
         self.engines = [
@@ -115,6 +126,13 @@ class Simulation:
         for name in self.names:
             self.routing.add_worker(name)
         self.now = 0.0
+        #: The retention state machine (None when off).
+        self.retention = (
+            None if retention == "off"
+            else _native.Retention(retention, config.block_size, config.num_blocks - 1)
+        )
+        #: Refreshes sent so far: requests, prompt tokens computed, engine seconds added.
+        self.refresh_stats = {"requests": 0, "computed_tokens": 0, "engine_s": 0.0}
 
     @property
     def states(self) -> list[WorkerState]:
@@ -150,8 +168,12 @@ class Simulation:
             as_token_array(output_token_ids),
             concurrency=None if send_times is not None else concurrency,
             send_times=send_times,
+            retention=self.retention,
         )
         self.now = out["now"]
+        self.refresh_stats["requests"] += out["refresh_requests"]
+        self.refresh_stats["computed_tokens"] += out["refresh_computed_tokens"]
+        self.refresh_stats["engine_s"] += out["refresh_engine_s"]
         names = self.names
         with gc_paused():
             # Positional: RequestRecord(index, prefix_id, send_time, prompt_tokens,
@@ -175,18 +197,24 @@ def run_trial(
     config: WorkerConfig,
     policy: Policy,
     index: KvIndex | None = None,
+    retention: str = "off",
 ) -> TrialResult:
     """One trial: fresh workers, warmup one at a time, then the measured requests
-    (``index``: the router's index, see ``Simulation``)."""
+    (``index``, ``retention``: see ``Simulation``)."""
     config.check_fits(workload)
-    sim = Simulation(workers, config, policy, index)
+    sim = Simulation(workers, config, policy, index, retention)
     output = workload.vocab[: workload.spec.output_tokens]
     sim.run(workload.warmup, 1, output)
     before = [_copy_stats(e.stats) for e in sim.engines]
+    refreshes = dict(sim.refresh_stats)
     t0 = sim.now
     records = sim.run(workload.requests, concurrency, output)
     window = [_delta(e.stats, b) for e, b in zip(sim.engines, before)]
-    return TrialResult(records, sim.now - t0, window)
+    return TrialResult(
+        records, sim.now - t0, window,
+        sim.refresh_stats["requests"] - refreshes["requests"],
+        sim.refresh_stats["engine_s"] - refreshes["engine_s"],
+    )
 
 
 def _copy_stats(s: PrefixCacheStats) -> PrefixCacheStats:
@@ -210,6 +238,13 @@ class SweepPoint:
     prefixes: int
     concurrency: int
     policy: str
+    #: Retention mode (``off``, ``on``, ``auto``).
+    retention: str = "off"
+
+    @property
+    def label(self) -> str:
+        """The topology's name in tables: the policy, and the retention mode unless off."""
+        return self.policy if self.retention == "off" else f"{self.policy}+retain-{self.retention}"
 
 
 def trial_seed(seed: int, trial: int) -> int:
@@ -232,25 +267,30 @@ def run_point(
     random choices are seeded per trial (``seed`` + trial), so trials differ only there. A
     policy that takes a block size gets the workers' unless ``policy_options`` set it (as
     ``kvroute serve`` does)."""
-    result = Point(point.workers, point.prefixes, point.concurrency, point.policy, source="sim")
+    result = Point(point.workers, point.prefixes, point.concurrency, point.label, source="sim")
     options = dict(policy_options or {})
     if "block_size" in policy_parameters(point.policy):
         options.setdefault("block_size", config.block_size)
     for trial in range(trials):
         rng = random.Random(trial_seed(seed, trial))
         policy = make_policy(point.policy, rng=rng, **options)
-        result.trials.append(run_trial(workload, point.workers, point.concurrency, config, policy).stats())
+        result.trials.append(
+            run_trial(workload, point.workers, point.concurrency, config, policy, retention=point.retention).stats()
+        )
         if on_trial:
             on_trial()
     return result
 
 
 def sweep_points(
-    workers: Iterable[int], prefixes: Iterable[int], concurrency: Iterable[int], policies: Iterable[str]
+    workers: Iterable[int], prefixes: Iterable[int], concurrency: Iterable[int], policies: Iterable[str],
+    retention: Iterable[str] = ("off",),
 ) -> list[SweepPoint]:
+    retention = list(retention)
     return [
-        SweepPoint(w, k, c, p)
+        SweepPoint(w, k, c, p, r)
         for p in policies
+        for r in retention
         for w in workers
         for k in prefixes
         for c in concurrency

@@ -10,6 +10,7 @@
 //! * [`kvevents`]: vLLM's KV-event wire codec and the subscriber's sequence tracker.
 //! * [`placement`] and [`sim`]: the seam between engines and routing, and the simulator's
 //!   event loop on virtual time.
+//! * [`retention`]: the router managing what each worker's LRU keeps (refreshes).
 //! * [`pyrandom`]: CPython's `random.Random`, so seeded draws match the Python side.
 //!
 //! The Python package (`kvroute._native`, crate `kvroute-py`) wraps these types; the Python
@@ -22,5 +23,6 @@ pub mod kvevents;
 pub mod placement;
 pub mod policies;
 pub mod pyrandom;
+pub mod retention;
 pub mod routing;
 pub mod sim;

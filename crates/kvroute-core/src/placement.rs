@@ -3,6 +3,7 @@
 //! too). The driver tells it about the life of each request, it answers where to send it.
 
 use crate::engine::events::KvCacheEvent;
+use crate::retention::Refresh;
 
 /// Where a request was placed, and what the placement charged to that worker's load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -28,4 +29,17 @@ pub trait Placement {
     fn finished(&mut self, placed: Placed);
     /// KV events worker `worker` published at the end of a step ending at `now`.
     fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64);
+    /// [`Placement::place`] with the prompt's tokens and output budget, for a placement that
+    /// keeps more than hashes (retention's refresh prompts).
+    fn place_request(
+        &mut self,
+        block_hashes: &[u64],
+        prompt: &[u32],
+        _output_tokens: usize,
+        now: f64,
+    ) -> Placed {
+        self.place(block_hashes, prompt.len(), now)
+    }
+    /// Refreshes to send now (see `crate::retention`), appended to `out`; none by default.
+    fn refreshes(&mut self, _now: f64, _out: &mut Vec<Refresh>) {}
 }

@@ -34,6 +34,7 @@ use crate::blocks::BlockHasher;
 use crate::engine::cost::CostModel;
 use crate::engine::scheduler::{Engine, NewRequest, PrefixCacheStats, StepResult};
 use crate::placement::{Placed, Placement};
+use crate::retention::Refresh;
 
 /// One simulated worker's configuration (every worker has the same).
 #[derive(Clone, Debug)]
@@ -109,7 +110,34 @@ pub struct TrialResult {
     pub duration_s: f64,
     /// Per worker prefix-cache counters over the measured window (warmup excluded).
     pub window_stats: Vec<PrefixCacheStats>,
+    /// Retention's refreshes over the measured window.
+    pub refreshes: RefreshStats,
 }
+
+/// What retention's refreshes cost the engines (see `crate::retention`).
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct RefreshStats {
+    /// Refresh requests sent.
+    pub requests: u64,
+    /// Prompt tokens the engines computed for them (cached blocks are not computed).
+    pub computed_tokens: u64,
+    /// Engine seconds they added: per step, its time less its time without them.
+    pub engine_s: f64,
+}
+
+impl RefreshStats {
+    /// The difference `self − before`.
+    pub fn since(&self, before: &Self) -> Self {
+        Self {
+            requests: self.requests - before.requests,
+            computed_tokens: self.computed_tokens - before.computed_tokens,
+            engine_s: self.engine_s - before.engine_s,
+        }
+    }
+}
+
+/// `Sent::pos` of a refresh (not one of the request set's).
+const REFRESH: usize = usize::MAX;
 
 /// Why a simulation could not run or finish.
 #[derive(Clone, Debug, PartialEq)]
@@ -215,6 +243,10 @@ pub struct Simulation<'p> {
     step_sents: Vec<Vec<Sent>>,
     /// Per worker, per engine request key: the request's send record.
     sent: Vec<Vec<Option<Sent>>>,
+    /// Refreshes the placement asked for (reused buffer), those not finished, and their cost.
+    refresh_buf: Vec<Refresh>,
+    refreshes_open: usize,
+    refresh_stats: RefreshStats,
 }
 
 impl<'p> Simulation<'p> {
@@ -273,6 +305,9 @@ impl<'p> Simulation<'p> {
             in_step: (0..workers).map(|_| StepResult::default()).collect(),
             step_sents: vec![Vec::new(); workers],
             sent: vec![Vec::new(); workers],
+            refresh_buf: Vec::new(),
+            refreshes_open: 0,
+            refresh_stats: RefreshStats::default(),
         }
     }
 
@@ -289,6 +324,11 @@ impl<'p> Simulation<'p> {
     /// The workers' engines.
     pub fn engines(&self) -> &[Engine] {
         &self.engines
+    }
+
+    /// Retention's refreshes so far and what they cost.
+    pub fn refresh_stats(&self) -> RefreshStats {
+        self.refresh_stats
     }
 
     /// Each worker's prefix-cache counters so far.
@@ -404,7 +444,11 @@ impl<'p> Simulation<'p> {
         let mut hashes = Vec::with_capacity((prompt.len() + out).div_ceil(hasher.block_size()));
         hashes.extend_from_slice(shared);
         hasher.extend(&mut hashes, &prompt);
-        let placed = self.placement.place(&hashes, prompt.len(), self.now);
+        let placed = self
+            .placement
+            .place_request(&hashes, &prompt, out, self.now);
+        // Refreshes the placement sends ahead of this request reach the engine first.
+        self.send_refreshes();
         let arrival = self.now + self.config.cost.frontend_s;
         let request = NewRequest {
             prompt,
@@ -431,12 +475,67 @@ impl<'p> Simulation<'p> {
         self.push(arrival, Event::Arrive { slot });
     }
 
+    /// Send the refreshes the placement asks for now: each reaches its worker's engine
+    /// `frontend_s` later, as a request of its prompt with `max_tokens` 1.
+    fn send_refreshes(&mut self) {
+        let mut buf = std::mem::take(&mut self.refresh_buf);
+        self.placement.refreshes(self.now, &mut buf);
+        for r in buf.drain(..) {
+            let mut hashes = Vec::with_capacity(r.block_hashes.len() + 1);
+            hashes.extend_from_slice(&r.block_hashes);
+            let request = NewRequest {
+                prompt: r.prompt.to_vec(),
+                output: self.output.clone(),
+                max_tokens: 1,
+                arrival_time: self.now + self.config.cost.frontend_s,
+                block_hashes: hashes,
+            };
+            let sent = Sent {
+                pos: REFRESH,
+                send_time: self.now,
+                placed: Placed {
+                    worker: r.worker,
+                    prefill_tokens: 1,
+                },
+            };
+            self.arrivals.push(Some((sent, request)));
+            let slot = self.arrivals.len() - 1;
+            self.refreshes_open += 1;
+            self.refresh_stats.requests += 1;
+            self.push(
+                self.now + self.config.cost.frontend_s,
+                Event::Arrive { slot },
+            );
+        }
+        self.refresh_buf = buf;
+    }
+
     /// Run worker `w`'s next step from now.
     fn start_step(&mut self, w: usize) {
         self.busy[w] = true;
         let mut result = std::mem::take(&mut self.in_step[w]);
         self.engines[w].step_into(self.now, &mut result);
         let end = result.end;
+        if self.refreshes_open > 0 {
+            // What the step's refreshes added: its time less its time without them.
+            let (mut tokens, mut seqs) = (0usize, 0usize);
+            for &(key, n) in &result.scheduled {
+                if self.sent[w][key].is_some_and(|s| s.pos == REFRESH) {
+                    tokens += n;
+                    seqs += 1;
+                }
+            }
+            if seqs > 0 {
+                let cost = &self.config.cost;
+                let with = cost.step_time(result.prefill_tokens, result.decode_seqs);
+                let without = cost.step_time(
+                    result.prefill_tokens - tokens.min(result.prefill_tokens),
+                    result.decode_seqs,
+                );
+                self.refresh_stats.computed_tokens += tokens as u64;
+                self.refresh_stats.engine_s += with - without;
+            }
+        }
         // The engine releases a finished request's key at once, and an arrival before this
         // step ends may reuse it: take the send records of this step's outputs now.
         let mut sents = std::mem::take(&mut self.step_sents[w]);
@@ -464,6 +563,7 @@ impl<'p> Simulation<'p> {
                 self.send(requests, next);
                 next += 1;
             }
+            self.send_refreshes();
         }
         loop {
             if let Clients::Open(times) = clients
@@ -473,6 +573,7 @@ impl<'p> Simulation<'p> {
                 self.now = times[next];
                 self.send(requests, next);
                 next += 1;
+                self.send_refreshes();
                 continue;
             }
             let Some(Entry { t, event, .. }) = self.heap.pop() else {
@@ -492,7 +593,10 @@ impl<'p> Simulation<'p> {
                         table.resize(key + 1, None);
                     }
                     table[key] = Some(sent);
-                    if !self.busy[w] {
+                    // A refresh arrives together with the request it was sent ahead of (same
+                    // time, next in the heap): that arrival starts the step they share, as
+                    // vLLM's engine loop takes both into its next step.
+                    if !self.busy[w] && sent.pos != REFRESH {
                         self.start_step(w);
                     }
                 }
@@ -506,6 +610,13 @@ impl<'p> Simulation<'p> {
                     }
                     let sents = std::mem::take(&mut self.step_sents[w]);
                     for (out, &sent) in result.outputs.iter().zip(&sents) {
+                        if sent.pos == REFRESH {
+                            // Not the placement's: it never routed it, and no client waits.
+                            if out.finished {
+                                self.refreshes_open -= 1;
+                            }
+                            continue;
+                        }
                         if out.first_token {
                             // Prefill done: what the live router learns from the first byte.
                             self.placement.first_token(sent.placed);
@@ -538,6 +649,7 @@ impl<'p> Simulation<'p> {
                     if self.engines[w].has_work() {
                         self.start_step(w);
                     }
+                    self.send_refreshes();
                 }
             }
         }
@@ -591,6 +703,7 @@ impl Trial {
         );
         sim.run_closed_loop(&self.warmup, 1)?;
         let before = sim.stats();
+        let refreshes_before = sim.refresh_stats();
         let t0 = sim.now();
         let records = sim.run_closed_loop(&self.measured, self.concurrency)?;
         let window_stats = sim
@@ -603,6 +716,7 @@ impl Trial {
             records,
             duration_s: sim.now() - t0,
             window_stats,
+            refreshes: sim.refresh_stats().since(&refreshes_before),
         })
     }
 }

@@ -9,7 +9,9 @@ use kvroute_io::lock_index;
 use std::sync::Arc;
 
 use kvroute_core::engine::scheduler;
+use kvroute_core::placement::Placement;
 use kvroute_core::policies::Choose;
+use kvroute_core::retention::RetainingPlacement;
 use kvroute_core::routing::StepPlacement;
 use kvroute_core::sim::{RequestSet, SimError, Simulation, WorkerConfig};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -17,7 +19,7 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::engine::{Engine, cost_of};
-use crate::routing::{ForeignPolicy, RoutingStep};
+use crate::routing::{ForeignPolicy, PyRetention, RoutingStep};
 use crate::tokens::extract_tokens;
 
 /// A `uint32`/`uint64` array from Python as a `Vec<usize>` (offsets).
@@ -62,13 +64,15 @@ fn concat_suffixes(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>>
 ///     output: the tokens every request generates (request ``i`` the first ``output_tokens[i]``).
 ///     concurrency: closed-loop clients, or None with ``send_times`` (open loop).
 ///     send_times: each request's send time (open loop).
+///     retention: a ``Retention`` fed the routing step's decisions; its refreshes are sent to
+///         the engines as requests (not recorded, counted in ``refreshes``).
 ///
 /// Returns:
 ///     A dict: ``now`` (the clock after the run) and one list per record field (``worker``,
 ///     ``cached_tokens``, ``prompt_tokens``, ``send_time``, ``ttft_s``, ``e2e_s``,
 ///     ``output_tokens``), in request order.
 #[pyfunction]
-#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None))]
+#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None, retention = None))]
 #[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
     py: Python<'py>,
@@ -83,6 +87,7 @@ fn simulate<'py>(
     output: &Bound<'py, PyAny>,
     concurrency: Option<usize>,
     send_times: Option<Vec<f64>>,
+    retention: Option<Bound<'py, PyRetention>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let Some(first) = engines.first() else {
         return Err(PyValueError::new_err("no engines"));
@@ -142,12 +147,18 @@ fn simulate<'py>(
             scheduler::Engine::new(2, e.core.cost().clone(), *e.core.hasher(), true, false);
         taken.push(std::mem::replace(&mut e.core, placeholder));
     }
-    let mut placement = StepPlacement {
+    let placement = StepPlacement {
         step: &mut step.inner,
         index: index.as_deref_mut(),
         policy,
     };
-    let mut sim = Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);
+    let mut retention = retention.as_ref().map(|r| r.borrow_mut());
+    let mut placement: Box<dyn Placement + '_> = match retention.as_deref_mut() {
+        Some(r) => Box::new(RetainingPlacement::new(placement, &mut r.inner)),
+        None => Box::new(placement),
+    };
+    let mut sim =
+        Simulation::with_engines(taken, now, config, placement.as_mut(), prefixes, output);
     let result = match (concurrency, &send_times) {
         (Some(c), None) => sim.run_closed_loop(&requests, c),
         (None, Some(times)) => sim.run_open_loop(&requests, times),
@@ -155,7 +166,9 @@ fn simulate<'py>(
             "give either concurrency or send_times".into(),
         )),
     };
+    let refreshes = sim.refresh_stats();
     let (back, now) = sim.into_engines();
+    drop(placement);
     for (e, core) in engines.iter().zip(back) {
         e.borrow_mut().core = core;
     }
@@ -168,6 +181,9 @@ fn simulate<'py>(
     })?;
     let out = PyDict::new(py);
     out.set_item("now", now)?;
+    out.set_item("refresh_requests", refreshes.requests)?;
+    out.set_item("refresh_computed_tokens", refreshes.computed_tokens)?;
+    out.set_item("refresh_engine_s", refreshes.engine_s)?;
     out.set_item(
         "worker",
         records.iter().map(|r| r.worker).collect::<Vec<_>>(),

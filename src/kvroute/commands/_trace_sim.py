@@ -39,7 +39,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_trace_window_arguments(g)
 
 
-def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict], kv_geometry) -> int:
+def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict], kv_geometry,
+        retention: tuple[str, ...] = ("off",)) -> int:
     if args.time_scale <= 0:
         raise UserError("--time-scale must be > 0")
     workers = parse_int_list(args.workers or "8", "--workers")
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
                         f"timing {args.timing}, time scale {args.time_scale:g}",
                   box=box.SIMPLE_HEAVY)
     for column in ("W", "policy", "simulated", "refused", "request hit", "token hit",
-                   "TTFT p50 ms", "TTFT p99 ms", "busiest ÷ mean", "sim s"):
+                   "TTFT p50 ms", "TTFT p99 ms", "busiest ÷ mean", "refreshes/req", "sim s"):
         table.add_column(column, justify="right" if column not in ("policy",) else "left")
     points = []
     report_points: list[Point] = []
@@ -62,11 +63,12 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
     timelines: Timelines = {}
     with console.status("simulating…") as status:
         for w in workers:
-            for name in policies:
+            for base, mode in [(p, m) for p in policies for m in retention]:
+                name = base if mode == "off" else f"{base}+retain-{mode}"
                 status.update(f"simulating W={w} {name}")
-                policy = trace_policy(name, args.seed, block_size, options[name])
+                policy = trace_policy(base, args.seed, block_size, options[base])
                 try:
-                    result = simulate_trace(trace, w, config, policy, args.max_model_len, args.time_scale)
+                    result = simulate_trace(trace, w, config, policy, args.max_model_len, args.time_scale, mode)
                 except ValueError as exc:  # a request larger than a worker's whole cache
                     raise UserError(str(exc)) from None
                 stats = result.stats()
@@ -80,7 +82,7 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
                     str(w), name, f"{stats.requests:,}", f"{result.refused:,}",
                     f"{stats.request_hit_rate:.1%}", f"{stats.token_hit_rate:.1%}",
                     _ms(stats.ttft_p50_ms), _ms(stats.ttft_p99_ms), f"{busiest:.2f}",
-                    f"{result.duration_s:,.0f}",
+                    f"{stats.refreshes / max(1, stats.requests):.2f}", f"{result.duration_s:,.0f}",
                 )
     console.print(table)
     if any(p["refused_max_model_len"] for p in points):

@@ -54,6 +54,9 @@ examples:
   kvroute sim --trace synthetic_trace.jsonl --duration 300 --max-model-len 200000   # a 5-minute window
 """
 
+#: ``--retention`` modes.
+RETENTION_MODES = ("off", "on", "auto")
+
 #: ``vllm serve --max-model-len`` and ``kvroute emulate``'s default.
 DEFAULT_MAX_MODEL_LEN = 4096
 
@@ -79,6 +82,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "a policy parameter, as kvroute serve takes it (e.g. share_factor=0.5); each "
         "goes to the swept policies that take it; repeatable"
     )
+    parser.add_argument("--retention", default="off", metavar="MODE[,MODE...]",
+                        help="the router refreshes the prefixes each worker's LRU would evict "
+                             "(a prefix-only request, max_tokens 1): off, on, or auto (only with "
+                             "slack, only where it pays); a comma list sweeps (default %(default)s)")
     parser.add_argument("--timing", default="reference-gpu", choices=sorted(PRESETS),
                         help="cost-model preset for step times (default %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
@@ -103,8 +110,9 @@ def run(args: argparse.Namespace) -> int:
     if args.load_factor is not None and args.load_factor < 0:
         raise UserError("--load-factor must be >= 0")
     options = sweep_policy_options(args, policies)
+    retention = name_list(args.retention, list(RETENTION_MODES), "--retention")
     if args.trace is not None:
-        return trace_sim.run(args, policies, options, kv_geometry)
+        return trace_sim.run(args, policies, options, kv_geometry, tuple(retention))
     num_blocks, block_size, _ = kv_geometry(args)
     config = WorkerConfig(num_blocks, block_size, get_preset(args.timing))
 
@@ -112,7 +120,7 @@ def run(args: argparse.Namespace) -> int:
     for wl in workloads.values():
         check_max_model_len(wl, args.max_model_len)
         config.check_fits(wl)
-    points = sweep_points(workers, prefixes, concurrency, policies)
+    points = sweep_points(workers, prefixes, concurrency, policies, retention)
     console = output_console()
     results: list[Point] = []
     with Progress(
@@ -121,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
     ) as progress:
         task = progress.add_task("", total=len(points) * trials)
         for point in points:
-            progress.update(task, description=f"W={point.workers} K={point.prefixes} c={point.concurrency} {point.policy}")
+            progress.update(task, description=f"W={point.workers} K={point.prefixes} c={point.concurrency} {point.label}")
             results.append(
                 run_point(point, workloads[point.prefixes], config, trials, args.seed, options[point.policy],
                           on_trial=lambda: progress.advance(task))
@@ -131,12 +139,35 @@ def run(args: argparse.Namespace) -> int:
         spec.prefix_tokens.mean, spec.suffix_tokens.mean, spec.output_tokens, num_blocks, block_size
     )
     print_tables(results, capacity, console)
+    if any(p.retention != "off" for p in points):
+        print_refreshes(results, console)
     if args.json:
         write_points_json(args.json, results, {"command": "sim", "capacity_requests": capacity,
                                                "num_blocks": num_blocks, "block_size": block_size,
                                                "timing": args.timing, "seed": args.seed})
         console.print(f"wrote {args.json}")
     return 0
+
+
+def print_refreshes(results: list[Point], console) -> None:
+    """What retention cost: refresh requests and engine milliseconds per measured request
+    (medians of trials), beside the hit rate and TTFT p99 they bought."""
+    from rich.table import Table
+
+    table = Table(title="5. Retention: refreshes per request, engine ms per request (median of trials)")
+    for col in ("topology", "W", "K", "c", "hit rate", "TTFT p99 ms", "refreshes/req", "engine ms/req"):
+        table.add_column(col, justify="left" if col == "topology" else "right")
+    for p in results:
+        per = [(t.refreshes / t.requests, 1000 * t.refresh_engine_s / t.requests) for t in p.trials if t.requests]
+        refreshes = sorted(r for r, _ in per)
+        engine = sorted(e for _, e in per)
+        mid = len(per) // 2
+        table.add_row(
+            p.policy, str(p.workers), str(p.prefixes), str(p.concurrency),
+            f"{p.median('request_hit_rate'):.3f}", f"{p.median('ttft_p99_ms'):.0f}",
+            f"{refreshes[mid]:.2f}" if per else "-", f"{engine[mid]:.2f}" if per else "-",
+        )
+    console.print(table)
 
 
 def check_max_model_len(workload: Workload, max_model_len: int) -> None:

@@ -38,9 +38,15 @@ class TraceRun:
     records: list[RequestRecord]
     refused: int
     duration_s: float
+    #: Retention's refreshes: requests, engine seconds they added.
+    refreshes: int = 0
+    refresh_engine_s: float = 0.0
 
     def stats(self) -> TrialStats:
-        return summarize(self.records, self.duration_s, None)
+        stats = summarize(self.records, self.duration_s, None)
+        stats.refreshes = self.refreshes
+        stats.refresh_engine_s = self.refresh_engine_s
+        return stats
 
 
 def trace_policy(name: str, seed: int, block_size: int, options: dict | None = None) -> Policy:
@@ -55,9 +61,10 @@ def trace_policy(name: str, seed: int, block_size: int, options: dict | None = N
 
 def simulate_trace(
     trace: Trace, workers: int, config: WorkerConfig, policy: Policy, max_model_len: int,
-    time_scale: float = 1.0,
+    time_scale: float = 1.0, retention: str = "off",
 ) -> TraceRun:
-    """Replay ``trace`` open loop on ``workers`` simulated workers behind ``policy``."""
+    """Replay ``trace`` open loop on ``workers`` simulated workers behind ``policy`` (with
+    ``retention``: see ``kvroute.sim.Simulation``; its refreshes in ``TraceRun.refreshes``)."""
     sent: list[RequestSpec] = []
     times: list[float] = []
     refused = 0
@@ -73,6 +80,7 @@ def simulate_trace(
     if not sent:
         return TraceRun([], refused, 0.0)
     output = np.resize(trace.vocab, longest_output).astype(np.uint32)
-    sim = Simulation(workers, config, policy)
+    sim = Simulation(workers, config, policy, retention=retention)
     records = sim.run(sent, 0, output, send_times=times)
-    return TraceRun(records, refused, sim.now - times[0])
+    return TraceRun(records, refused, sim.now - times[0],
+                    sim.refresh_stats["requests"], sim.refresh_stats["engine_s"])

@@ -1,0 +1,965 @@
+//! Retention: the router decides what each worker's prefix cache keeps, not only where each
+//! request goes.
+//!
+//! vLLM's prefix cache is an LRU free queue (`FreeKVCacheBlockQueue`): a finished request
+//! frees its blocks to the tail, new blocks are taken from the head. Every finished request
+//! leaves its own suffix and output blocks in that queue, and those blocks are *newer* than a
+//! shared prefix that sat idle for a few requests, so the LRU evicts the prefix — worth a
+//! 2,000-token prefill on its next use — and keeps blocks nobody will ask for again. No
+//! placement can fix that; the router can: a **refresh** is a minimal request (the prefix's
+//! tokens plus one, `max_tokens` 1) that makes the engine touch the prefix's blocks (a full
+//! hit, one token computed) and free them again to the MRU tail, behind the garbage.
+//!
+//! [`Retention`] is a pure state machine (time passed in, effects returned as data) fed with
+//! what a live router knows and nothing else:
+//!
+//! * its own routing ([`Retention::routed`]): which worker got which prompt, how much of it the
+//!   index credited (the overlap: the shared prefix), and its output budget;
+//! * the worker's load as the routing step counts it ([`WorkerState`]: requests in flight,
+//!   prompt tokens still to prefill);
+//! * the index (events and predictions), asked through a callback whether a prefix is still
+//!   held before a refresh is sent ([`Retention::poll`]).
+//!
+//! From these it keeps, per worker, a model of the free queue's order as segments (a tracked
+//! prefix, or "garbage": a request's own blocks), allocating each routed request's new blocks
+//! from the head and freeing its blocks to the tail (garbage first, then the prefix, as vLLM's
+//! reverse free order does). A prefix is *retained* when its demand (one use every so many of
+//! the worker's requests) ranks it among those that fit the worker's capacity after a reserve
+//! for the running requests' own blocks; a retained prefix whose distance to the head falls
+//! under a margin of allocations is refreshed. The model allocates at routing time (before the
+//! engine does) and counts running requests' blocks as freed, so it errs early: a refresh
+//! comes before the eviction, not after.
+//!
+//! Modes ([`RetentionMode`]): `off` never refreshes; `on` refreshes a retained prefix as soon
+//! as it is in danger; `auto` refreshes only when the worker has slack (no prompt waiting for
+//! its prefill in the router's accounting, so the refresh's one token rides in a decode step
+//! or an idle one) and when the prefix's expected saving outweighs the refresh's cost. Where
+//! everything fits (few prefixes) the danger never comes and nothing is sent.
+
+use std::collections::HashMap;
+use std::collections::VecDeque;
+use std::sync::Arc;
+
+use crate::engine::events::KvCacheEvent;
+use crate::index::KvIndex;
+use crate::placement::{Placed, Placement};
+use crate::policies::WorkerState;
+use crate::routing::{RoutingStep, StepPlacement};
+
+/// When the router refreshes prefixes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+pub enum RetentionMode {
+    /// Never (the router only places requests).
+    #[default]
+    Off,
+    /// Refresh a retained prefix as soon as the model puts it near eviction.
+    On,
+    /// As `On`, but only when the worker has slack and the refresh pays for itself.
+    Auto,
+}
+
+impl RetentionMode {
+    /// The mode's name as the CLI spells it.
+    pub fn name(self) -> &'static str {
+        match self {
+            Self::Off => "off",
+            Self::On => "on",
+            Self::Auto => "auto",
+        }
+    }
+}
+
+impl std::str::FromStr for RetentionMode {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "off" => Ok(Self::Off),
+            "on" => Ok(Self::On),
+            "auto" => Ok(Self::Auto),
+            other => Err(format!(
+                "unknown retention mode {other:?}: use off, on or auto"
+            )),
+        }
+    }
+}
+
+/// Retention's knobs.
+#[derive(Clone, Debug, PartialEq)]
+pub struct RetentionConfig {
+    /// The mode.
+    pub mode: RetentionMode,
+    /// Tokens per KV block (the engines').
+    pub block_size: usize,
+    /// Usable KV blocks per worker (vLLM's `num_gpu_blocks` less the null block).
+    pub capacity_blocks: usize,
+    /// A shared run shorter than this many blocks is not tracked (not worth a request).
+    pub min_prefix_blocks: usize,
+    /// A retained prefix is refreshed when fewer than this many requests' worth of new
+    /// blocks stand between it and the head of the free queue.
+    pub margin_requests: f64,
+    /// Prefixes tracked per worker (the least demanded is forgotten beyond it).
+    pub max_tracked: usize,
+    /// Blocks kept back from the retained prefixes for the running requests' own blocks, in
+    /// requests in flight (times their smoothed new blocks).
+    pub reserve_factor: f64,
+    /// `auto`: what a refresh costs the engine, in prefill tokens (its one computed token
+    /// plus its share of a step); a refresh is sent only when the prefill it is expected to
+    /// save is at least `value_ratio` times this.
+    pub refresh_cost_tokens: f64,
+    /// `auto`: see `refresh_cost_tokens`.
+    pub value_ratio: f64,
+    /// `auto`: refresh on a worker only while the prefixes that fit (the retained ones) carry
+    /// at least this share of its demand: where most of the demand cannot be kept anyway,
+    /// refreshing a few only reorders the losses and costs engine time.
+    pub min_coverage: f64,
+    /// `auto`: a prefix used less often than once per this many turnovers of the worker's
+    /// cache (capacity ÷ new blocks per request, in requests) is not worth holding.
+    pub max_turnovers: f64,
+    /// `auto`: a prefix that extends an earlier tracked one (a conversation's history, reused
+    /// once by its next turn and then superseded) is retained only once the worker reused it
+    /// this many times.
+    pub min_reuses: u32,
+}
+
+impl RetentionConfig {
+    /// The defaults for a worker of `capacity_blocks` usable blocks of `block_size` tokens.
+    pub fn new(mode: RetentionMode, block_size: usize, capacity_blocks: usize) -> Self {
+        Self {
+            mode,
+            block_size: block_size.max(1),
+            capacity_blocks,
+            min_prefix_blocks: 2,
+            margin_requests: 6.0,
+            max_tracked: 64,
+            reserve_factor: 1.0,
+            refresh_cost_tokens: 200.0,
+            value_ratio: 2.0,
+            min_coverage: 0.6,
+            max_turnovers: 2.0,
+            min_reuses: 1,
+        }
+    }
+}
+
+/// A refresh to send: to `worker`, a prompt of the prefix's tokens plus one, `max_tokens` 1.
+#[derive(Clone, Debug, PartialEq)]
+pub struct Refresh {
+    /// The worker's slot.
+    pub worker: usize,
+    /// The prompt: the prefix's `blocks` full blocks of tokens, then one token more (so the
+    /// engine's "compute at least the last token" rule recomputes that one, not a block).
+    pub prompt: Arc<[u32]>,
+    /// The prefix's block hashes (kvroute's own), `blocks` of them.
+    pub block_hashes: Arc<[u64]>,
+    /// Blocks the refresh keeps.
+    pub blocks: usize,
+}
+
+/// What retention did, summed over workers.
+#[derive(Clone, Copy, Debug, Default, PartialEq, Eq)]
+pub struct RetentionStats {
+    /// Refreshes issued.
+    pub refreshes: u64,
+    /// Blocks they touched.
+    pub refreshed_blocks: u64,
+    /// Refreshes not sent because the index no longer held the whole prefix.
+    pub skipped_evicted: u64,
+    /// Refreshes `auto` held back because the worker had a prefill waiting.
+    pub deferred_busy: u64,
+    /// Refreshes not sent because, pinned for their step beside the running requests, their
+    /// blocks could keep a request from being admitted.
+    pub deferred_full: u64,
+    /// Refreshes `auto` did not send because they would not pay (too little saved).
+    pub declined_value: u64,
+    /// Polls `auto` skipped because the prefixes that fit carry too little of the demand.
+    pub declined_coverage: u64,
+}
+
+/// A prefix the router saw a worker reuse.
+#[derive(Clone, Debug)]
+struct Tracked {
+    blocks: usize,
+    prompt: Arc<[u32]>,
+    hashes: Arc<[u64]>,
+    /// The worker's request count at its last use.
+    last_use: u64,
+    /// Smoothed worker requests between uses.
+    gap: f64,
+    /// Uses seen with the prefix credited (the first, which taught it, included).
+    reuses: u32,
+    /// It took the place of shorter tracked prefixes inside it (a conversation's next turn).
+    extends: bool,
+    /// The index said it was gone at the last check (cleared by its next use).
+    gone: bool,
+}
+
+impl Tracked {
+    /// Worker requests between uses, as far as the router can tell now: the smoothed gap,
+    /// or the time since the last use when that is longer (a prefix gone cold).
+    fn interval(&self, requests: u64) -> f64 {
+        self.gap
+            .max(requests.saturating_sub(self.last_use) as f64)
+            .max(1.0)
+    }
+}
+
+/// A run of blocks in a worker's modelled free queue: a tracked prefix, or (None) blocks no
+/// later request shares.
+#[derive(Clone, Copy, Debug, PartialEq)]
+struct Segment {
+    key: Option<u64>,
+    blocks: usize,
+}
+
+/// One worker's model.
+#[derive(Clone, Debug, Default)]
+struct WorkerModel {
+    /// The modelled free queue, head (next evicted) first; blocks not in it are uncached.
+    segments: VecDeque<Segment>,
+    tracked: HashMap<u64, Tracked>,
+    /// Requests routed here.
+    requests: u64,
+    /// Smoothed new blocks per request (its own suffix and output).
+    new_blocks: f64,
+    /// Smoothed blocks per request (prompt and output: what a running request pins).
+    request_blocks: f64,
+}
+
+const SMOOTHING: f64 = 0.3;
+
+impl WorkerModel {
+    fn held(&self) -> usize {
+        self.segments.iter().map(|s| s.blocks).sum()
+    }
+
+    fn take_segment(&mut self, key: u64) {
+        if let Some(i) = self.segments.iter().position(|s| s.key == Some(key)) {
+            self.segments.remove(i);
+            // Merge the garbage on either side, so the queue stays short.
+            if i > 0
+                && i < self.segments.len()
+                && self.segments[i - 1].key.is_none()
+                && self.segments[i].key.is_none()
+            {
+                let b = self.segments[i].blocks;
+                self.segments[i - 1].blocks += b;
+                self.segments.remove(i);
+            }
+        }
+    }
+
+    fn push_tail(&mut self, key: Option<u64>, blocks: usize) {
+        if blocks == 0 {
+            return;
+        }
+        if key.is_none()
+            && let Some(last) = self.segments.back_mut()
+            && last.key.is_none()
+        {
+            last.blocks += blocks;
+            return;
+        }
+        self.segments.push_back(Segment { key, blocks });
+    }
+
+    /// Make room for `n` blocks about to go to the tail: uncached ones first, then from the
+    /// head (tail-first within a prefix: a shortened prefix segment is a partly evicted one).
+    fn allocate(&mut self, n: usize, capacity: usize) {
+        let mut n = (self.held() + n).saturating_sub(capacity);
+        while n > 0 {
+            let Some(head) = self.segments.front_mut() else {
+                break;
+            };
+            if head.blocks > n {
+                head.blocks -= n;
+                break;
+            }
+            n -= head.blocks;
+            self.segments.pop_front();
+        }
+    }
+}
+
+/// The retention state machine: one model per worker slot (see the module docs).
+#[derive(Clone, Debug)]
+pub struct Retention {
+    config: RetentionConfig,
+    workers: Vec<WorkerModel>,
+    stats: RetentionStats,
+}
+
+impl Retention {
+    /// Retention with `config`, no worker seen yet.
+    pub fn new(config: RetentionConfig) -> Self {
+        Self {
+            config,
+            workers: Vec::new(),
+            stats: RetentionStats::default(),
+        }
+    }
+
+    /// The configuration.
+    pub fn config(&self) -> &RetentionConfig {
+        &self.config
+    }
+
+    /// What it did so far.
+    pub fn stats(&self) -> RetentionStats {
+        self.stats
+    }
+
+    /// Prefixes tracked on a worker slot.
+    pub fn tracked(&self, worker: usize) -> usize {
+        self.workers.get(worker).map_or(0, |m| m.tracked.len())
+    }
+
+    /// Forget a worker slot (it left, or its cache was reset).
+    pub fn reset_worker(&mut self, worker: usize) {
+        if let Some(m) = self.workers.get_mut(worker) {
+            *m = WorkerModel::default();
+        }
+    }
+
+    fn model(&mut self, worker: usize) -> &mut WorkerModel {
+        if self.workers.len() <= worker {
+            self.workers.resize_with(worker + 1, WorkerModel::default);
+        }
+        &mut self.workers[worker]
+    }
+
+    /// A request was routed to `worker`: a prompt of these own block hashes and tokens, of
+    /// which the index credited the worker with the leading `overlap` blocks, generating up to
+    /// `output_tokens` tokens.
+    pub fn routed(
+        &mut self,
+        worker: usize,
+        block_hashes: &[u64],
+        prompt: &[u32],
+        overlap: usize,
+        output_tokens: usize,
+        _now: f64,
+    ) {
+        let bs = self.config.block_size;
+        let capacity = self.config.capacity_blocks;
+        let min_blocks = self.config.min_prefix_blocks.max(1);
+        let max_tracked = self.config.max_tracked.max(1);
+        let m = self.model(worker);
+        m.requests += 1;
+        let overlap = overlap.min(block_hashes.len()).min(prompt.len() / bs);
+        let total = (prompt.len() + output_tokens).div_ceil(bs);
+        let new_blocks = total.saturating_sub(overlap);
+        m.new_blocks = if m.requests == 1 {
+            new_blocks as f64
+        } else {
+            (1.0 - SMOOTHING) * m.new_blocks + SMOOTHING * new_blocks as f64
+        };
+        m.request_blocks = if m.requests == 1 {
+            total as f64
+        } else {
+            (1.0 - SMOOTHING) * m.request_blocks + SMOOTHING * total as f64
+        };
+        let mut key = (overlap >= min_blocks).then(|| block_hashes[overlap - 1]);
+        if let Some(k) = key
+            && !m.tracked.contains_key(&k)
+        {
+            // A shorter hit on a longer tracked prefix (its tail was evicted): a use of that
+            // prefix, which this request's prefill makes whole again.
+            if let Some((&longer, _)) = m.tracked.iter().find(|(_, t)| {
+                t.blocks > overlap
+                    && t.blocks <= block_hashes.len()
+                    && t.hashes[overlap - 1] == k
+                    && block_hashes[t.blocks - 1] == t.hashes[t.blocks - 1]
+            }) {
+                key = Some(longer);
+            }
+        }
+        let key_blocks = key.map_or(0, |k| m.tracked.get(&k).map_or(overlap, |t| t.blocks));
+        // Shorter tracked prefixes inside this one (a conversation's earlier turns) are this
+        // one now: their blocks are its blocks.
+        let mut inherited_gap: Option<f64> = None;
+        if let Some(k) = key {
+            let inside: Vec<u64> = m
+                .tracked
+                .iter()
+                .filter(|&(&tk, t)| {
+                    tk != k && t.blocks <= key_blocks && block_hashes[t.blocks - 1] == tk
+                })
+                .map(|(&tk, _)| tk)
+                .collect();
+            for tk in inside {
+                if let Some(t) = m.tracked.remove(&tk) {
+                    inherited_gap = Some(inherited_gap.map_or(t.gap, |g: f64| g.min(t.gap)));
+                }
+                m.take_segment(tk);
+            }
+            m.take_segment(k);
+        }
+        let requests = m.requests;
+        // The request's blocks go to the tail: the prefix's (just taken out of the queue) and
+        // its own new ones, taken from the head. A prefix newly learned was counted as its
+        // first request's garbage: the surplus goes from the head too.
+        m.allocate(total, capacity);
+        match key {
+            Some(k) => {
+                m.push_tail(None, total.saturating_sub(key_blocks));
+                m.push_tail(Some(k), key_blocks);
+                let tracked_count = m.tracked.len();
+                match m.tracked.get_mut(&k) {
+                    Some(t) => {
+                        let gap = requests.saturating_sub(t.last_use) as f64;
+                        t.gap = (1.0 - SMOOTHING) * t.gap + SMOOTHING * gap;
+                        t.last_use = requests;
+                        t.reuses += 1;
+                        t.gone = false;
+                    }
+                    None => {
+                        let mut tokens = Vec::with_capacity(key_blocks * bs + 1);
+                        tokens.extend_from_slice(&prompt[..key_blocks * bs]);
+                        // One token past the last full block: the engine then finds every block
+                        // cached and computes just this one.
+                        tokens.push(prompt.get(key_blocks * bs).copied().unwrap_or(prompt[0]));
+                        m.tracked.insert(
+                            k,
+                            Tracked {
+                                blocks: key_blocks,
+                                prompt: tokens.into(),
+                                hashes: block_hashes[..key_blocks].into(),
+                                last_use: requests,
+                                gap: inherited_gap.unwrap_or((tracked_count + 1) as f64),
+                                reuses: 1,
+                                extends: inherited_gap.is_some(),
+                                gone: false,
+                            },
+                        );
+                        if m.tracked.len() > max_tracked {
+                            let coldest = m
+                                .tracked
+                                .iter()
+                                .filter(|&(&tk, _)| tk != k)
+                                .max_by(|a, b| {
+                                    a.1.interval(requests).total_cmp(&b.1.interval(requests))
+                                })
+                                .map(|(&tk, _)| tk);
+                            if let Some(tk) = coldest {
+                                m.tracked.remove(&tk);
+                                if let Some(s) = m.segments.iter_mut().find(|s| s.key == Some(tk)) {
+                                    s.key = None;
+                                }
+                            }
+                        }
+                    }
+                }
+            }
+            None => m.push_tail(None, total),
+        }
+    }
+
+    /// [`Retention::poll`] for a routing step's slot `worker`, the index (if any) answering
+    /// what it still holds; each refresh is recorded in the index as routed there (it makes
+    /// the worker touch those blocks).
+    pub fn poll_step(
+        &mut self,
+        step: &RoutingStep,
+        mut index: Option<&mut KvIndex>,
+        worker: usize,
+        incoming_blocks: usize,
+        now: f64,
+        out: &mut Vec<Refresh>,
+    ) {
+        if self.config.mode == RetentionMode::Off || worker >= step.slot_count() {
+            return;
+        }
+        let state = step.state(worker);
+        let from = out.len();
+        let id = index.as_deref().and_then(|ix| ix.worker_id(&state.name));
+        let mut scratch = Vec::with_capacity(1);
+        let mut held = |hashes: &[u64]| match (index.as_deref_mut(), id) {
+            (Some(ix), Some(id)) => {
+                ix.overlaps_into(hashes, &[Some(id)], now, &mut scratch);
+                scratch[0]
+            }
+            _ => 0,
+        };
+        self.poll(worker, state, &mut held, incoming_blocks, now, out);
+        if let (Some(ix), Some(id)) = (index, id) {
+            for r in &out[from..] {
+                ix.record_routed_to(id, &r.block_hashes, now);
+            }
+        }
+    }
+
+    /// The refreshes to send to `worker` now, appended to `out`. `load` is the routing step's
+    /// accounting of the worker; `held_blocks(hashes)` answers how many leading blocks of a
+    /// prefix the index (events and predictions) says the worker still holds.
+    pub fn poll(
+        &mut self,
+        worker: usize,
+        load: &WorkerState,
+        held_blocks: &mut dyn FnMut(&[u64]) -> usize,
+        incoming_blocks: usize,
+        _now: f64,
+        out: &mut Vec<Refresh>,
+    ) {
+        let mode = self.config.mode;
+        if mode == RetentionMode::Off || worker >= self.workers.len() {
+            return;
+        }
+        let bs = self.config.block_size;
+        let capacity = self.config.capacity_blocks;
+        let margin_requests = self.config.margin_requests;
+        let value_floor = self.config.refresh_cost_tokens * self.config.value_ratio;
+        let stats = &mut self.stats;
+        let m = &mut self.workers[worker];
+        if m.tracked.is_empty() {
+            return;
+        }
+        let requests = m.requests;
+        // Which prefixes deserve their blocks: the most demanded first, while they fit beside
+        // the running requests' own blocks.
+        let in_flight = load.in_flight.max(0) as f64;
+        let reserve = (self.config.reserve_factor * in_flight * m.new_blocks).ceil() as usize;
+        let budget = capacity.saturating_sub(reserve);
+        let mut ranked: Vec<(f64, u64, usize)> = m
+            .tracked
+            .iter()
+            .map(|(&k, t)| (t.interval(requests), k, t.blocks))
+            .collect();
+        ranked.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+        let mut used = 0usize;
+        let mut retained: Vec<(u64, f64)> = Vec::new();
+        for (interval, k, blocks) in ranked {
+            if used + blocks > budget {
+                break;
+            }
+            used += blocks;
+            retained.push((k, interval));
+        }
+        if retained.is_empty() {
+            return;
+        }
+        if mode == RetentionMode::Auto {
+            let demand = |interval: f64| 1.0 / interval;
+            let total: f64 = m
+                .tracked
+                .values()
+                .map(|t| demand(t.interval(requests)))
+                .sum();
+            let kept: f64 = retained.iter().map(|&(_, i)| demand(i)).sum();
+            if kept < self.config.min_coverage * total {
+                stats.declined_coverage += 1;
+                return;
+            }
+            // A cold prefix (a copy placed here once) is not worth its blocks, nor one not yet
+            // seen reused.
+            let horizon = self.config.max_turnovers * capacity as f64 / m.new_blocks.max(1.0);
+            let min_reuses = self.config.min_reuses;
+            retained.retain(|&(k, interval)| {
+                interval <= horizon
+                    && m.tracked
+                        .get(&k)
+                        .is_some_and(|t| !t.extends || t.reuses >= min_reuses)
+            });
+        }
+        let margin = incoming_blocks as f64 + margin_requests * m.new_blocks.max(1.0);
+        let uncached = capacity.saturating_sub(m.held()) as f64;
+        loop {
+            // The retained prefix nearest the head, if it is within the margin; a retained
+            // prefix the model already counts (partly) evicted is at distance 0.
+            let mut distance = uncached;
+            let mut danger: Option<u64> = None;
+            for s in &m.segments {
+                if let Some(k) = s.key
+                    && retained.iter().any(|&(r, _)| r == k)
+                {
+                    let whole = m.tracked.get(&k).is_some_and(|t| s.blocks >= t.blocks);
+                    if distance < margin || !whole {
+                        danger = Some(k);
+                        break;
+                    }
+                }
+                distance += s.blocks as f64;
+            }
+            if danger.is_none() {
+                danger = retained
+                    .iter()
+                    .map(|&(k, _)| k)
+                    .find(|k| !m.tracked[k].gone && !m.segments.iter().any(|s| s.key == Some(*k)));
+            }
+            let Some(k) = danger else { break };
+            retained.retain(|&(r, _)| r != k);
+            let t = m
+                .tracked
+                .get_mut(&k)
+                .expect("retained prefixes are tracked");
+            if mode == RetentionMode::Auto {
+                // A refresh sent on its own makes a step (no request comes with it): only
+                // when the worker has nothing to prefill anyway.
+                if incoming_blocks == 0 && load.in_flight_tokens > 0 {
+                    stats.deferred_busy += 1;
+                    continue;
+                }
+                // Refreshes until its next use, each keeping it one margin longer.
+                let remaining = (t.gap - requests.saturating_sub(t.last_use) as f64).max(1.0);
+                let refreshes_needed = (remaining / margin_requests.max(0.5)).max(1.0);
+                let value = (t.blocks * bs) as f64 / refreshes_needed;
+                if value < value_floor {
+                    stats.declined_value += 1;
+                    continue;
+                }
+            }
+            // A refresh pins its prefix for one step: beside what the running requests pin
+            // (the one just routed included), that must leave the worker room to admit them,
+            // or a client request waits behind the refresh for blocks.
+            let pinned = in_flight * m.request_blocks + t.blocks as f64;
+            if pinned > capacity as f64 {
+                stats.deferred_full += 1;
+                continue;
+            }
+            if held_blocks(&t.hashes) < t.blocks {
+                t.gone = true;
+                stats.skipped_evicted += 1;
+                m.take_segment(k);
+                continue;
+            }
+            out.push(Refresh {
+                worker,
+                prompt: t.prompt.clone(),
+                block_hashes: t.hashes.clone(),
+                blocks: t.blocks,
+            });
+            stats.refreshes += 1;
+            stats.refreshed_blocks += t.blocks as u64;
+            let blocks = t.blocks;
+            m.take_segment(k);
+            m.push_tail(Some(k), blocks);
+        }
+    }
+}
+
+/// A routing step's placement with retention beside it: the simulator's hook. Every request
+/// is routed by the step (as [`StepPlacement`] does); before it is forwarded, the retention
+/// is asked which of the chosen worker's prefixes that request's new blocks would push out,
+/// and those refreshes are handed to the driver first ([`Placement::refreshes`]), so they
+/// reach the engine just ahead of the request and ride in the step it makes anyway.
+pub struct RetainingPlacement<'a> {
+    /// The routing step, its index and policy.
+    pub placement: StepPlacement<'a>,
+    /// The retention state machine.
+    pub retention: &'a mut Retention,
+    pending: Vec<Refresh>,
+}
+
+impl<'a> RetainingPlacement<'a> {
+    /// `placement` with `retention` beside it.
+    pub fn new(placement: StepPlacement<'a>, retention: &'a mut Retention) -> Self {
+        Self {
+            placement,
+            retention,
+            pending: Vec::new(),
+        }
+    }
+}
+
+impl Placement for RetainingPlacement<'_> {
+    fn wants_events(&self) -> bool {
+        self.placement.wants_events()
+    }
+
+    fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
+        self.placement.place(block_hashes, prompt_tokens, now)
+    }
+
+    fn place_request(
+        &mut self,
+        block_hashes: &[u64],
+        prompt: &[u32],
+        output_tokens: usize,
+        now: f64,
+    ) -> Placed {
+        let p = &mut self.placement;
+        let r = p.step.route(
+            p.index.as_deref_mut(),
+            p.policy,
+            block_hashes,
+            prompt.len(),
+            None,
+            now,
+        );
+        let bs = self.retention.config().block_size;
+        let incoming = (prompt.len() + output_tokens)
+            .div_ceil(bs)
+            .saturating_sub(r.overlap);
+        self.retention.poll_step(
+            p.step,
+            p.index.as_deref_mut(),
+            r.worker,
+            incoming,
+            now,
+            &mut self.pending,
+        );
+        self.retention.routed(
+            r.worker,
+            block_hashes,
+            prompt,
+            r.overlap,
+            output_tokens,
+            now,
+        );
+        Placed {
+            worker: r.worker,
+            prefill_tokens: r.prefill_tokens,
+        }
+    }
+
+    fn first_token(&mut self, placed: Placed) {
+        self.placement.first_token(placed);
+    }
+
+    fn finished(&mut self, placed: Placed) {
+        self.placement.finished(placed);
+    }
+
+    fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
+        self.placement.apply_events(worker, events, now);
+    }
+
+    fn refreshes(&mut self, _now: f64, out: &mut Vec<Refresh>) {
+        out.append(&mut self.pending);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const BS: usize = 4;
+
+    fn prompt(prefix: u32, prefix_blocks: usize, suffix: usize, salt: u32) -> (Vec<u32>, Vec<u64>) {
+        let mut tokens: Vec<u32> = (0..prefix_blocks * BS)
+            .map(|i| prefix * 1000 + i as u32)
+            .collect();
+        tokens.extend((0..suffix).map(|i| 500_000 + salt * 100 + i as u32));
+        // Toy chained hashes: block i's hash is a function of the tokens so far.
+        let mut hashes = Vec::new();
+        let mut h = 0u64;
+        for chunk in tokens.chunks_exact(BS) {
+            for &t in chunk {
+                h = h.wrapping_mul(1_000_003).wrapping_add(t as u64 + 1);
+            }
+            hashes.push(h);
+        }
+        (tokens, hashes)
+    }
+
+    fn idle() -> WorkerState {
+        WorkerState::new("w")
+    }
+
+    fn held_all(_: &[u64]) -> usize {
+        usize::MAX
+    }
+
+    /// Route `n` requests cycling over `prefixes` prefixes of 10 blocks, each with 2 blocks of
+    /// suffix and 1 of output, to worker 0, polling after each; returns the refreshes.
+    fn drive(r: &mut Retention, prefixes: u32, n: u32, load: &WorkerState) -> Vec<Refresh> {
+        let mut refreshes = Vec::new();
+        for i in 0..n {
+            let p = i % prefixes;
+            let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
+            // The first use of a prefix has no overlap; later ones are credited with it.
+            let overlap = if i < prefixes { 0 } else { 10 };
+            r.routed(0, &hashes, &tokens, overlap, BS, i as f64);
+            r.poll(0, load, &mut held_all, 3, i as f64, &mut refreshes);
+        }
+        refreshes
+    }
+
+    #[test]
+    fn off_never_refreshes() {
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::Off, BS, 45));
+        assert!(drive(&mut r, 4, 200, &idle()).is_empty());
+        assert_eq!(r.stats(), RetentionStats::default());
+    }
+
+    #[test]
+    fn everything_fits_nothing_is_refreshed() {
+        // 2 prefixes of 10 blocks on 200 blocks: the garbage goes long before either prefix.
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 200));
+        assert!(drive(&mut r, 2, 200, &idle()).is_empty());
+        assert_eq!(r.tracked(0), 2);
+    }
+
+    /// vLLM's free queue at block granularity, for the tests: blocks are named by their hash
+    /// (a prefix's) or a unique id (a request's own), the head is evicted first.
+    struct ReferenceLru {
+        capacity: usize,
+        queue: VecDeque<u64>,
+    }
+
+    impl ReferenceLru {
+        /// Run a request: returns whether all `prefix` blocks were cached. Its own `own` blocks
+        /// are allocated from the head; then everything is freed in reverse (own blocks first,
+        /// the prefix's first block last: the MRU end).
+        fn request(&mut self, prefix: &[u64], own: &[u64]) -> bool {
+            let hit = prefix.iter().all(|h| self.queue.contains(h));
+            self.queue.retain(|b| !prefix.contains(b));
+            while self.queue.len() + prefix.len() + own.len() > self.capacity {
+                self.queue.pop_front();
+            }
+            for &b in own.iter().rev() {
+                self.queue.push_back(b);
+            }
+            for &b in prefix.iter().rev() {
+                self.queue.push_back(b);
+            }
+            hit
+        }
+    }
+
+    /// Hits of `n` requests cycling over 4 prefixes of 10 blocks (2 blocks of suffix and 1 of
+    /// output each) on a 45-block worker, with retention in `mode` sending its refreshes
+    /// ahead of each request.
+    fn reference_hits(mode: RetentionMode, n: u32) -> (u32, u64) {
+        let mut r = Retention::new(RetentionConfig::new(mode, BS, 45));
+        let mut lru = ReferenceLru {
+            capacity: 45,
+            queue: VecDeque::new(),
+        };
+        let mut hits = 0;
+        let mut order = crate::pyrandom::PyRandom::from_seed(7);
+        for i in 0..n {
+            let p = order.randbelow(4) as u32;
+            let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
+            let prefix = &hashes[..10];
+            let own: Vec<u64> = (0..3).map(|j| (1u64 << 60) + (i as u64) * 8 + j).collect();
+            let overlap = if prefix.iter().all(|h| lru.queue.contains(h)) {
+                10
+            } else {
+                0
+            };
+            let mut out = Vec::new();
+            let mut held = |hs: &[u64]| hs.iter().take_while(|h| lru.queue.contains(h)).count();
+            r.poll(0, &idle(), &mut held, 13 - overlap, 0.0, &mut out);
+            for f in &out {
+                lru.request(&f.block_hashes, &[]);
+            }
+            if lru.request(prefix, &own) {
+                hits += 1;
+            }
+            r.routed(0, &hashes, &tokens, overlap, BS, 0.0);
+        }
+        (hits, r.stats().refreshes)
+    }
+
+    #[test]
+    fn prefixes_that_would_age_out_are_refreshed() {
+        // 4 prefixes of 10 blocks and 3 own blocks a request on 45 blocks: they fit, but the
+        // LRU keeps the last requests' own blocks and evicts a prefix idle for a few requests.
+        let (off, none) = reference_hits(RetentionMode::Off, 400);
+        let (on, refreshes) = reference_hits(RetentionMode::On, 400);
+        assert_eq!(none, 0);
+        assert!(off < 330, "the LRU alone loses prefixes: {off} of 400");
+        assert!(
+            on >= 380,
+            "retention keeps them (all but the first uses): {on} of 400 (off: {off})"
+        );
+        assert!(refreshes > 0);
+    }
+
+    #[test]
+    fn a_prefix_the_index_lost_is_not_refreshed() {
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
+        let mut out = Vec::new();
+        for i in 0..40u32 {
+            let p = i % 4;
+            let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
+            r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+            r.poll(0, &idle(), &mut |_| 3, 3, 0.0, &mut out);
+        }
+        assert!(out.is_empty());
+        assert!(r.stats().skipped_evicted > 0);
+    }
+
+    #[test]
+    fn auto_sends_a_refresh_alone_only_when_the_worker_has_slack() {
+        let mut busy = idle();
+        busy.in_flight = 2;
+        busy.in_flight_tokens = 300;
+        let mut cfg = RetentionConfig::new(RetentionMode::Auto, BS, 45);
+        cfg.refresh_cost_tokens = 1.0;
+        let run = |load: &WorkerState, incoming: usize| {
+            let mut r = Retention::new(cfg.clone());
+            let mut out = Vec::new();
+            for i in 0..60u32 {
+                let p = i % 4;
+                let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
+                r.poll(0, load, &mut held_all, incoming, 0.0, &mut out);
+                r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+            }
+            (out.len(), r.stats())
+        };
+        // On its own (no request going there) while prefills wait: held back.
+        let (sent, stats) = run(&busy, 0);
+        assert_eq!(sent, 0);
+        assert!(stats.deferred_busy > 0);
+        // Ahead of a request (it rides in that request's step), or on an idle worker: sent.
+        assert!(run(&busy, 3).0 > 0);
+        assert!(run(&idle(), 0).0 > 0);
+    }
+
+    #[test]
+    fn no_refresh_that_would_keep_the_running_requests_from_their_blocks() {
+        // 3 requests of 13 blocks running on 45 blocks: a 10-block refresh pinned beside them
+        // leaves no room for the next one, which would wait behind the refresh.
+        let mut crowded = idle();
+        crowded.in_flight = 3;
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
+        assert!(drive(&mut r, 4, 100, &crowded).is_empty());
+        assert!(r.stats().deferred_full > 0);
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
+        let mut two = idle();
+        two.in_flight = 2;
+        assert!(
+            !drive(&mut r, 4, 100, &two).is_empty(),
+            "2 × 13 + 10 blocks fit"
+        );
+    }
+
+    #[test]
+    fn auto_declines_a_refresh_worth_less_than_it_costs() {
+        // A 10-block prefix of 4-token blocks saves 40 tokens: less than a 200-token refresh.
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::Auto, BS, 45));
+        assert!(drive(&mut r, 4, 100, &idle()).is_empty());
+        assert!(r.stats().declined_value > 0);
+    }
+
+    #[test]
+    fn a_longer_turn_subsumes_the_shorter_prefix() {
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 1000));
+        let (t1, h1) = prompt(1, 10, 0, 0);
+        r.routed(0, &h1, &t1, 10, BS, 0.0);
+        assert_eq!(r.tracked(0), 1);
+        // The next turn: the same 10 blocks and 5 more, credited with 15.
+        let mut t2 = t1.clone();
+        t2.extend((0..5 * BS as u32).map(|i| 900_000 + i));
+        let (_, h2full) = prompt(1, 10, 5 * BS, 0);
+        let _ = h2full;
+        let mut hashes = h1.clone();
+        let mut h = *h1.last().unwrap();
+        for chunk in t2[10 * BS..].chunks_exact(BS) {
+            for &t in chunk {
+                h = h.wrapping_mul(1_000_003).wrapping_add(t as u64 + 1);
+            }
+            hashes.push(h);
+        }
+        r.routed(0, &hashes, &t2, 15, BS, 1.0);
+        assert_eq!(r.tracked(0), 1, "the earlier turn is part of the later one");
+    }
+
+    #[test]
+    fn modes_parse() {
+        assert_eq!("auto".parse::<RetentionMode>(), Ok(RetentionMode::Auto));
+        assert!("sometimes".parse::<RetentionMode>().is_err());
+        assert_eq!(RetentionMode::On.name(), "on");
+    }
+}
