@@ -1314,11 +1314,12 @@ impl PyRetention {
     ) -> PyResult<Vec<RefreshTuple>> {
         let step = routing.borrow();
         step.check_slot(slot)?;
-        let mut index = step.index.as_ref().map(|i| i.borrow_mut(py));
+        let index_ref = step.index.as_ref().map(|i| i.borrow(py));
+        let mut index = index_ref.as_ref().map(|i| lock_index(&i.inner));
         let mut out = Vec::new();
         self.inner.poll_step(
             &step.inner,
-            index.as_deref_mut().map(|i| &mut i.inner),
+            index.as_deref_mut(),
             slot,
             incoming_blocks,
             now,
