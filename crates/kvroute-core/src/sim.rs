@@ -395,19 +395,29 @@ impl<'p> Simulation<'p> {
         let shared = self.prefix_hashes[pid].get_or_insert_with(|| {
             hasher.hash_blocks(prefix, None, 0, Some(prefix.len() / hasher.block_size()))
         });
-        let mut prompt = Vec::with_capacity(prefix.len() + suffix.len());
-        prompt.extend_from_slice(prefix);
-        prompt.extend_from_slice(suffix);
+        let bs = hasher.block_size();
+        let prompt_len = prefix.len() + suffix.len();
         let out = requests.output_tokens[pos] as usize;
         // Room for every block the request will fill, generated tokens included: the engine
         // extends this vector as blocks fill, and growing it would copy it twice.
-        let mut hashes = Vec::with_capacity((prompt.len() + out).div_ceil(hasher.block_size()));
+        let mut hashes = Vec::with_capacity((prompt_len + out).div_ceil(bs));
         hashes.extend_from_slice(shared);
-        hasher.extend(&mut hashes, &prompt);
-        let placed = self.placement.place(&hashes, prompt.len(), self.now);
+        // The prompt's blocks after the prefix's full ones: the prefix's partial tail, then
+        // the suffix (the prefix itself is shared with the engine, never copied).
+        let tail = &prefix[shared.len() * bs..];
+        if tail.is_empty() {
+            hasher.extend_chain(suffix, hashes.last().copied(), &mut hashes);
+        } else if tail.len() + suffix.len() >= bs {
+            let mut window = Vec::with_capacity(tail.len() + suffix.len());
+            window.extend_from_slice(tail);
+            window.extend_from_slice(suffix);
+            hasher.extend_chain(&window, hashes.last().copied(), &mut hashes);
+        }
+        let placed = self.placement.place(&hashes, prompt_len, self.now);
         let arrival = self.now + self.config.cost.frontend_s;
         let request = NewRequest {
-            prompt,
+            prompt_head: prefix.clone(),
+            prompt: suffix.to_vec(),
             output: self.output.clone(),
             max_tokens: out,
             arrival_time: arrival,
