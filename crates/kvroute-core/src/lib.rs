@@ -11,6 +11,7 @@
 //! * [`placement`] and [`sim`]: the seam between engines and routing, and the simulator's
 //!   event loop on virtual time.
 //! * [`pyrandom`]: CPython's `random.Random`, so seeded draws match the Python side.
+//! * [`trace`]: the prompt tokens of a published trace, synthesized per hash id.
 //!
 //! The Python package (`kvroute._native`, crate `kvroute-py`) wraps these types; the Python
 //! tests therefore guard this code.
@@ -24,3 +25,4 @@ pub mod policies;
 pub mod pyrandom;
 pub mod routing;
 pub mod sim;
+pub mod trace;

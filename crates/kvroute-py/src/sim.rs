@@ -124,10 +124,6 @@ fn simulate<'py>(
         needs_overlap: native.is_none() && foreign_bound.getattr("needs_overlap")?.is_truthy()?,
         error: None,
     };
-    let policy: &mut dyn Choose = match native_policy.as_deref_mut() {
-        Some(p) => &mut p.inner,
-        None => &mut foreign,
-    };
     // The engines leave their Python handles for the run (a placeholder stands in).
     let mut taken = Vec::with_capacity(engines.len());
     for e in &engines {
@@ -139,20 +135,33 @@ fn simulate<'py>(
             scheduler::Engine::new(2, e.core.cost().clone(), *e.core.hasher(), true, false);
         taken.push(std::mem::replace(&mut e.core, placeholder));
     }
-    let mut placement = StepPlacement {
-        step: &mut step.inner,
-        index: index.as_deref_mut().map(|i| &mut i.inner),
-        policy,
+    let index = index.as_deref_mut().map(|i| &mut i.inner);
+    let run = |policy: &mut dyn Choose, index, step| {
+        let mut placement = StepPlacement {
+            step,
+            index,
+            policy,
+        };
+        let mut sim =
+            Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);
+        let result = match (concurrency, &send_times) {
+            (Some(c), None) => sim.run_closed_loop(&requests, c),
+            (None, Some(times)) => sim.run_open_loop(&requests, times),
+            _ => Err(SimError::BadInput(
+                "give either concurrency or send_times".into(),
+            )),
+        };
+        (sim.into_engines(), result)
     };
-    let mut sim = Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);
-    let result = match (concurrency, &send_times) {
-        (Some(c), None) => sim.run_closed_loop(&requests, c),
-        (None, Some(times)) => sim.run_open_loop(&requests, times),
-        _ => Err(SimError::BadInput(
-            "give either concurrency or send_times".into(),
-        )),
+    let ((back, now), result) = match native_policy.as_deref_mut() {
+        // All in Rust: the run lets go of the interpreter, so that trials in other threads
+        // (the policies of a trace replay) run on other cores meanwhile.
+        Some(p) => {
+            let (policy, step) = (&mut p.inner, &mut step.inner);
+            py.detach(move || run(policy, index, step))
+        }
+        None => run(&mut foreign, index, &mut step.inner),
     };
-    let (back, now) = sim.into_engines();
     for (e, core) in engines.iter().zip(back) {
         e.borrow_mut().core = core;
     }
