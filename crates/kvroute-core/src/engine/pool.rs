@@ -96,9 +96,10 @@ impl BlockMeta {
 /// shift (no tombstones). A pool caches at most one hash per block, so the table never holds
 /// more than `num_blocks` entries and is sized once, at most a third full: no rehash ever,
 /// and probe runs stay short. A miss's eviction (remove) and caching (insert) of ~150 hashes
-/// were the pool's main cost; measured on the 64-worker simulation, a table at most 2/3
-/// full (runs of ~3 slots) gained nothing over the general-purpose map, one at most 1/3
-/// full took a quarter off the whole simulation, and a sparser one lost it to cache misses.
+/// were the pool's main cost; measured on the 64-worker simulation (`examples/sim_speed.rs`,
+/// interleaved runs on a loaded machine), a table at most 2/3 full gained nothing over the
+/// general-purpose map, one at most 1/3 full took ~15% off the whole simulation, and a
+/// sparser one lost it again to cache misses.
 #[derive(Clone, Debug)]
 struct HashTable {
     slots: Vec<(u64, BlockId)>,
