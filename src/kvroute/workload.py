@@ -14,9 +14,10 @@ from __future__ import annotations
 
 import gc
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import numpy as np
 
@@ -206,6 +207,28 @@ def gc_paused() -> Iterator[None]:
             gc.enable()
 
 
+def _token_drawer(rng: np.random.Generator, vocab: np.ndarray) -> Callable[[int], np.ndarray]:
+    """``draw(n)``: the next ``n`` tokens of ``rng``'s stream, ``vocab[rng.integers(0,
+    len(vocab), n)]``. Drawn as ``uint32`` (numpy draws the same values from the same stream
+    for any integer dtype whose range holds them: a bounded draw below 2³² always takes its
+    32-bit path), and for a vocabulary of consecutive ids (the default) offset in place
+    instead of gathered: half the time of the ``int64`` draw and the gather."""
+    n = len(vocab)
+    if n <= 1 << 32:
+        first = int(vocab[0])
+        if n > 1 and np.array_equal(vocab, np.arange(first, first + n, dtype=vocab.dtype)):
+            offset = np.uint32(first)
+
+            def draw(count: int) -> np.ndarray:
+                tokens = rng.integers(0, n, size=count, dtype=np.uint32)
+                tokens += offset
+                return tokens
+
+            return draw
+        return lambda count: vocab[rng.integers(0, n, size=count, dtype=np.uint32)]
+    return lambda count: vocab[rng.integers(0, n, size=count)]
+
+
 def generate(spec: WorkloadSpec, vocab: np.ndarray | None = None) -> Workload:
     """Build the workload for ``spec``; deterministic in ``spec.seed``.
 
@@ -226,37 +249,33 @@ def generate(spec: WorkloadSpec, vocab: np.ndarray | None = None) -> Workload:
     empty = (suffix_lens == 0) & (np.asarray([len(p) for p in prefixes])[prefix_ids] == 0)
     if empty.any():
         raise UserError("a prompt needs at least one token (prefix + suffix lengths are 0)")
-    ends = np.cumsum(suffix_lens).tolist()
-    starts = [0, *ends[:-1]]
-    output_tokens = spec.output_tokens
-    out: list[RequestSpec] = []
+    ends_arr = np.cumsum(suffix_lens)
+    starts_arr = ends_arr - suffix_lens
+    ends, starts = ends_arr.tolist(), starts_arr.tolist()
     # Every suffix is drawn from the same stream in request order. Drawing them a chunk of
     # requests at a time gives the very same tokens as one call per request (a bounded
     # draw's values do not depend on how the calls are split), and each suffix becomes a
-    # view of its chunk: per request, a slice instead of two array operations.
-    chunk_tokens = _SUFFIX_CHUNK_TOKENS
-    i = 0
+    # view of its chunk: per request, a slice instead of two array operations. A chunk ends
+    # before the first request that would take it past _SUFFIX_CHUNK_TOKENS (each chunk
+    # holds at least one request).
+    bounds = [0]
+    while bounds[-1] < total:
+        i = bounds[-1]
+        j = int(np.searchsorted(ends_arr, starts[i] + _SUFFIX_CHUNK_TOKENS, side="right"))
+        bounds.append(max(j, i + 1))
+    indices = [*range(spec.prefixes), *range(len(order))]
+    flags = [True] * spec.prefixes + [False] * len(order)
+    outputs = repeat(spec.output_tokens)
+    draw = _token_drawer(rng, vocab)
+    out: list[RequestSpec] = []
     with gc_paused():
-        while i < total:
-            j = i + 1
-            while j < total and ends[j] - starts[i] <= chunk_tokens:
-                j += 1
+        for i, j in zip(bounds, bounds[1:]):
             base = starts[i]
-            tokens = vocab[rng.integers(0, len(vocab), size=ends[j - 1] - base)]
-            for k in range(i, j):
-                warmup = k < spec.prefixes
-                pid = prefix_ids[k]
-                out.append(
-                    RequestSpec(
-                        k if warmup else k - spec.prefixes,
-                        pid,
-                        prefixes[pid],
-                        tokens[starts[k] - base : ends[k] - base],
-                        output_tokens,
-                        warmup,
-                    )
-                )
-            i = j
+            tokens = draw(ends[j - 1] - base)
+            out.extend(map(
+                RequestSpec, indices[i:j], prefix_ids[i:j], [prefixes[p] for p in prefix_ids[i:j]],
+                [tokens[a - base : b - base] for a, b in zip(starts[i:j], ends[i:j])], outputs, flags[i:j],
+            ))
     return Workload(spec, prefixes, out[: spec.prefixes], out[spec.prefixes :], vocab)
 
 

@@ -12,6 +12,7 @@
 //!   event loop on virtual time.
 //! * [`retention`]: the router managing what each worker's LRU keeps (refreshes).
 //! * [`pyrandom`]: CPython's `random.Random`, so seeded draws match the Python side.
+//! * [`trace`]: the prompt tokens of a published trace, synthesized per hash id.
 //!
 //! The Python package (`kvroute._native`, crate `kvroute-py`) wraps these types; the Python
 //! tests therefore guard this code.
@@ -26,3 +27,4 @@ pub mod pyrandom;
 pub mod retention;
 pub mod routing;
 pub mod sim;
+pub mod trace;

@@ -29,16 +29,18 @@ pub trait Placement {
     fn finished(&mut self, placed: Placed);
     /// KV events worker `worker` published at the end of a step ending at `now`.
     fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64);
-    /// [`Placement::place`] with the prompt's tokens and output budget, for a placement that
-    /// keeps more than hashes (retention's refresh prompts).
+    /// [`Placement::place`] with the prompt's tokens (its shared head, then the rest: the
+    /// simulator never joins them) and output budget, for a placement that keeps more than
+    /// hashes (retention's refresh prompts).
     fn place_request(
         &mut self,
         block_hashes: &[u64],
-        prompt: &[u32],
+        prompt_head: &[u32],
+        prompt_tail: &[u32],
         _output_tokens: usize,
         now: f64,
     ) -> Placed {
-        self.place(block_hashes, prompt.len(), now)
+        self.place(block_hashes, prompt_head.len() + prompt_tail.len(), now)
     }
     /// Refreshes to send now (see `crate::retention`), appended to `out`; none by default.
     fn refreshes(&mut self, _now: f64, _out: &mut Vec<Refresh>) {}

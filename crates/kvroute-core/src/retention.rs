@@ -672,10 +672,15 @@ impl Placement for RetainingPlacement<'_> {
     fn place_request(
         &mut self,
         block_hashes: &[u64],
-        prompt: &[u32],
+        prompt_head: &[u32],
+        prompt_tail: &[u32],
         output_tokens: usize,
         now: f64,
     ) -> Placed {
+        // The model keeps prefix tokens for refresh prompts: the whole prompt, joined here
+        // (only with retention on; the simulator otherwise never copies a shared prefix).
+        let prompt = [prompt_head, prompt_tail].concat();
+        let prompt = prompt.as_slice();
         let p = &mut self.placement;
         let r = p.step.route(
             p.index.as_deref_mut(),

@@ -429,29 +429,40 @@ impl<'p> Simulation<'p> {
     /// Place request `pos` now and schedule its arrival at its worker.
     fn send(&mut self, requests: &RequestSet, pos: usize) {
         let pid = requests.prefix_ids[pos] as usize;
-        let prefix = &self.prefixes[pid];
+        // The engine holds the prefix by reference (a count, not a copy).
+        let prefix = Arc::clone(&self.prefixes[pid]);
         let suffix = requests.suffix(pos);
         let hasher = self.config.hasher;
         let shared = self.prefix_hashes[pid].get_or_insert_with(|| {
-            hasher.hash_blocks(prefix, None, 0, Some(prefix.len() / hasher.block_size()))
+            hasher.hash_blocks(&prefix, None, 0, Some(prefix.len() / hasher.block_size()))
         });
-        let mut prompt = Vec::with_capacity(prefix.len() + suffix.len());
-        prompt.extend_from_slice(prefix);
-        prompt.extend_from_slice(suffix);
+        let bs = hasher.block_size();
+        let prompt_len = prefix.len() + suffix.len();
         let out = requests.output_tokens[pos] as usize;
         // Room for every block the request will fill, generated tokens included: the engine
         // extends this vector as blocks fill, and growing it would copy it twice.
-        let mut hashes = Vec::with_capacity((prompt.len() + out).div_ceil(hasher.block_size()));
+        let mut hashes = Vec::with_capacity((prompt_len + out).div_ceil(bs));
         hashes.extend_from_slice(shared);
-        hasher.extend(&mut hashes, &prompt);
+        // The prompt's blocks after the prefix's full ones: the prefix's partial tail, then
+        // the suffix (the prefix itself is shared with the engine, never copied).
+        let tail = &prefix[shared.len() * bs..];
+        if tail.is_empty() {
+            hasher.extend_chain(suffix, hashes.last().copied(), &mut hashes);
+        } else if tail.len() + suffix.len() >= bs {
+            let mut window = Vec::with_capacity(tail.len() + suffix.len());
+            window.extend_from_slice(tail);
+            window.extend_from_slice(suffix);
+            hasher.extend_chain(&window, hashes.last().copied(), &mut hashes);
+        }
         let placed = self
             .placement
-            .place_request(&hashes, &prompt, out, self.now);
+            .place_request(&hashes, &prefix, suffix, out, self.now);
         // Refreshes the placement sends ahead of this request reach the engine first.
         self.send_refreshes();
         let arrival = self.now + self.config.cost.frontend_s;
         let request = NewRequest {
-            prompt,
+            prompt_head: prefix,
+            prompt: suffix.to_vec(),
             output: self.output.clone(),
             max_tokens: out,
             arrival_time: arrival,
@@ -484,6 +495,7 @@ impl<'p> Simulation<'p> {
             let mut hashes = Vec::with_capacity(r.block_hashes.len() + 1);
             hashes.extend_from_slice(&r.block_hashes);
             let request = NewRequest {
+                prompt_head: Arc::default(),
                 prompt: r.prompt.to_vec(),
                 output: self.output.clone(),
                 max_tokens: 1,

@@ -1,8 +1,11 @@
-//! `BlockHasher` for Python: the chained block hashes of `kvroute_core::blocks`.
+//! `BlockHasher` for Python: the chained block hashes of `kvroute_core::blocks`; and the
+//! token synthesis of trace hash ids (`kvroute_core::trace`).
 
 use kvroute_core::blocks::{self, DEFAULT_HASH_SEED};
+use kvroute_core::trace;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
+use pyo3::types::PyByteArray;
 
 use crate::tokens::extract_tokens;
 
@@ -98,8 +101,38 @@ impl BlockHasher {
     }
 }
 
+/// The synthesized tokens of trace hash ids (``kvroute_core::trace``): a ``bytearray`` of
+/// ``len(hash_ids) * 512`` native-endian ``uint32`` token ids, block after block, for
+/// ``numpy.frombuffer``.
+///
+/// Args:
+///     hash_ids: the ids (each below 2³²).
+///     vocab: the token ids to draw from (not empty).
+///     seed: the trace's token seed (its low 32 bits count).
+#[pyfunction]
+fn trace_blocks_tokens<'py>(
+    py: Python<'py>,
+    hash_ids: Vec<u64>,
+    vocab: &Bound<'py, PyAny>,
+    seed: u64,
+) -> PyResult<Bound<'py, PyByteArray>> {
+    let vocab = extract_tokens(py, vocab)?;
+    if vocab.is_empty() {
+        return Err(PyValueError::new_err("an empty vocabulary"));
+    }
+    let mut tokens = vec![0u32; hash_ids.len() * trace::TRACE_BLOCK_TOKENS];
+    trace::blocks_tokens_into(&hash_ids, &vocab, seed, &mut tokens);
+    PyByteArray::new_with(py, tokens.len() * 4, |buf| {
+        for (dst, t) in buf.chunks_exact_mut(4).zip(&tokens) {
+            dst.copy_from_slice(&t.to_ne_bytes());
+        }
+        Ok(())
+    })
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<BlockHasher>()?;
+    m.add_function(wrap_pyfunction!(trace_blocks_tokens, m)?)?;
     m.add("DEFAULT_HASH_SEED", DEFAULT_HASH_SEED)?;
     m.add("GPU_BLOCK_SIZE", blocks::GPU_BLOCK_SIZE)?;
     Ok(())

@@ -301,10 +301,7 @@ impl BlockPool {
                 "token_ids must cover the blocks stored",
             ));
         }
-        let seq = TokenSeq {
-            prompt: &tokens,
-            output: &[],
-        };
+        let seq = TokenSeq::new(&tokens, &[]);
         self.inner
             .cache_full_blocks(&blocks, &block_hashes, num_cached, num_full, seq);
         Ok(())
@@ -802,6 +799,7 @@ impl Engine {
             }
             r.added = true;
             NewRequest {
+                prompt_head: Arc::default(),
                 prompt: r.prompt.clone(),
                 output: r.output.clone(),
                 max_tokens: r.max_tokens,

@@ -132,10 +132,6 @@ fn simulate<'py>(
         needs_overlap: native.is_none() && foreign_bound.getattr("needs_overlap")?.is_truthy()?,
         error: None,
     };
-    let policy: &mut dyn Choose = match native_policy.as_deref_mut() {
-        Some(p) => &mut p.inner,
-        None => &mut foreign,
-    };
     // The engines leave their Python handles for the run (a placeholder stands in).
     let mut taken = Vec::with_capacity(engines.len());
     for e in &engines {
@@ -147,28 +143,40 @@ fn simulate<'py>(
             scheduler::Engine::new(2, e.core.cost().clone(), *e.core.hasher(), true, false);
         taken.push(std::mem::replace(&mut e.core, placeholder));
     }
-    let placement = StepPlacement {
-        step: &mut step.inner,
-        index: index.as_deref_mut(),
-        policy,
-    };
+    let index = index.as_deref_mut();
     let mut retention = retention.as_ref().map(|r| r.borrow_mut());
-    let mut placement: Box<dyn Placement + '_> = match retention.as_deref_mut() {
-        Some(r) => Box::new(RetainingPlacement::new(placement, &mut r.inner)),
-        None => Box::new(placement),
+    let retention = retention.as_deref_mut().map(|r| &mut r.inner);
+    let run = |policy: &mut dyn Choose, index, step, retention: Option<&mut _>| {
+        let placement = StepPlacement {
+            step,
+            index,
+            policy,
+        };
+        let mut placement: Box<dyn Placement + '_> = match retention {
+            Some(r) => Box::new(RetainingPlacement::new(placement, r)),
+            None => Box::new(placement),
+        };
+        let mut sim =
+            Simulation::with_engines(taken, now, config, placement.as_mut(), prefixes, output);
+        let result = match (concurrency, &send_times) {
+            (Some(c), None) => sim.run_closed_loop(&requests, c),
+            (None, Some(times)) => sim.run_open_loop(&requests, times),
+            _ => Err(SimError::BadInput(
+                "give either concurrency or send_times".into(),
+            )),
+        };
+        let refreshes = sim.refresh_stats();
+        (sim.into_engines(), result, refreshes)
     };
-    let mut sim =
-        Simulation::with_engines(taken, now, config, placement.as_mut(), prefixes, output);
-    let result = match (concurrency, &send_times) {
-        (Some(c), None) => sim.run_closed_loop(&requests, c),
-        (None, Some(times)) => sim.run_open_loop(&requests, times),
-        _ => Err(SimError::BadInput(
-            "give either concurrency or send_times".into(),
-        )),
+    let ((back, now), result, refreshes) = match native_policy.as_deref_mut() {
+        // All in Rust: the run lets go of the interpreter, so that trials in other threads
+        // (the policies of a trace replay) run on other cores meanwhile.
+        Some(p) => {
+            let (policy, step) = (&mut p.inner, &mut step.inner);
+            py.detach(move || run(policy, index, step, retention))
+        }
+        None => run(&mut foreign, index, &mut step.inner, retention),
     };
-    let refreshes = sim.refresh_stats();
-    let (back, now) = sim.into_engines();
-    drop(placement);
     for (e, core) in engines.iter().zip(back) {
         e.borrow_mut().core = core;
     }

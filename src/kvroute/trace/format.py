@@ -47,6 +47,7 @@ import msgspec
 import numpy as np
 import xxhash
 
+from kvroute import _native
 from kvroute.errors import UNDECODABLE, UserError
 from kvroute.workload import DEFAULT_VOCAB
 
@@ -54,19 +55,6 @@ from kvroute.workload import DEFAULT_VOCAB
 BLOCK_TOKENS = 512
 
 FORMATS = ("mooncake", "kvroute")
-
-_MASK = np.uint64(0xFFFFFFFFFFFFFFFF)
-
-
-def _splitmix64(x: np.ndarray) -> np.ndarray:
-    """SplitMix64's finalizer, elementwise on uint64 (wrapping arithmetic)."""
-    x = (x + np.uint64(0x9E3779B97F4A7C15)) & _MASK
-    x = ((x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)) & _MASK
-    x = ((x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)) & _MASK
-    return x ^ (x >> np.uint64(31))
-
-
-_POSITIONS = np.arange(BLOCK_TOKENS, dtype=np.uint64)
 
 
 def block_tokens(hash_id: int, vocab: np.ndarray | None = None, seed: int = 0) -> np.ndarray:
@@ -77,12 +65,12 @@ def block_tokens(hash_id: int, vocab: np.ndarray | None = None, seed: int = 0) -
 
 
 def blocks_tokens(hash_ids: Sequence[int], vocab: np.ndarray | None = None, seed: int = 0) -> np.ndarray:
-    """``block_tokens`` of many ids in one vectorized pass: shape (len(hash_ids), 512)."""
+    """``block_tokens`` of many ids in one native pass (``kvroute_core::trace``, the formula
+    above): shape (len(hash_ids), 512), uint32."""
     vocab = DEFAULT_VOCAB if vocab is None else vocab
-    ids = np.array([((seed << 32) + h) & 0xFFFFFFFFFFFFFFFF for h in hash_ids], dtype=np.uint64)
-    keys = _splitmix64(ids)[:, None] * np.uint64(BLOCK_TOKENS)  # arrays wrap silently
-    mixed = _splitmix64((keys + _POSITIONS[None, :]) & _MASK)
-    return np.asarray(vocab, dtype=np.uint32)[mixed % np.uint64(len(vocab))]
+    raw = _native.trace_blocks_tokens([int(h) for h in hash_ids], np.asarray(vocab, dtype=np.uint32),
+                                      seed & 0xFFFFFFFF)
+    return np.frombuffer(raw, dtype=np.uint32).reshape(len(hash_ids), BLOCK_TOKENS)
 
 
 @dataclass(slots=True)

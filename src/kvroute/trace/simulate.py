@@ -59,12 +59,29 @@ def trace_policy(name: str, seed: int, block_size: int, options: dict | None = N
     return make_policy(name, rng=random.Random(trial_seed(seed, 0)), **opts)
 
 
-def simulate_trace(
-    trace: Trace, workers: int, config: WorkerConfig, policy: Policy, max_model_len: int,
-    time_scale: float = 1.0, retention: str = "off",
-) -> TraceRun:
-    """Replay ``trace`` open loop on ``workers`` simulated workers behind ``policy`` (with
-    ``retention``: see ``kvroute.sim.Simulation``; its refreshes in ``TraceRun.refreshes``)."""
+@dataclass
+class TraceInputs:
+    """A trace's requests as the simulator takes them, built once and shared by every
+    policy's replay of it (the synthesized prompts of a long trace are most of a replay's
+    Python time): each prompt is its request's own "prefix", so the native engines hold it
+    once, by reference, instead of copying it per request.
+
+    Attributes:
+        requests: the requests sent, in arrival order.
+        send_times: their send times (seconds, time-scaled).
+        refused: requests longer than ``max_model_len`` (not sent).
+        output: the tokens every request generates (the first ``output_tokens`` of them).
+    """
+
+    requests: list[RequestSpec]
+    send_times: list[float]
+    refused: int
+    output: np.ndarray
+
+
+def trace_inputs(trace: Trace, max_model_len: int, time_scale: float = 1.0) -> TraceInputs:
+    """``trace``'s requests for :func:`simulate_trace`; a request whose prompt and output do
+    not fit ``max_model_len`` is refused (counted, not sent)."""
     sent: list[RequestSpec] = []
     times: list[float] = []
     refused = 0
@@ -74,13 +91,29 @@ def simulate_trace(
             refused += 1
             continue
         prompt = trace.prompt_tokens(request)
-        sent.append(RequestSpec(i, 0, _EMPTY, prompt, request.output_length))
+        sent.append(RequestSpec(i, len(sent), prompt, _EMPTY, request.output_length))
         times.append(request.arrival_s / time_scale)
         longest_output = max(longest_output, request.output_length)
-    if not sent:
-        return TraceRun([], refused, 0.0)
     output = np.resize(trace.vocab, longest_output).astype(np.uint32)
+    return TraceInputs(sent, times, refused, output)
+
+
+def simulate_trace(
+    trace: Trace, workers: int, config: WorkerConfig, policy: Policy, max_model_len: int,
+    time_scale: float = 1.0, inputs: TraceInputs | None = None, retention: str = "off",
+) -> TraceRun:
+    """Replay ``trace`` open loop on ``workers`` simulated workers behind ``policy`` (with
+    ``retention``: see ``kvroute.sim.Simulation``; its refreshes in ``TraceRun.refreshes``;
+    ``inputs``: the trace's ``trace_inputs`` for these ``max_model_len`` and
+    ``time_scale``, when several replays share them). The native run lets go of the
+    interpreter, so replays in other threads run meanwhile."""
+    if inputs is None:
+        inputs = trace_inputs(trace, max_model_len, time_scale)
+    if not inputs.requests:
+        return TraceRun([], inputs.refused, 0.0)
     sim = Simulation(workers, config, policy, retention=retention)
-    records = sim.run(sent, 0, output, send_times=times)
-    return TraceRun(records, refused, sim.now - times[0],
+    records = sim.run(inputs.requests, 0, inputs.output, send_times=inputs.send_times)
+    for record in records:
+        record.prefix_id = 0  # a trace has no shared prefix ids (each prompt was its own)
+    return TraceRun(records, inputs.refused, sim.now - inputs.send_times[0],
                     sim.refresh_stats["requests"], sim.refresh_stats["engine_s"])

@@ -36,7 +36,7 @@ pub type BlockId = u32;
 /// The reserved null block.
 pub const NULL_BLOCK: BlockId = 0;
 
-/// End of the free queue's links.
+/// End of the free queue's links, and an empty slot of the hash table.
 const NIL: u32 = u32::MAX;
 
 /// Hashes a block hash for a table keyed by it. Block hashes are already xxh3 output, so one
@@ -58,32 +58,203 @@ impl Hasher for BlockHashHasher {
     }
 }
 
-/// A map keyed by block hash.
+/// A map keyed by block hash (for the rare tables: younger holders, the lookup memo).
 pub type BlockHashMap<V> = HashMap<u64, V, BuildHasherDefault<BlockHashHasher>>;
 
+/// One block's state, packed: everything a take, a free, a touch or an eviction reads or
+/// writes of a block sits in one 24-byte record (a cache line holds more than two), where
+/// six parallel arrays made each block visited in a scrambled free queue cost six cache
+/// misses. The pools of a 64-worker simulation then stay in the core's L2.
+#[derive(Clone, Copy, Debug)]
+struct BlockMeta {
+    /// The hash the block holds while cached (valid only when `HAS_HASH` is set).
+    hash: u64,
+    /// Free-queue links (NIL at the ends; meaningless outside the queue).
+    prev: u32,
+    next: u32,
+    /// vLLM's `KVCacheBlock.ref_cnt`.
+    ref_cnt: u32,
+    /// How many times the block was taken from the free queue, truncated: a block whose
+    /// count is unchanged has held the same hash all along (see `find_longest_hit_memo`;
+    /// wrapping after 2³² takes of one block cannot fool a memo, which is dropped long before).
+    generation: u32,
+}
+
+impl BlockMeta {
+    const FREE: Self = Self {
+        hash: 0,
+        prev: NIL,
+        next: NIL,
+        ref_cnt: 0,
+        generation: 0,
+    };
+}
+
+/// The prefix cache's table: block hash → the oldest block holding it.
+///
+/// Open addressing with linear probing over `(hash, block)` slots, deleted by backward
+/// shift (no tombstones). A pool caches at most one hash per block, so the table never holds
+/// more than `num_blocks` entries and is sized once, at most a third full: no rehash ever,
+/// and probe runs stay short. A miss's eviction (remove) and caching (insert) of ~150 hashes
+/// were the pool's main cost; measured on the 64-worker simulation (`examples/sim_speed.rs`,
+/// interleaved runs on a loaded machine), a table at most 2/3 full gained nothing over the
+/// general-purpose map, one at most 1/3 full took ~15% off the whole simulation, and a
+/// sparser one lost it again to cache misses.
+#[derive(Clone, Debug)]
+struct HashTable {
+    slots: Vec<(u64, BlockId)>,
+    shift: u32,
+    len: usize,
+}
+
+impl HashTable {
+    fn with_room_for(entries: usize) -> Self {
+        let capacity = (entries * 3).max(8).next_power_of_two();
+        Self {
+            slots: vec![(0, NIL); capacity],
+            shift: 64 - capacity.trailing_zeros(),
+            len: 0,
+        }
+    }
+
+    /// The slot a hash probes first (multiply-shift: the high bits of the product, so small
+    /// test hashes spread too).
+    #[inline]
+    fn home(&self, h: u64) -> usize {
+        (h.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    }
+
+    #[inline]
+    fn mask(&self) -> usize {
+        self.slots.len() - 1
+    }
+
+    /// The slot holding `h`, if any.
+    #[inline]
+    fn find(&self, h: u64) -> Option<usize> {
+        let mask = self.mask();
+        let mut i = self.home(h);
+        loop {
+            let (k, b) = self.slots[i];
+            if b == NIL {
+                return None;
+            }
+            if k == h {
+                return Some(i);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    #[inline]
+    fn get(&self, h: u64) -> Option<BlockId> {
+        self.find(h).map(|i| self.slots[i].1)
+    }
+
+    /// Insert `h → b` unless `h` is present; returns the present block then.
+    #[inline]
+    fn insert_if_absent(&mut self, h: u64, b: BlockId) -> Option<BlockId> {
+        let mask = self.mask();
+        let mut i = self.home(h);
+        loop {
+            let (k, old) = self.slots[i];
+            if old == NIL {
+                debug_assert!(
+                    self.len < self.slots.len() - 1,
+                    "the table is sized for every block"
+                );
+                self.slots[i] = (h, b);
+                self.len += 1;
+                return None;
+            }
+            if k == h {
+                return Some(old);
+            }
+            i = (i + 1) & mask;
+        }
+    }
+
+    /// Point present `h` at `b`.
+    fn replace(&mut self, h: u64, b: BlockId) {
+        let i = self.find(h).expect("a present hash");
+        self.slots[i].1 = b;
+    }
+
+    /// Remove `h` (if present), shifting back the entries of its probe run that would no
+    /// longer be reachable.
+    #[inline]
+    fn remove(&mut self, h: u64) {
+        let Some(mut hole) = self.find(h) else {
+            return;
+        };
+        let mask = self.mask();
+        let mut j = hole;
+        loop {
+            j = (j + 1) & mask;
+            let (k, b) = self.slots[j];
+            if b == NIL {
+                break;
+            }
+            // Entry j stays unless the hole lies cyclically between its home and j.
+            let home = self.home(k);
+            if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
+                self.slots[hole] = (k, b);
+                hole = j;
+            }
+        }
+        self.slots[hole] = (0, NIL);
+        self.len -= 1;
+    }
+
+    fn clear(&mut self) {
+        self.slots.fill((0, NIL));
+        self.len = 0;
+    }
+
+    fn keys(&self) -> impl Iterator<Item = u64> + '_ {
+        self.slots
+            .iter()
+            .filter(|&&(_, b)| b != NIL)
+            .map(|&(k, _)| k)
+    }
+}
+
 /// Tokens of a request's sequence (prompt then generated tokens), read by `BlockStored`.
+///
+/// The prompt comes in two parts, a head shared with other requests (a simulator's common
+/// prefix, held once) and the request's own tokens: the pool reads them as one sequence and
+/// never needs them joined.
 #[derive(Clone, Copy, Debug)]
 pub struct TokenSeq<'a> {
-    /// The prompt.
+    /// The prompt's shared head.
+    pub prompt_head: &'a [u32],
+    /// The rest of the prompt.
     pub prompt: &'a [u32],
     /// The tokens generated after it (only as many as the sequence has reached matter).
     pub output: &'a [u32],
 }
 
 impl TokenSeq<'_> {
+    /// A sequence of one prompt slice and its output.
+    pub fn new<'a>(prompt: &'a [u32], output: &'a [u32]) -> TokenSeq<'a> {
+        TokenSeq {
+            prompt_head: &[],
+            prompt,
+            output,
+        }
+    }
+
     /// Tokens `[lo, hi)` of the sequence, as the event carries them.
     pub fn range(&self, lo: usize, hi: usize) -> Vec<i64> {
-        let p = self.prompt.len();
         let mut out = Vec::with_capacity(hi - lo);
-        if lo < p {
-            out.extend(self.prompt[lo..hi.min(p)].iter().map(|&t| i64::from(t)));
-        }
-        if hi > p {
-            out.extend(
-                self.output[lo.max(p) - p..hi - p]
-                    .iter()
-                    .map(|&t| i64::from(t)),
-            );
+        let mut at = 0;
+        for part in [self.prompt_head, self.prompt, self.output] {
+            let end = at + part.len();
+            if lo < end && hi > at {
+                let (a, b) = (lo.max(at) - at, hi.min(end) - at);
+                out.extend(part[a..b].iter().map(|&t| i64::from(t)));
+            }
+            at = end;
         }
         out
     }
@@ -117,32 +288,32 @@ pub struct BlockPool {
     block_size: usize,
     enable_caching: bool,
     emit_events: bool,
-    ref_cnt: Vec<u32>,
-    /// The hash each block holds while it is cached (in use or free), else None.
-    block_hash: Vec<Option<u64>>,
-    /// Free-queue links by block id (NIL at the ends).
-    prev: Vec<u32>,
-    next: Vec<u32>,
-    in_free: Vec<bool>,
+    /// Per block id: its links, ref count, hash and generation.
+    meta: Vec<BlockMeta>,
+    /// Per block id: whether it holds a cached hash (in use or free), and whether it is in
+    /// the free queue. Kept beside `meta` as bit flags, one byte per block.
+    flags: Vec<u8>,
     head: u32,
     tail: u32,
     num_free: usize,
     /// hash -> the oldest block holding it (what a lookup returns).
-    cached: BlockHashMap<BlockId>,
+    cached: HashTable,
     /// hash -> younger holders of the same hash, oldest first (rare: vLLM does not dedup).
     more_holders: BlockHashMap<VecDeque<BlockId>>,
     pending_events: Vec<KvCacheEvent>,
     version: u64,
-    /// Per block, how many times it was taken from the free queue: a block whose count is
-    /// unchanged has held the same hash all along (see `find_longest_hit_memo`).
-    generation: Vec<u64>,
     /// The last hit found for a chain, by the chain's first hash: its blocks and their
     /// generations then. Bounded; any entry may be dropped.
-    hit_memo: BlockHashMap<Vec<(BlockId, u64)>>,
+    hit_memo: BlockHashMap<Vec<(BlockId, u32)>>,
     /// Scratch for `free_blocks`: the freed blocks that hold no hash, kept to spare an
     /// allocation per call.
     freed_uncached: Vec<BlockId>,
 }
+
+/// `flags` bit: the block holds a cached hash.
+const HAS_HASH: u8 = 1;
+/// `flags` bit: the block is in the free queue.
+const IN_FREE: u8 = 2;
 
 impl BlockPool {
     /// A pool of `num_blocks` blocks (the null block included, so at least 2) of
@@ -164,19 +335,15 @@ impl BlockPool {
             block_size,
             enable_caching,
             emit_events,
-            ref_cnt: vec![0; num_blocks],
-            block_hash: vec![None; num_blocks],
-            prev: vec![NIL; num_blocks],
-            next: vec![NIL; num_blocks],
-            in_free: vec![false; num_blocks],
+            meta: vec![BlockMeta::FREE; num_blocks],
+            flags: vec![0; num_blocks],
             head: NIL,
             tail: NIL,
             num_free: 0,
-            cached: BlockHashMap::default(),
+            cached: HashTable::with_room_for(num_blocks),
             more_holders: BlockHashMap::default(),
             pending_events: Vec::new(),
             version: 0,
-            generation: vec![0; num_blocks],
             hit_memo: BlockHashMap::default(),
             freed_uncached: Vec::new(),
         };
@@ -223,12 +390,13 @@ impl BlockPool {
 
     /// Ref count of `block`, as vLLM's `KVCacheBlock.ref_cnt`.
     pub fn ref_cnt(&self, block: BlockId) -> u32 {
-        self.ref_cnt[block as usize]
+        self.meta[block as usize].ref_cnt
     }
 
     /// The hash `block` holds (cached, in use or free), if any.
     pub fn block_hash(&self, block: BlockId) -> Option<u64> {
-        self.block_hash[block as usize]
+        let i = block as usize;
+        (self.flags[i] & HAS_HASH != 0).then_some(self.meta[i].hash)
     }
 
     /// Fraction of usable blocks held by requests (vLLM's `kv_cache_usage_perc`): cached but
@@ -239,12 +407,12 @@ impl BlockPool {
 
     /// The oldest block holding `block_hash`, if any.
     pub fn get_cached_block(&self, block_hash: u64) -> Option<BlockId> {
-        self.cached.get(&block_hash).copied()
+        self.cached.get(block_hash)
     }
 
     /// Every holder of `block_hash`, oldest first.
     pub fn holders(&self, block_hash: u64) -> Vec<BlockId> {
-        let mut out: Vec<BlockId> = self.cached.get(&block_hash).copied().into_iter().collect();
+        let mut out: Vec<BlockId> = self.cached.get(block_hash).into_iter().collect();
         if let Some(more) = self.more_holders.get(&block_hash) {
             out.extend(more.iter().copied());
         }
@@ -253,7 +421,7 @@ impl BlockPool {
 
     /// Cached hashes (each once, however many blocks hold it), in no particular order.
     pub fn cached_hashes(&self) -> impl Iterator<Item = u64> + '_ {
-        self.cached.keys().copied()
+        self.cached.keys()
     }
 
     /// The free queue from head (evicted first) to tail.
@@ -270,9 +438,9 @@ impl BlockPool {
         if !self.enable_caching {
             return hit;
         }
-        for h in &block_hashes[..max_blocks.min(block_hashes.len())] {
+        for &h in &block_hashes[..max_blocks.min(block_hashes.len())] {
             match self.cached.get(h) {
-                Some(&b) => hit.push(b),
+                Some(b) => hit.push(b),
                 None => break,
             }
         }
@@ -284,10 +452,9 @@ impl BlockPool {
     /// A remembered block still answers the lookup of its position while its generation is
     /// unchanged (it was never taken, so it held that hash all along and no holder older than
     /// it can have appeared: new holders are always younger) and the hash at that position is
-    /// the one it holds. Checking that reads two small arrays instead of probing the hash
-    /// table, whose random accesses were most of a many-worker simulation's lookups (a
-    /// waiting request is looked up again at each step until admitted, and requests sharing
-    /// a prefix look up the same chain). Past the remembered part, the table answers.
+    /// the one it holds. Checking that reads one packed record instead of probing the hash
+    /// table (a waiting request is looked up again at each step until admitted, and requests
+    /// sharing a prefix look up the same chain). Past the remembered part, the table answers.
     pub fn find_longest_hit_memo(
         &mut self,
         block_hashes: &[u64],
@@ -297,12 +464,19 @@ impl BlockPool {
         if !self.enable_caching || limit == 0 {
             return Vec::new();
         }
+        if self.cached.get(block_hashes[0]).is_none() {
+            // The usual miss: nothing to remember, nothing to look up further.
+            self.hit_memo.remove(&block_hashes[0]);
+            return Vec::new();
+        }
         let mut memo = self.hit_memo.remove(&block_hashes[0]).unwrap_or_default();
         let mut n = 0;
         while n < memo.len().min(limit) {
             let (b, g) = memo[n];
-            if self.generation[b as usize] != g
-                || self.block_hash[b as usize] != Some(block_hashes[n])
+            let m = &self.meta[b as usize];
+            if m.generation != g
+                || self.flags[b as usize] & HAS_HASH == 0
+                || m.hash != block_hashes[n]
             {
                 break;
             }
@@ -310,8 +484,8 @@ impl BlockPool {
         }
         memo.truncate(n);
         while n < limit {
-            match self.cached.get(&block_hashes[n]) {
-                Some(&b) => memo.push((b, self.generation[b as usize])),
+            match self.cached.get(block_hashes[n]) {
+                Some(b) => memo.push((b, self.meta[b as usize].generation)),
                 None => break,
             }
             n += 1;
@@ -328,7 +502,10 @@ impl BlockPool {
 
     /// How many of `blocks` sit in the free queue (a touch would take them out of it).
     pub fn num_evictable(&self, blocks: &[BlockId]) -> usize {
-        blocks.iter().filter(|&&b| self.in_free[b as usize]).count()
+        blocks
+            .iter()
+            .filter(|&&b| self.flags[b as usize] & IN_FREE != 0)
+            .count()
     }
 
     // -- mutations -------------------------------------------------------------------------
@@ -336,10 +513,10 @@ impl BlockPool {
     /// Take hit blocks into use: ref count +1, out of the free queue if they were free.
     pub fn touch(&mut self, blocks: &[BlockId]) {
         for &b in blocks {
-            if self.in_free[b as usize] {
+            if self.flags[b as usize] & IN_FREE != 0 {
                 self.unlink(b);
             }
-            self.ref_cnt[b as usize] += 1;
+            self.meta[b as usize].ref_cnt += 1;
         }
     }
 
@@ -362,9 +539,13 @@ impl BlockPool {
         for _ in 0..n {
             let b = self.head;
             self.unlink(b);
-            self.ref_cnt[b as usize] = 1;
-            self.generation[b as usize] += 1;
-            if let Some(h) = self.block_hash[b as usize].take() {
+            let i = b as usize;
+            let m = &mut self.meta[i];
+            m.ref_cnt = 1;
+            m.generation = m.generation.wrapping_add(1);
+            let h = m.hash;
+            if self.flags[i] & HAS_HASH != 0 {
+                self.flags[i] &= !HAS_HASH;
                 self.forget_holder(b, h);
                 if self.emit_events {
                     self.pending_events
@@ -378,16 +559,16 @@ impl BlockPool {
     fn forget_holder(&mut self, block: BlockId, block_hash: u64) {
         if self.more_holders.is_empty() {
             // The usual case: every cached hash has exactly one holder.
-            self.cached.remove(&block_hash);
+            self.cached.remove(block_hash);
             return;
         }
         let Some(more) = self.more_holders.get_mut(&block_hash) else {
-            self.cached.remove(&block_hash);
+            self.cached.remove(block_hash);
             return;
         };
-        if self.cached.get(&block_hash) == Some(&block) {
+        if self.cached.get(block_hash) == Some(block) {
             let next = more.pop_front().expect("younger holders are never empty");
-            self.cached.insert(block_hash, next);
+            self.cached.replace(block_hash, next);
         } else if let Some(i) = more.iter().position(|&b| b == block) {
             more.remove(i);
         }
@@ -415,14 +596,10 @@ impl BlockPool {
         self.version += 1;
         for i in num_cached..num_full {
             let (b, h) = (blocks[i], block_hashes[i]);
-            self.block_hash[b as usize] = Some(h);
-            match self.cached.entry(h) {
-                std::collections::hash_map::Entry::Vacant(e) => {
-                    e.insert(b);
-                }
-                std::collections::hash_map::Entry::Occupied(_) => {
-                    self.more_holders.entry(h).or_default().push_back(b);
-                }
+            self.meta[b as usize].hash = h;
+            self.flags[b as usize] |= HAS_HASH;
+            if self.cached.insert_if_absent(h, b).is_some() {
+                self.more_holders.entry(h).or_default().push_back(b);
             }
         }
         if self.emit_events {
@@ -449,11 +626,11 @@ impl BlockPool {
         self.version += 1;
         let mut uncached = std::mem::take(&mut self.freed_uncached);
         for b in ordered_blocks {
-            let r = &mut self.ref_cnt[b as usize];
+            let r = &mut self.meta[b as usize].ref_cnt;
             debug_assert!(*r > 0, "freeing a free block");
             *r -= 1;
             if *r == 0 {
-                if self.enable_caching && self.block_hash[b as usize].is_some() {
+                if self.enable_caching && self.flags[b as usize] & HAS_HASH != 0 {
                     self.push_free(b);
                 } else {
                     uncached.push(b);
@@ -475,7 +652,9 @@ impl BlockPool {
         }
         self.cached.clear();
         self.more_holders.clear();
-        self.block_hash.fill(None);
+        for f in &mut self.flags {
+            *f &= !HAS_HASH;
+        }
         self.version += 1;
         if self.emit_events {
             self.pending_events.push(KvCacheEvent::AllCleared);
@@ -497,46 +676,46 @@ impl BlockPool {
 
     fn push_free(&mut self, b: BlockId) {
         let i = b as usize;
-        self.prev[i] = self.tail;
-        self.next[i] = NIL;
+        self.meta[i].prev = self.tail;
+        self.meta[i].next = NIL;
         if self.tail == NIL {
             self.head = b;
         } else {
-            self.next[self.tail as usize] = b;
+            self.meta[self.tail as usize].next = b;
         }
         self.tail = b;
-        self.in_free[i] = true;
+        self.flags[i] |= IN_FREE;
         self.num_free += 1;
     }
 
     fn push_free_front(&mut self, b: BlockId) {
         let i = b as usize;
-        self.prev[i] = NIL;
-        self.next[i] = self.head;
+        self.meta[i].prev = NIL;
+        self.meta[i].next = self.head;
         if self.head == NIL {
             self.tail = b;
         } else {
-            self.prev[self.head as usize] = b;
+            self.meta[self.head as usize].prev = b;
         }
         self.head = b;
-        self.in_free[i] = true;
+        self.flags[i] |= IN_FREE;
         self.num_free += 1;
     }
 
     fn unlink(&mut self, b: BlockId) {
         let i = b as usize;
-        let (p, n) = (self.prev[i], self.next[i]);
+        let (p, n) = (self.meta[i].prev, self.meta[i].next);
         if p == NIL {
             self.head = n;
         } else {
-            self.next[p as usize] = n;
+            self.meta[p as usize].next = n;
         }
         if n == NIL {
             self.tail = p;
         } else {
-            self.prev[n as usize] = p;
+            self.meta[n as usize].prev = p;
         }
-        self.in_free[i] = false;
+        self.flags[i] &= !IN_FREE;
         self.num_free -= 1;
     }
 }
@@ -554,8 +733,8 @@ impl Iterator for FreeQueueIter<'_> {
             return None;
         }
         let b = self.at;
-        self.at = self.pool.next[b as usize];
-        Some((b, self.pool.block_hash[b as usize]))
+        self.at = self.pool.meta[b as usize].next;
+        Some((b, self.pool.block_hash(b)))
     }
 }
 
@@ -571,10 +750,7 @@ mod tests {
     }
 
     fn seq(t: &[u32]) -> TokenSeq<'_> {
-        TokenSeq {
-            prompt: t,
-            output: &[],
-        }
+        TokenSeq::new(t, &[])
     }
 
     fn removed(pool: &mut BlockPool) -> Vec<u64> {
@@ -741,10 +917,7 @@ mod tests {
         let blocks = pool.get_new_blocks(3).unwrap();
         let prompt: Vec<u32> = (100..106).collect();
         let output: Vec<u32> = (106..112).collect();
-        let t = TokenSeq {
-            prompt: &prompt,
-            output: &output,
-        };
+        let t = TokenSeq::new(&prompt, &output);
         pool.cache_full_blocks(&blocks, &[51, 52, 53], 0, 1, t);
         pool.cache_full_blocks(&blocks, &[51, 52, 53], 1, 3, t);
         let ev = pool.take_events();

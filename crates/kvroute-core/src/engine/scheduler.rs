@@ -38,7 +38,10 @@ pub type RequestKey = usize;
 /// A request as a driver hands it to the engine.
 #[derive(Clone, Debug)]
 pub struct NewRequest {
-    /// The prompt.
+    /// The prompt's head when other requests share it (a simulator's common prefix): held
+    /// once for all of them and never copied into a request; empty when there is none.
+    pub prompt_head: Arc<[u32]>,
+    /// The rest of the prompt (all of it when there is no shared head).
     pub prompt: Vec<u32>,
     /// The tokens the "sampler" will produce, in order (shared: a simulator gives every
     /// request the same ones).
@@ -57,7 +60,9 @@ pub struct NewRequest {
 pub struct Request {
     /// Unique per engine, for telling a request from a later one in a reused slot.
     serial: u64,
-    /// The prompt.
+    /// The prompt's shared head (see `NewRequest::prompt_head`).
+    pub prompt_head: Arc<[u32]>,
+    /// The rest of the prompt.
     pub prompt: Vec<u32>,
     /// The tokens it generates, in order.
     pub output: Arc<[u32]>,
@@ -88,7 +93,12 @@ pub struct Request {
 impl Request {
     /// Prompt plus generated tokens.
     pub fn num_tokens(&self) -> usize {
-        self.prompt.len() + self.num_output
+        self.prompt_len() + self.num_output
+    }
+
+    /// Prompt tokens (the shared head and the rest).
+    pub fn prompt_len(&self) -> usize {
+        self.prompt_head.len() + self.prompt.len()
     }
 
     /// A copy of the figures a driver records.
@@ -106,6 +116,7 @@ impl Request {
 
     fn tokens(&self) -> TokenSeq<'_> {
         TokenSeq {
+            prompt_head: &self.prompt_head,
             prompt: &self.prompt,
             output: &self.output[..self.num_output.min(self.output.len())],
         }
@@ -339,9 +350,11 @@ impl Engine {
         if max_tokens < 1 {
             return Err(RequestError::NoOutput);
         }
-        let num_blocks = (new.prompt.len() + max_tokens).div_ceil(self.block_size);
+        let num_blocks =
+            (new.prompt_head.len() + new.prompt.len() + max_tokens).div_ceil(self.block_size);
         let mut request = Request {
             serial: self.next_serial,
+            prompt_head: new.prompt_head,
             prompt: new.prompt,
             output: new.output,
             max_tokens,
@@ -358,7 +371,7 @@ impl Engine {
             finish_time: None,
         };
         self.next_serial += 1;
-        let full = request.prompt.len() / self.block_size;
+        let full = request.prompt_len() / self.block_size;
         extend_hashes(&self.hasher, &mut request, full);
         let key = match self.free_slots.pop() {
             Some(k) => {
@@ -416,7 +429,7 @@ impl Engine {
         self.schedule(result);
         for &(key, n) in &result.scheduled {
             let r = self.req(key);
-            if r.num_computed_tokens >= r.prompt.len() {
+            if r.num_computed_tokens >= r.prompt_len() {
                 result.decode_seqs += 1;
             } else {
                 result.prefill_tokens += n;
@@ -522,7 +535,7 @@ impl Engine {
                 self.stats.requests += 1;
                 self.stats.queries += num_tokens as u64;
                 self.stats.hits += num_hit as u64;
-                self.prompt_tokens_total += r.prompt.len() as u64;
+                self.prompt_tokens_total += r.prompt_len() as u64;
             }
             if r.num_cached_tokens < 0 {
                 r.num_cached_tokens = num_hit as i64;
@@ -635,7 +648,9 @@ impl Engine {
 }
 
 /// Make sure `r.block_hashes` covers its first `num_full` blocks, hashing only the tokens of
-/// the blocks it lacks (a decode step completes one block of a long sequence).
+/// the blocks it lacks (a decode step completes one block of a long sequence). The tokens are
+/// read in place from the part of the sequence (shared head, own prompt, output) that holds
+/// them; only a window across two parts is gathered.
 fn extend_hashes(hasher: &BlockHasher, r: &mut Request, num_full: usize) {
     let have = r.block_hashes.len();
     if have >= num_full {
@@ -643,18 +658,25 @@ fn extend_hashes(hasher: &BlockHasher, r: &mut Request, num_full: usize) {
     }
     let bs = hasher.block_size();
     let (lo, hi) = (have * bs, num_full * bs);
-    let p = r.prompt.len();
     let parent = r.block_hashes.last().copied();
-    if hi <= p {
-        hasher.extend_chain(&r.prompt[lo..hi], parent, &mut r.block_hashes);
-    } else if lo >= p {
-        hasher.extend_chain(&r.output[lo - p..hi - p], parent, &mut r.block_hashes);
-    } else {
-        let mut window = Vec::with_capacity(hi - lo);
-        window.extend_from_slice(&r.prompt[lo..]);
-        window.extend_from_slice(&r.output[..hi - p]);
-        hasher.extend_chain(&window, parent, &mut r.block_hashes);
+    let mut at = 0;
+    for part in [&r.prompt_head[..], &r.prompt[..], &r.output[..]] {
+        if lo >= at && hi <= at + part.len() {
+            hasher.extend_chain(&part[lo - at..hi - at], parent, &mut r.block_hashes);
+            return;
+        }
+        at += part.len();
     }
+    let mut window = Vec::with_capacity(hi - lo);
+    let mut at = 0;
+    for part in [&r.prompt_head[..], &r.prompt[..], &r.output[..]] {
+        let end = at + part.len();
+        if lo < end && hi > at {
+            window.extend_from_slice(&part[lo.max(at) - at..hi.min(end) - at]);
+        }
+        at = end;
+    }
+    hasher.extend_chain(&window, parent, &mut r.block_hashes);
 }
 
 #[cfg(test)]
@@ -682,6 +704,7 @@ mod tests {
     ) -> NewRequest {
         let output: Arc<[u32]> = output.into_iter().collect();
         NewRequest {
+            prompt_head: Arc::default(),
             prompt: prompt.into_iter().collect(),
             max_tokens: output.len(),
             output,
