@@ -327,6 +327,9 @@ pub struct KvIndex {
     evicted_blocks: u64,
     tokens: Vec<u32>,
     own_hashes: Vec<u64>,
+    /// The engines hash blocks exactly as this index does (see
+    /// [`KvIndex::trust_engine_hashes`]): an engine hash is the own hash.
+    engine_hashes_are_own: bool,
 }
 
 /// A configuration the index refuses.
@@ -394,7 +397,24 @@ impl KvIndex {
             evicted_blocks: 0,
             tokens: Vec::new(),
             own_hashes: Vec::new(),
+            engine_hashes_are_own: false,
         })
+    }
+
+    /// Take every engine block hash as this index's own hash of the same tokens, from now on:
+    /// for engines known to hash exactly as the index does (the simulator's engine model
+    /// built with the index's hasher), whose events then need neither re-hashing nor an
+    /// engine → own map: the same entries and answers for half the table work per event.
+    /// Only an index that holds nothing can switch (its earlier entries were mapped); returns
+    /// whether it is on.
+    pub fn trust_engine_hashes(&mut self) -> bool {
+        if !self.engine_hashes_are_own
+            && self.blocks == 0
+            && self.workers.iter().flatten().all(|w| w.engine.is_empty())
+        {
+            self.engine_hashes_are_own = true;
+        }
+        self.engine_hashes_are_own
     }
 
     /// The hasher prompts must be hashed with.
@@ -519,26 +539,35 @@ impl KvIndex {
         let (word, bit) = (id / 64, 1u64 << (id % 64));
         let w = self.workers[id].as_mut().expect("known worker");
         for eh in &event.block_hashes {
-            let oh = match w.engine.entry(*eh) {
-                Entry::Vacant(_) => {
-                    self.unknown_removals += 1;
-                    continue;
-                }
-                Entry::Occupied(mut e) => {
-                    if e.get().copies > 1 {
-                        e.get_mut().copies -= 1; // another copy of this engine block is stored
+            let oh = if self.engine_hashes_are_own {
+                *eh
+            } else {
+                match w.engine.entry(*eh) {
+                    Entry::Vacant(_) => {
+                        self.unknown_removals += 1;
                         continue;
                     }
-                    e.remove().own
+                    Entry::Occupied(mut e) => {
+                        if e.get().copies > 1 {
+                            e.get_mut().copies -= 1; // another copy of this engine block is stored
+                            continue;
+                        }
+                        e.remove().own
+                    }
                 }
             };
             let Entry::Occupied(mut own) = w.own.entry(oh) else {
+                if self.engine_hashes_are_own {
+                    self.unknown_removals += 1;
+                    continue;
+                }
                 unreachable!("an engine entry has its own entry");
             };
             if own.get().refs > 1 {
                 let own = own.get_mut();
-                own.refs -= 1; // another engine hash still vouches for these tokens
-                if own.engine == *eh {
+                // Another engine hash (trusted hashes: another copy) still vouches for these tokens.
+                own.refs -= 1;
+                if !self.engine_hashes_are_own && own.engine == *eh {
                     own.engine = w
                         .engine
                         .iter()
@@ -569,6 +598,10 @@ impl KvIndex {
             || event.token_ids.len() < n * bs
         {
             self.skipped_blocks += n as u64;
+            return;
+        }
+        if self.engine_hashes_are_own {
+            self.store_trusted(id, event);
             return;
         }
         let (word, bit) = (id / 64, 1u64 << (id % 64));
@@ -646,6 +679,53 @@ impl KvIndex {
                 w.predicted_order.remove(slot);
                 self.predicted -= 1;
                 drop_bit(&mut self.predicted_masks[word], oh, bit);
+            }
+        }
+        self.enforce_bound();
+    }
+
+    /// [`KvIndex::store`] when engine hashes are own hashes: a hash already held is another
+    /// stored copy of the same engine block (vLLM does not deduplicate), counted and not
+    /// touched, exactly as the engine map's copies are.
+    fn store_trusted(&mut self, id: WorkerId, event: &BlockStored) {
+        let (word, bit) = (id / 64, 1u64 << (id % 64));
+        let w = self.workers[id].as_mut().expect("known worker");
+        if let Some(p) = event.parent_block_hash
+            && !w.own.contains_key(&p)
+        {
+            self.orphan_blocks += event.block_hashes.len() as u64;
+            return;
+        }
+        let held = &mut self.held[word];
+        let bounded = self.bound.is_some();
+        w.own.reserve(event.block_hashes.len());
+        for &h in &event.block_hashes {
+            match w.own.entry(h) {
+                Entry::Occupied(mut own) => {
+                    own.get_mut().refs += 1;
+                    continue;
+                }
+                Entry::Vacant(v) => {
+                    let lru = if bounded {
+                        self.lru.push_back((id, h))
+                    } else {
+                        NIL
+                    };
+                    v.insert(OwnEntry {
+                        refs: 1,
+                        lru,
+                        engine: h,
+                    });
+                }
+            }
+            *held.entry(h).or_insert(0) |= bit;
+            self.blocks += 1;
+            if !w.predicted.is_empty()
+                && let Some(slot) = w.predicted.remove(&h)
+            {
+                w.predicted_order.remove(slot);
+                self.predicted -= 1;
+                drop_bit(&mut self.predicted_masks[word], h, bit);
             }
         }
         self.enforce_bound();
@@ -995,6 +1075,69 @@ mod tests {
         assert_eq!(MemoryBound::Bytes(ENTRY_BYTES * 3).blocks(), 3);
         let bound = Some(MemoryBound::Bytes(ENTRY_BYTES - 1));
         assert!(KvIndex::new(own(), Some(2.0), None, bound).is_err());
+    }
+
+    /// Events from engines hashing with the index's own hasher, applied to an index that maps
+    /// them and to one that trusts them: the same answers and counts after every event.
+    #[test]
+    fn trusted_engine_hashes_answer_as_mapped_ones() {
+        for bound in [None, Some(MemoryBound::Blocks(12))] {
+            let mut mapped = index(bound);
+            let mut trusted = index(bound);
+            assert!(trusted.trust_engine_hashes());
+            let mut rng = crate::pyrandom::PyRandom::from_seed(7);
+            let prompts: Vec<Vec<u32>> = (0..4).map(|i| tokens(5, 100 * i)).collect();
+            let hashes: Vec<Vec<u64>> = prompts
+                .iter()
+                .map(|p| own().hash_blocks(p, None, 0, None))
+                .collect();
+            for _ in 0..400 {
+                let k = rng.randrange(prompts.len());
+                let (p, h) = (&prompts[k], &hashes[k]);
+                let worker = ["a", "b"][rng.randrange(2)];
+                let first = rng.randrange(5);
+                let stop = first + 1 + rng.randrange(5 - first);
+                let event = if rng.random() < 0.6 {
+                    KvCacheEvent::Stored(BlockStored::plain(
+                        h[first..stop].to_vec(),
+                        first.checked_sub(1).map(|b| h[b]),
+                        p[first * BS..stop * BS].iter().map(|&t| t as i64).collect(),
+                        BS,
+                    ))
+                } else {
+                    KvCacheEvent::Removed(BlockRemoved::plain(h[first..stop].to_vec()))
+                };
+                mapped.apply(worker, std::slice::from_ref(&event));
+                trusted.apply(worker, std::slice::from_ref(&event));
+                for h in &hashes {
+                    assert_eq!(
+                        mapped.overlaps(h, &["a", "b"], 0.0),
+                        trusted.overlaps(h, &["a", "b"], 0.0)
+                    );
+                }
+                let (m, t) = (mapped.stats(), trusted.stats());
+                assert_eq!(
+                    (
+                        m.blocks,
+                        m.orphan_blocks,
+                        m.unknown_removals,
+                        m.evicted_blocks
+                    ),
+                    (
+                        t.blocks,
+                        t.orphan_blocks,
+                        t.unknown_removals,
+                        t.evicted_blocks
+                    )
+                );
+            }
+            assert_eq!(trusted.table_sizes().engine_entries, 0);
+        }
+        // Only an empty index switches.
+        let mut ix = index(None);
+        let p = tokens(2, 0);
+        ix.apply("a", &[stored(&p, 0, 2)]);
+        assert!(!ix.trust_engine_hashes());
     }
 
     #[test]

@@ -143,7 +143,14 @@ fn simulate<'py>(
             scheduler::Engine::new(2, e.core.cost().clone(), *e.core.hasher(), true, false);
         taken.push(std::mem::replace(&mut e.core, placeholder));
     }
-    let index = index.as_deref_mut();
+    let mut index = index.as_deref_mut();
+    if let Some(ix) = index.as_deref_mut()
+        && ix.hasher() == config.hasher
+    {
+        // The engine model hashes blocks with the index's own hasher: its events' hashes are
+        // the index's own (see KvIndex::trust_engine_hashes).
+        ix.trust_engine_hashes();
+    }
     let mut retention = retention.as_ref().map(|r| r.borrow_mut());
     let retention = retention.as_deref_mut().map(|r| &mut r.inner);
     let run = |policy: &mut dyn Choose, index, step, retention: Option<&mut _>| {
