@@ -600,14 +600,18 @@ impl KvIndex {
             self.skipped_blocks += n as u64;
             return;
         }
-        if self.engine_hashes_are_own {
-            self.store_trusted(id, event);
-            return;
-        }
         let (word, bit) = (id / 64, 1u64 << (id % 64));
+        let trusted = self.engine_hashes_are_own;
         let w = self.workers[id].as_mut().expect("known worker");
         let parent_own = match event.parent_block_hash {
             None => None,
+            Some(p) if trusted => {
+                if !w.own.contains_key(&p) {
+                    self.orphan_blocks += n as u64;
+                    return;
+                }
+                Some(p)
+            }
             Some(p) => match w.engine.get(&p) {
                 Some(e) => Some(e.own),
                 None => {
@@ -616,43 +620,54 @@ impl KvIndex {
                 }
             },
         };
-        // One pass converts and checks (any id outside u32, here or in a trailing partial
-        // block, means these are not token ids: nothing to hash).
-        let mut out_of_range = 0u64;
-        self.tokens.clear();
-        self.tokens
-            .extend(event.token_ids[..n * bs].iter().map(|&t| {
+        if !trusted {
+            // One pass converts and checks (any id outside u32, here or in a trailing partial
+            // block, means these are not token ids: nothing to hash).
+            let mut out_of_range = 0u64;
+            self.tokens.clear();
+            self.tokens
+                .extend(event.token_ids[..n * bs].iter().map(|&t| {
+                    out_of_range |= (t as u64) >> 32;
+                    t as u32
+                }));
+            for &t in &event.token_ids[n * bs..] {
                 out_of_range |= (t as u64) >> 32;
-                t as u32
-            }));
-        for &t in &event.token_ids[n * bs..] {
-            out_of_range |= (t as u64) >> 32;
+            }
+            if out_of_range != 0 {
+                self.skipped_blocks += n as u64;
+                return;
+            }
+            self.own_hashes.clear();
+            self.hasher
+                .extend_chain(&self.tokens[..n * bs], parent_own, &mut self.own_hashes);
+            w.engine.reserve(n);
         }
-        if out_of_range != 0 {
-            self.skipped_blocks += n as u64;
-            return;
-        }
-        self.own_hashes.clear();
-        self.hasher
-            .extend_chain(&self.tokens[..n * bs], parent_own, &mut self.own_hashes);
+        let own_hashes = if trusted {
+            &event.block_hashes
+        } else {
+            &self.own_hashes
+        };
         let held = &mut self.held[word];
         let bounded = self.bound.is_some();
-        w.engine.reserve(n);
-        for (&eh, &oh) in event.block_hashes.iter().zip(&self.own_hashes) {
-            match w.engine.entry(eh) {
-                Entry::Occupied(mut e) => {
-                    e.get_mut().copies += 1;
-                    continue;
-                }
-                Entry::Vacant(v) => {
-                    v.insert(EngineEntry { own: oh, copies: 1 });
+        for (&eh, &oh) in event.block_hashes.iter().zip(own_hashes) {
+            if !trusted {
+                match w.engine.entry(eh) {
+                    Entry::Occupied(mut e) => {
+                        e.get_mut().copies += 1;
+                        continue;
+                    }
+                    Entry::Vacant(v) => {
+                        v.insert(EngineEntry { own: oh, copies: 1 });
+                    }
                 }
             }
             match w.own.entry(oh) {
                 Entry::Occupied(mut own) => {
                     let own = own.get_mut();
                     own.refs += 1;
-                    if bounded {
+                    // Trusted hashes: another stored copy of the same engine block, counted and
+                    // not touched, as the engine map's copies are.
+                    if bounded && !trusted {
                         self.lru.move_to_back(own.lru);
                     }
                     continue;
@@ -679,53 +694,6 @@ impl KvIndex {
                 w.predicted_order.remove(slot);
                 self.predicted -= 1;
                 drop_bit(&mut self.predicted_masks[word], oh, bit);
-            }
-        }
-        self.enforce_bound();
-    }
-
-    /// [`KvIndex::store`] when engine hashes are own hashes: a hash already held is another
-    /// stored copy of the same engine block (vLLM does not deduplicate), counted and not
-    /// touched, exactly as the engine map's copies are.
-    fn store_trusted(&mut self, id: WorkerId, event: &BlockStored) {
-        let (word, bit) = (id / 64, 1u64 << (id % 64));
-        let w = self.workers[id].as_mut().expect("known worker");
-        if let Some(p) = event.parent_block_hash
-            && !w.own.contains_key(&p)
-        {
-            self.orphan_blocks += event.block_hashes.len() as u64;
-            return;
-        }
-        let held = &mut self.held[word];
-        let bounded = self.bound.is_some();
-        w.own.reserve(event.block_hashes.len());
-        for &h in &event.block_hashes {
-            match w.own.entry(h) {
-                Entry::Occupied(mut own) => {
-                    own.get_mut().refs += 1;
-                    continue;
-                }
-                Entry::Vacant(v) => {
-                    let lru = if bounded {
-                        self.lru.push_back((id, h))
-                    } else {
-                        NIL
-                    };
-                    v.insert(OwnEntry {
-                        refs: 1,
-                        lru,
-                        engine: h,
-                    });
-                }
-            }
-            *held.entry(h).or_insert(0) |= bit;
-            self.blocks += 1;
-            if !w.predicted.is_empty()
-                && let Some(slot) = w.predicted.remove(&h)
-            {
-                w.predicted_order.remove(slot);
-                self.predicted -= 1;
-                drop_bit(&mut self.predicted_masks[word], h, bit);
             }
         }
         self.enforce_bound();
