@@ -160,16 +160,45 @@ class Simulation:
         suffixes = [r.suffix for r in requests]
         offsets = np.zeros(n + 1, dtype=np.uint64)
         np.cumsum(np.fromiter(map(len, suffixes), dtype=np.uint64, count=n), out=offsets[1:])
-        out = _native.simulate(
-            self.engines, self.routing, self.now, table,
-            np.fromiter((r.prefix_id for r in requests), dtype=np.uint32, count=n),
-            suffixes, offsets,
-            np.fromiter((r.output_tokens for r in requests), dtype=np.uint32, count=n),
-            as_token_array(output_token_ids),
-            concurrency=None if send_times is not None else concurrency,
-            send_times=send_times,
-            retention=self.retention,
+        return self._records(
+            _native.simulate(
+                self.engines, self.routing, self.now, table,
+                np.fromiter((r.prefix_id for r in requests), dtype=np.uint32, count=n),
+                suffixes, offsets,
+                np.fromiter((r.output_tokens for r in requests), dtype=np.uint32, count=n),
+                as_token_array(output_token_ids),
+                concurrency=None if send_times is not None else concurrency,
+                send_times=send_times,
+                retention=self.retention,
+            ),
+            [r.index for r in requests], [r.prefix_id for r in requests],
         )
+
+    def replay(
+        self,
+        prompts: _native.PromptTable,
+        indices: list[int],
+        output_tokens: np.ndarray,
+        output_token_ids,
+        send_times: list[float],
+    ) -> list[RequestRecord]:
+        """Send each prompt of ``prompts`` (shared with other replays, not copied) at its
+        ``send_times`` entry, generating its ``output_tokens`` entry of ``output_token_ids``;
+        return the records (``index`` from ``indices``, prefix id 0: a replay's prompts are
+        not drawn from shared prefixes) in order."""
+        n = len(prompts)
+        if not n:
+            return []
+        out = _native.simulate(
+            self.engines, self.routing, self.now, prompts, np.arange(n, dtype=np.uint32),
+            _EMPTY, np.zeros(n + 1, dtype=np.uint64), np.asarray(output_tokens, dtype=np.uint32),
+            as_token_array(output_token_ids), send_times=send_times, retention=self.retention,
+        )
+        return self._records(out, indices, [0] * n)
+
+    def _records(self, out: dict, indices: list[int], prefix_ids: list[int]) -> list[RequestRecord]:
+        """The records of one ``_native.simulate`` run (its request order), counting its
+        refreshes and advancing the clock."""
         self.now = out["now"]
         self.refresh_stats["requests"] += out["refresh_requests"]
         self.refresh_stats["computed_tokens"] += out["refresh_computed_tokens"]
@@ -179,10 +208,10 @@ class Simulation:
             # Positional: RequestRecord(index, prefix_id, send_time, prompt_tokens,
             # cached_tokens, ttft_s, e2e_s, output_tokens, status, error, worker).
             return [
-                RequestRecord(spec.index, spec.prefix_id, send, prompt, cached, ttft, e2e, n_out, 200, None, names[w])
-                for spec, w, cached, prompt, send, ttft, e2e, n_out in zip(
-                    requests, out["worker"], out["cached_tokens"], out["prompt_tokens"], out["send_time"],
-                    out["ttft_s"], out["e2e_s"], out["output_tokens"],
+                RequestRecord(index, prefix_id, send, prompt, cached, ttft, e2e, n_out, 200, None, names[w])
+                for index, prefix_id, w, cached, prompt, send, ttft, e2e, n_out in zip(
+                    indices, prefix_ids, out["worker"], out["cached_tokens"], out["prompt_tokens"],
+                    out["send_time"], out["ttft_s"], out["e2e_s"], out["output_tokens"],
                 )
             ]
 

@@ -14,6 +14,7 @@ mod kvevents;
 mod routing;
 mod sim;
 mod tokens;
+mod trace;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
@@ -23,5 +24,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kvevents::register(m)?;
     consumer::register(m)?;
     sim::register(m)?;
+    trace::register(m)?;
     Ok(())
 }

@@ -21,6 +21,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::engine::{Engine, cost_of};
 use crate::routing::{ForeignPolicy, PyRetention, RoutingStep};
 use crate::tokens::extract_tokens;
+use crate::trace::PromptTable;
 
 /// A `uint32`/`uint64` array from Python as a `Vec<usize>` (offsets).
 fn offsets(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<usize>> {
@@ -57,7 +58,8 @@ fn concat_suffixes(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>>
 ///     engines: the workers' ``Engine`` objects (idle); slot ``i`` of ``routing`` is worker ``i``.
 ///     routing: the ``RoutingStep`` (with a native policy) that places the requests.
 ///     now: the simulation clock when the run starts.
-///     prefixes: the shared prefixes' token arrays, by prefix id.
+///     prefixes: the shared prefixes' token arrays, by prefix id, or a ``PromptTable``
+///         (its prompts shared, not copied).
 ///     prefix_ids, suffix_tokens, suffix_offsets, output_tokens: the requests (see
 ///         ``kvroute_core::sim::RequestSet``); ``suffix_tokens`` may also be a list of one
 ///         token array per request.
@@ -79,7 +81,7 @@ fn simulate<'py>(
     engines: Vec<Bound<'py, Engine>>,
     routing: Bound<'py, RoutingStep>,
     now: f64,
-    prefixes: Vec<Bound<'py, PyAny>>,
+    prefixes: &Bound<'py, PyAny>,
     prefix_ids: &Bound<'py, PyAny>,
     suffix_tokens: &Bound<'py, PyAny>,
     suffix_offsets: &Bound<'py, PyAny>,
@@ -98,10 +100,13 @@ fn simulate<'py>(
         suffix_offsets: offsets(py, suffix_offsets)?,
         output_tokens: extract_tokens(py, output_tokens)?,
     };
-    let prefixes: Vec<Arc<[u32]>> = prefixes
-        .iter()
-        .map(|p| extract_tokens(py, p).map(Arc::from))
-        .collect::<PyResult<_>>()?;
+    let prefixes: Vec<Arc<[u32]>> = match prefixes.cast::<PromptTable>() {
+        Ok(table) => table.get().prompts.clone(),
+        Err(_) => prefixes
+            .try_iter()?
+            .map(|p| extract_tokens(py, &p?).map(Arc::from))
+            .collect::<PyResult<_>>()?,
+    };
     let output: Arc<[u32]> = extract_tokens(py, output)?.into();
     let config = {
         let e = first.borrow();

@@ -447,14 +447,17 @@ def plot_hit_rate_over_time(timelines: Timelines, reference: Timelines | None = 
     return fig
 
 
-def _mean_in_flight(records: list[RequestRecord], worker: str, edges: np.ndarray) -> np.ndarray:
-    """Requests of ``worker`` in flight (sent, not yet finished), averaged over each time bin."""
-    total = np.zeros(len(edges) - 1)
-    for r in records:
-        if r.worker != worker:
-            continue
-        start, end = r.send_time, r.send_time + (r.e2e_s or 0.0)
-        total += np.clip(np.minimum(edges[1:], end) - np.maximum(edges[:-1], start), 0.0, None)
+def _mean_in_flight(records: list[RequestRecord], workers: list[str], edges: np.ndarray) -> np.ndarray:
+    """Requests in flight (sent, not yet finished) of each of ``workers``, averaged over each
+    time bin: shape (len(workers), bins). One pass over the records: each request's overlap
+    with every bin, summed per worker."""
+    row = {name: i for i, name in enumerate(workers)}
+    mine = [r for r in records if r.worker in row]
+    start = np.array([r.send_time for r in mine], dtype=float)
+    end = start + np.array([r.e2e_s or 0.0 for r in mine], dtype=float)
+    overlap = np.clip(np.minimum(edges[1:], end[:, None]) - np.maximum(edges[:-1], start[:, None]), 0.0, None)
+    total = np.zeros((len(workers), len(edges) - 1))
+    np.add.at(total, np.array([row[r.worker] for r in mine], dtype=np.intp), overlap)
     return total / np.diff(edges)
 
 
@@ -478,8 +481,8 @@ def plot_worker_load_over_time(timelines: Timelines):
         records = timelines[(w, name)]
         workers = sorted({r.worker for r in records if r.worker is not None})
         served = [sum(1 for r in records if r.worker == n) for n in workers]
-        for i, worker in enumerate(workers):
-            ax.plot(mids, _mean_in_flight(records, worker, edges), color=cmap(i % cmap.N), lw=1.2)
+        for i, in_flight in enumerate(_mean_in_flight(records, workers, edges)):
+            ax.plot(mids, in_flight, color=cmap(i % cmap.N), lw=1.2)
         busiest = max(served) * w / sum(served) if served else 0.0  # idle workers count in the mean
         idle = f", {w - len(workers)} idle" if len(workers) < w else ""
         ax.set_title(f"{name}, {w} workers: busiest {busiest:.2f}× the mean{idle}", fontsize=9)

@@ -10,7 +10,7 @@ import argparse
 import json
 import os
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, as_completed
 from pathlib import Path
 
 from rich import box
@@ -20,6 +20,7 @@ from kvroute.bench.files import PointSamples, Timelines, write_plots
 from kvroute.commands._common import add_trace_window_arguments
 from kvroute.engine import get_preset
 from kvroute.errors import UserError
+from kvroute.plotting import pyplot
 from kvroute.records import Point, busiest_share, write_points_json
 from kvroute.report import output_console
 from kvroute.sim import WorkerConfig
@@ -84,7 +85,14 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         order = sorted(jobs, key=lambda job: (not runs[job].needs_overlap, -job[0]))
         with ThreadPoolExecutor(max_workers=max(1, min(cores, len(jobs)))) as pool:
-            done = dict(zip(order, pool.map(replay, order)))
+            futures = {pool.submit(replay, job): job for job in order}
+            for _ in as_completed(futures):
+                if sum(not f.done() for f in futures) < cores:
+                    # A core is idle while the slowest replays finish: import the plotting
+                    # library on it now rather than after them.
+                    pyplot()
+                    break
+            done = {job: future.result() for future, job in futures.items()}
         results = [done[job] for job in jobs]
     for (w, base, mode), result in zip(jobs, results):
         name = base if mode == "off" else f"{base}+retain-{mode}"

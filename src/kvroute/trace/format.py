@@ -330,6 +330,8 @@ def _mooncake(line: _MooncakeLine, where: str) -> tuple[float, int, int, tuple[i
         )
     if len(set(ids)) != len(ids):
         raise UserError(f"{where}: a hash id repeats within the request (ids name prefixes)")
+    if ids and (min(ids) < 0 or max(ids) >= 2**64):
+        raise UserError(f"{where}: hash ids must be integers from 0 to 2^64 - 1")
     return line.timestamp / 1000.0, n, line.output_length, ids
 
 

@@ -15,13 +15,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kvroute import _native
 from kvroute.records import RequestRecord, TrialStats, summarize
 from kvroute.routing.policies import Policy, make_policy, policy_parameters
 from kvroute.sim import Simulation, WorkerConfig, trial_seed
 from kvroute.trace.format import Trace
-from kvroute.workload import RequestSpec
-
-_EMPTY = np.zeros(0, dtype=np.uint32)
 
 
 @dataclass
@@ -62,18 +60,21 @@ def trace_policy(name: str, seed: int, block_size: int, options: dict | None = N
 @dataclass
 class TraceInputs:
     """A trace's requests as the simulator takes them, built once and shared by every
-    policy's replay of it (the synthesized prompts of a long trace are most of a replay's
-    Python time): each prompt is its request's own "prefix", so the native engines hold it
-    once, by reference, instead of copying it per request.
+    policy's replay of it: the prompts live in a native table (synthesized there for a
+    Mooncake trace) that each replay holds by reference instead of copying.
 
     Attributes:
-        requests: the requests sent, in arrival order.
+        prompts: the prompts sent, in arrival order.
+        indices: each sent request's position in the trace.
+        output_tokens: each sent request's output length (uint32).
         send_times: their send times (seconds, time-scaled).
         refused: requests longer than ``max_model_len`` (not sent).
         output: the tokens every request generates (the first ``output_tokens`` of them).
     """
 
-    requests: list[RequestSpec]
+    prompts: _native.PromptTable
+    indices: list[int]
+    output_tokens: np.ndarray
     send_times: list[float]
     refused: int
     output: np.ndarray
@@ -82,20 +83,27 @@ class TraceInputs:
 def trace_inputs(trace: Trace, max_model_len: int, time_scale: float = 1.0) -> TraceInputs:
     """``trace``'s requests for :func:`simulate_trace`; a request whose prompt and output do
     not fit ``max_model_len`` is refused (counted, not sent)."""
-    sent: list[RequestSpec] = []
-    times: list[float] = []
-    refused = 0
-    longest_output = 1
-    for i, request in enumerate(trace.requests):
-        if request.input_length + request.output_length > max_model_len or request.output_length < 1:
-            refused += 1
-            continue
-        prompt = trace.prompt_tokens(request)
-        sent.append(RequestSpec(i, len(sent), prompt, _EMPTY, request.output_length))
-        times.append(request.arrival_s / time_scale)
-        longest_output = max(longest_output, request.output_length)
+    sent = [
+        (i, r) for i, r in enumerate(trace.requests)
+        if r.input_length + r.output_length <= max_model_len and r.output_length >= 1
+    ]
+    requests = [r for _, r in sent]
+    if all(r.prompt_ids is None and r.hash_ids is not None for r in requests):
+        chains = [r.hash_ids for r in requests]
+        offsets = np.zeros(len(chains) + 1, dtype=np.uint64)
+        np.cumsum(np.fromiter(map(len, chains), dtype=np.uint64, count=len(chains)), out=offsets[1:])
+        prompts = _native.PromptTable.from_trace(
+            np.fromiter((h for chain in chains for h in chain), dtype=np.uint64, count=int(offsets[-1])),
+            offsets, np.fromiter((r.input_length for r in requests), dtype=np.uint64, count=len(requests)),
+            np.asarray(trace.vocab, dtype=np.uint32), trace.seed,
+        )
+    else:  # a kvroute trace's own token ids (or a text prompt: refused there with its line)
+        prompts = _native.PromptTable([trace.prompt_tokens(r) for r in requests])
+    output_tokens = np.fromiter((r.output_length for r in requests), dtype=np.uint32, count=len(requests))
+    longest_output = max(1, int(output_tokens.max(initial=1)))
     output = np.resize(trace.vocab, longest_output).astype(np.uint32)
-    return TraceInputs(sent, times, refused, output)
+    return TraceInputs(prompts, [i for i, _ in sent], output_tokens,
+                       [r.arrival_s / time_scale for r in requests], len(trace.requests) - len(sent), output)
 
 
 def simulate_trace(
@@ -109,11 +117,9 @@ def simulate_trace(
     interpreter, so replays in other threads run meanwhile."""
     if inputs is None:
         inputs = trace_inputs(trace, max_model_len, time_scale)
-    if not inputs.requests:
+    if not inputs.indices:
         return TraceRun([], inputs.refused, 0.0)
     sim = Simulation(workers, config, policy, retention=retention)
-    records = sim.run(inputs.requests, 0, inputs.output, send_times=inputs.send_times)
-    for record in records:
-        record.prefix_id = 0  # a trace has no shared prefix ids (each prompt was its own)
+    records = sim.replay(inputs.prompts, inputs.indices, inputs.output_tokens, inputs.output, inputs.send_times)
     return TraceRun(records, inputs.refused, sim.now - inputs.send_times[0],
                     sim.refresh_stats["requests"], sim.refresh_stats["engine_s"])
