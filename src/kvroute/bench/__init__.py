@@ -13,53 +13,43 @@ Modules: ``prompts`` (requests to send), ``client`` (streaming client, load gene
 ``scrape`` (Prometheus counters), ``runner`` (trials and sweeps), ``files`` (outputs).
 """
 
-from kvroute.bench.client import WORKER_HEADER, BenchClient, run_closed_loop, run_open_loop
-from kvroute.bench.files import ResultsWriter
-from kvroute.bench.prompts import (
-    BenchRequest,
-    BenchWorkload,
-    PromptEncoder,
-    SessionSpec,
-    reference_workload,
-    session_workload,
-    trace_workload,
-)
-from kvroute.bench.runner import (
-    BenchOptions,
-    BenchRunner,
-    BenchTarget,
-    SweepHooks,
-    TrialResult,
-    TrialSink,
-    capacity_for,
-    discover_model,
-    run_sweep,
-    server_cache_config,
-    simulate_points,
-)
+#: Where each of the package's names lives: imported on first use (PEP 562), so that a
+#: command needing one module (``kvroute sim`` writes its plots with ``files``) does not
+#: import the HTTP client (aiohttp: ~0.4 s) with it.
+_LAZY = {
+    "BenchClient": "client",
+    "BenchOptions": "runner",
+    "BenchRequest": "prompts",
+    "BenchRunner": "runner",
+    "BenchTarget": "runner",
+    "BenchWorkload": "prompts",
+    "PromptEncoder": "prompts",
+    "ResultsWriter": "files",
+    "SessionSpec": "prompts",
+    "SweepHooks": "runner",
+    "TrialResult": "runner",
+    "TrialSink": "runner",
+    "WORKER_HEADER": "client",
+    "capacity_for": "runner",
+    "discover_model": "runner",
+    "reference_workload": "prompts",
+    "run_closed_loop": "client",
+    "run_open_loop": "client",
+    "run_sweep": "runner",
+    "server_cache_config": "runner",
+    "session_workload": "prompts",
+    "simulate_points": "runner",
+    "trace_workload": "prompts",
+}
 
-__all__ = [
-    "WORKER_HEADER",
-    "BenchClient",
-    "BenchOptions",
-    "BenchRequest",
-    "BenchRunner",
-    "BenchTarget",
-    "BenchWorkload",
-    "PromptEncoder",
-    "ResultsWriter",
-    "SessionSpec",
-    "SweepHooks",
-    "TrialResult",
-    "TrialSink",
-    "capacity_for",
-    "discover_model",
-    "reference_workload",
-    "run_closed_loop",
-    "run_open_loop",
-    "run_sweep",
-    "server_cache_config",
-    "session_workload",
-    "simulate_points",
-    "trace_workload",
-]
+__all__ = list(_LAZY)
+
+
+def __getattr__(name: str):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f"{__name__}.{_LAZY[name]}"), name)
+    globals()[name] = value
+    return value

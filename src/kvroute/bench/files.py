@@ -20,13 +20,16 @@ import io
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
-from kvroute.bench.runner import TrialResult, TrialSink
 from kvroute.errors import UserError
 from kvroute.plotting import pyplot
 from kvroute.records import MEDIAN_FIELDS, Point, RequestRecord, write_points_json
+
+if TYPE_CHECKING:
+    from kvroute.bench.runner import TrialResult
 
 RECORDS = "records.jsonl"
 WINDOWS = "windows.jsonl"
@@ -55,8 +58,10 @@ class PointSamples:
                 (self.hit if r.hit else self.miss).append(r.ttft_s)
 
 
-class ResultsWriter(TrialSink):
-    """Writes trials as they finish and the reports at the end.
+class ResultsWriter:
+    """Writes trials as they finish and the reports at the end (a ``runner.TrialSink``: its
+    ``trial_done`` is the one the runner calls; not a subclass, so that writing a simulator's
+    reports does not import the benchmark's HTTP client).
 
     Args:
         out: the output folder (created).
