@@ -30,9 +30,10 @@ Routers (``--routers NAME[:SETTING],...``; ``--list-settings`` shows every setti
 * ``sglang``       sglang-router, ``--policy cache_aware`` (prefix tree of routed text);
                    settings ``defaults``, ``tuned`` (tree sized to a worker's KV and evicted
                    every second), ``balance`` (a tight load guard);
-* ``vllm-router``  vllm-router (it calls a worker's ``/v1/completions/render`` or
-                   ``/tokenize`` for every request); settings ``defaults`` and ``tuned``
-                   (``cache_aware``), ``kv_aware`` (the workers' KV events);
+* ``vllm-router``  vllm-router (it calls every worker's ``/v1/completions/render`` for
+                   every request, so its workers run with ``--enable-scale-out``: see
+                   ``WORKER_ARGS``); settings ``defaults`` and ``tuned`` (``cache_aware``),
+                   ``kv_aware`` (the workers' KV events);
 * ``dynamo``       Dynamo 1.6.1 frontend, ``--router-mode kv``; settings ``defaults`` and
                    ``tuned`` (``--router-prefill-load-scale 6``). It cannot front HTTP workers:
                    it runs its own ``dynamo.mocker`` workers (same block size, block count and
@@ -517,8 +518,10 @@ def _request_success(url: str) -> int:
     ))
 
 
-async def start_emulated(workers: int, tokenizer: Path, timing: str, run_dir: Path) -> Backends:
-    """``workers`` fresh emulated workers publishing KV events.
+async def start_emulated(workers: int, tokenizer: Path, timing: str, run_dir: Path,
+                         extra_args: Sequence[str] = ()) -> Backends:
+    """``workers`` fresh emulated workers publishing KV events (``extra_args``: more
+    ``kvroute emulate`` flags, e.g. ``--enable-scale-out`` for vllm-router's kv_aware).
 
     The sockets must bind (``kvroute serve`` connects, and takes tcp:// only), and vLLM's rule
     binds only a wildcard host: ``tcp://*:P``. They listen on every interface, but only the
@@ -533,7 +536,7 @@ async def start_emulated(workers: int, tokenizer: Path, timing: str, run_dir: Pa
     fleet = await launch_emulated(workers, [
         "--tokenizer", str(tokenizer), "--served-model-name", MODEL, "--timing", timing,
         "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", "1GiB",
-        "--kv-events-config", json.dumps(config),
+        "--kv-events-config", json.dumps(config), *extra_args,
     ], startup_timeout_s=STARTUP_TIMEOUT_S)
     # "  worker i: URL/v1  kv-events ENDPOINT (replay REPLAY)" -> "ENDPOINT,REPLAY"
     endpoints = []
@@ -578,6 +581,14 @@ class WindowLoad(SweepHooks, TrialSink):
 
 
 # -- routers --------------------------------------------------------------------------------------
+
+
+#: ``kvroute emulate`` flags a router's workers need beyond the shared ones. vllm-router 0.1.17
+#: takes a text prompt's token ids (cache_aware's and kv_aware's input) from each worker's
+#: ``POST /v1/completions/render``, which vLLM 0.32 serves only with ``--enable-scale-out``
+#: (else 403, and vllm-router then routes without tokens: ``outcome="missing_tokens"``; it
+#: falls back to ``/tokenize`` only on a 404). Its workers are started as it needs them.
+WORKER_ARGS: dict[str, tuple[str, ...]] = {"vllm-router": ("--enable-scale-out",)}
 
 
 @dataclass
@@ -677,7 +688,8 @@ async def launch(entry: RouterEntry, env: Env, timing: str, tag: str) -> RouterR
     router = entry.router
     if router == "dynamo":
         return await _launch_dynamo(env, entry.setting, timing, tag)
-    backends = await start_emulated(env.workers, env.tokenizer, timing, env.run_dir)
+    backends = await start_emulated(env.workers, env.tokenizer, timing, env.run_dir,
+                                    WORKER_ARGS.get(router, ()))
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     log = env.logs / f"{router}-{entry.setting.name}-{tag}.log"

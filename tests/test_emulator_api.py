@@ -553,6 +553,77 @@ async def test_unknown_path_is_404_json(engine_server: EngineServer):
         assert await r.json() == {"detail": "Not Found"}
 
 
+# vLLM 0.32's scale-out routes; `vllm serve` without --enable-scale-out (the tier's servers and
+# the emulator) answers each with 403. vllm-router probes /v1/completions/render first.
+SCALE_OUT_PATHS = [
+    "/v1/completions/render", "/v1/chat/completions/render", "/v1/messages/render",
+    "/v1/responses/render", "/v1/completions/derender", "/v1/chat/completions/derender",
+    "/inference/v1/generate", "/inference/v1/abort_requests",
+]
+
+
+@pytest.mark.parametrize("path", SCALE_OUT_PATHS)
+async def test_scale_out_routes_are_403_without_enable_scale_out(engine_server: EngineServer, path):
+    body = json.dumps({"model": engine_server.model, "prompt": "Hello there"}).encode()
+    for data, content_type in ((body, "application/json"), (b"not json", "text/plain")):
+        status, answer = await _post_raw(engine_server, path, data, content_type)
+        assert status == 403, (path, answer)
+        _assert_error_object(answer, 403)
+        assert answer["error"]["type"] == "PermissionDeniedError"
+        assert "--enable-scale-out" in answer["error"]["message"]
+    async with aiohttp.ClientSession() as s, s.get(f"{engine_server.base_url}{path}") as r:
+        assert r.status == 405  # mounted for POST only
+
+
+#: The top-level fields of vLLM 0.32's GenerateRequest, as `vllm launch render` answers them.
+GENERATE_REQUEST_FIELDS = {
+    "request_id", "token_ids", "token_offsets", "features", "content_parts", "sampling_params",
+    "model", "reasoning_ended", "reasoning_parser_kwargs", "return_token_ids", "output_mode",
+    "stream", "stream_options", "cache_salt", "priority", "kv_transfer_params", "ec_transfer_params",
+}
+
+
+async def test_emulator_render_with_scale_out_gives_the_tokens_generation_uses(rng):
+    async for server in _emulator(details=True, enable_scale_out=True):
+        text = " ".join(f"w{i}" for i in random_ids(rng, 40))
+        body = {"model": "alias-model", "prompt": text, "max_tokens": 3, "temperature": 0,
+                "stream": True, "stream_options": {"include_usage": True}, "ignore_eos": True}
+        status, rendered = await _post_raw(server, "/v1/completions/render", json.dumps(body).encode())
+        assert status == 200 and isinstance(rendered, list) and len(rendered) == 1
+        (item,) = rendered
+        assert set(item) == GENERATE_REQUEST_FIELDS
+        assert item["request_id"].startswith("cmpl-") and item["model"] == "test-model"
+        assert item["stream"] is True and item["output_mode"] == "tokens"
+        assert item["stream_options"] == {"include_usage": True, "continuous_usage_stats": False}
+        params = item["sampling_params"]
+        assert params["max_tokens"] == 3 and params["ignore_eos"] is True
+        assert params["temperature"] == 0.0 and "top_p" not in params  # greedy
+        assert params["output_kind"] == 1  # DELTA, streamed
+        _, tokenized = await _post_raw(server, "/tokenize", json.dumps({"prompt": text}).encode())
+        assert item["token_ids"] == tokenized["tokens"]
+        async with server.client() as client:
+            done = await client.completions.create(model=server.model, prompt=text, max_tokens=1)
+        assert done.usage.prompt_tokens == len(item["token_ids"])
+
+        chat = {"model": server.model, "messages": [{"role": "user", "content": text}]}
+        status, rendered = await _post_raw(server, "/v1/chat/completions/render", json.dumps(chat).encode())
+        assert status == 200 and set(rendered) == GENERATE_REQUEST_FIELDS
+        assert rendered["request_id"].startswith("chatcmpl-")
+        # Chat without max_tokens gets what the context leaves, as vLLM's render says.
+        assert rendered["sampling_params"]["max_tokens"] == MAX_MODEL_LEN - len(rendered["token_ids"])
+        assert rendered["sampling_params"]["output_kind"] == 2  # FINAL_ONLY
+        _, tokenized = await _post_raw(server, "/tokenize", json.dumps({"messages": chat["messages"]}).encode())
+        assert rendered["token_ids"] == tokenized["tokens"]
+
+        status, answer = await _post_raw(server, "/v1/completions/render", b'{"model": "nope", "prompt": "x"}')
+        assert status == 404 and answer["error"]["type"] == "NotFoundError"
+        status, answer = await _post_raw(server, "/v1/completions/render", b'{"model": "test-model"}')
+        assert status == 400
+        # Scale-out routes it does not model say so, instead of pretending to be disabled.
+        status, answer = await _post_raw(server, "/inference/v1/generate", b"{}")
+        assert status == 501 and answer["error"]["type"] == "NotImplementedError"
+
+
 async def test_server_survives_bad_requests(engine_server: EngineServer, rng):
     for data in (b"", b"null", b'{"prompt": {}}', b'{"prompt": [1.5]}', b'{"messages": "x"}'):
         for path in ("/v1/completions", "/v1/chat/completions"):

@@ -321,3 +321,30 @@ def test_several_results_files_pool_as_further_runs(tmp_path):
     assert [r.run for r in rows] == [0, 1, 2]
     (summary,) = peers.summarize_compare(rows)
     assert (summary.runs, summary.hit_rate.median, summary.hit_rate.high) == (3, 0.82, 0.90)
+
+
+async def test_vllm_router_workers_serve_the_render_it_takes_tokens_from():
+    # vllm-router 0.1.17 takes a text prompt's tokens from /v1/completions/render only; a
+    # vLLM 0.32 worker serves it with --enable-scale-out (403 without), so its emulated
+    # workers get that flag and the other routers' workers do not.
+    import argparse
+
+    from kvroute.commands import emulate
+    from kvroute.emulator import start_workers
+
+    assert "--enable-scale-out" in peers.WORKER_ARGS["vllm-router"]
+    assert not any("--enable-scale-out" in a for r, a in peers.WORKER_ARGS.items() if r != "vllm-router")
+    parser = argparse.ArgumentParser()
+    emulate.add_arguments(parser)
+    for args, status in ((peers.WORKER_ARGS["vllm-router"], 200), ((), 403)):
+        config = emulate.config_from_args(parser.parse_args(["--timing", "instant", *args]))
+        (worker,) = await start_workers(config, 1)
+        try:
+            body = {"model": config.model_name, "prompt": "Hello there"}
+            async with aiohttp.ClientSession() as s, s.post(f"{worker.url}/v1/completions/render", json=body) as r:
+                assert r.status == status
+                if status == 200:
+                    (rendered,) = await r.json()
+                    assert rendered["token_ids"]
+        finally:
+            await worker.close()

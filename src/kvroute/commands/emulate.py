@@ -19,8 +19,9 @@ HELP = "serve emulated vLLM workers: OpenAI API, Prometheus metrics and KV event
 DESCRIPTION = """\
 Serve one or more emulated vLLM workers. Each speaks vLLM's OpenAI-compatible API
 (/v1/completions, /v1/chat/completions, /v1/models, /tokenize, /health,
-/reset_prefix_cache), exposes vLLM's Prometheus metrics on /metrics and, with
---kv-events-config, publishes vLLM's KV cache events over ZeroMQ. Its prefix cache and
+/reset_prefix_cache; with --enable-scale-out also /v1/completions/render and
+/v1/chat/completions/render, 403 without, as vLLM), exposes vLLM's Prometheus metrics on
+/metrics and, with --kv-events-config, publishes vLLM's KV cache events over ZeroMQ. Its prefix cache and
 scheduler are kvroute's engine model; time comes from a cost-model preset, optionally run
 faster than real time with --time-scale (all ratios kept).
 
@@ -91,6 +92,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="report usage.prompt_tokens_details.cached_tokens",
     )
     serve.add_argument(
+        "--enable-scale-out", action="store_true",
+        help="serve /v1/completions/render and /v1/chat/completions/render (a prompt's token "
+        "ids; vllm-router's kv_aware asks them); without it the scale-out routes answer 403",
+    )
+    serve.add_argument(
         "--kv-events-config", metavar="JSON",
         help="vLLM's KV events JSON, e.g. "
         '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\'',
@@ -135,6 +141,7 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "enable_prefix_caching": args.enable_prefix_caching,
         "enable_prompt_tokens_details": args.enable_prompt_tokens_details,
+        "enable_scale_out": args.enable_scale_out,
         "kv_events_config": args.kv_events_config,
         "kv_events_wire_format": args.kv_events_wire_format,
         "tokenizer": args.tokenizer,

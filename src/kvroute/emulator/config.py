@@ -62,6 +62,10 @@ class EmulatorConfig:
         time_scale: run that many times faster than real time (ratios are kept).
         max_num_seqs / max_num_batched_tokens: scheduler limits (default: the preset's).
         enable_prompt_tokens_details: report ``usage.prompt_tokens_details.cached_tokens``.
+        enable_scale_out: serve the render routes (``/v1/completions/render``,
+            ``/v1/chat/completions/render``: a prompt's token ids, vllm-router's input for
+            ``kv_aware``), as ``vllm serve --enable-scale-out``; without it every scale-out
+            route answers 403, as vLLM's default does.
         kv_events_config: vLLM's ``--kv-events-config`` JSON, or None.
         kv_events_wire_format: ``map`` (current vLLM) or ``array`` (older, positional).
         tokenizer: a local Hugging Face tokenizer directory, or None for the built-in one.
@@ -79,6 +83,7 @@ class EmulatorConfig:
     max_num_batched_tokens: int | None = None
     enable_prefix_caching: bool = True
     enable_prompt_tokens_details: bool = False
+    enable_scale_out: bool = False
     kv_events_config: str | None = None
     kv_events_wire_format: str = "map"
     tokenizer: str | None = None

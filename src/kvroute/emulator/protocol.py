@@ -350,6 +350,85 @@ def parse_tokenize(body: dict, ctx: ServingContext) -> dict:
     return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": list(tokens), "token_strs": None}
 
 
+# -- render (vllm serve --enable-scale-out) ---------------------------------------------------
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    return float(_field(body, name, (float, int), default))
+
+
+def _render_sampling_params(body: dict, gen: GenerationRequest, max_tokens: int | None) -> dict:
+    """``GenerateRequest.sampling_params`` as vLLM 0.32's render dumps it for the fields the
+    emulator reads (checked against ``vllm launch render``): greedy (temperature 0) drops
+    ``top_p``/``min_p``, ``max_tokens`` and ``seed`` appear only when the request set them,
+    ``ignore_eos`` only when true; ``output_kind`` is 1 (DELTA) streamed, 2 (FINAL_ONLY) not."""
+    temperature = _number(body, "temperature", 1.0)
+    params: dict[str, Any] = {
+        "presence_penalty": _number(body, "presence_penalty", 0.0),
+        "frequency_penalty": _number(body, "frequency_penalty", 0.0),
+        "repetition_penalty": _number(body, "repetition_penalty", 1.0),
+        "temperature": temperature,
+    }
+    if temperature != 0.0:
+        params["top_p"] = _number(body, "top_p", 1.0)
+        params["min_p"] = _number(body, "min_p", 0.0)
+    seed = _field(body, "seed", (int,))
+    if seed is not None:
+        params["seed"] = seed
+    stop = _field(body, "stop", (list, str), [])
+    params["stop"] = [stop] if isinstance(stop, str) else list(stop)
+    params["stop_token_ids"] = list(_field(body, "stop_token_ids", (list,), []))
+    if _field(body, "ignore_eos", (bool,), False):
+        params["ignore_eos"] = True
+    if max_tokens is not None:
+        params["max_tokens"] = max_tokens
+    params.update(output_kind=1 if gen.stream else 2, skip_clone=True, bad_words=[],
+                  skip_reading_prefix_cache=False)
+    return params
+
+
+def _generate_request(body: dict, gen: GenerationRequest, max_tokens: int | None) -> dict:
+    """One ``GenerateRequest`` (``entrypoints/scale_out/token_in_token_out/protocol.py``) as
+    render answers it: the prompt's token ids, what generation would compute from."""
+    stream_options = None
+    if gen.stream and _field(body, "stream_options", (dict,)) is not None:
+        stream_options = {"include_usage": gen.include_usage, "continuous_usage_stats": gen.continuous_usage}
+    return {
+        "request_id": gen.request_id,
+        "token_ids": list(gen.prompt_token_ids),
+        "token_offsets": None,
+        "features": None,
+        "content_parts": None,
+        "sampling_params": _render_sampling_params(body, gen, max_tokens),
+        "model": gen.model,
+        "reasoning_ended": None,
+        "reasoning_parser_kwargs": None,
+        "return_token_ids": _field(body, "return_token_ids", (bool,)),
+        "output_mode": "tokens",
+        "stream": gen.stream,
+        "stream_options": stream_options,
+        "cache_salt": None,
+        "priority": 0,
+        "kv_transfer_params": None,
+        "ec_transfer_params": None,
+    }
+
+
+def render_completion(body: dict, ctx: ServingContext) -> list[dict]:
+    """``POST /v1/completions/render``: the ``GenerateRequest`` list the completion would run
+    (one per prompt; the emulator takes one prompt), validated and tokenized exactly as
+    ``/v1/completions`` does, so its token ids are the ones the KV events hash."""
+    gen = parse_completion(body, ctx)
+    return [_generate_request(body, gen, _max_tokens(body, ("max_tokens",), None))]
+
+
+def render_chat(body: dict, ctx: ServingContext) -> dict:
+    """``POST /v1/chat/completions/render``: one ``GenerateRequest`` for the templated messages
+    (chat's ``max_tokens`` is always set: what the context leaves when the request gives none)."""
+    gen = parse_chat(body, ctx)
+    return _generate_request(body, gen, gen.max_tokens)
+
+
 # -- responses -----------------------------------------------------------------------------
 
 

@@ -5,7 +5,14 @@ requests to the ``EmulatedWorker`` and writes what comes back. Routes (as vLLM s
 
 * ``POST /v1/completions``, ``POST /v1/chat/completions`` — streamed (SSE) or not;
 * ``GET /v1/models``, ``GET /health``, ``POST /tokenize``, ``POST /reset_prefix_cache``,
-  ``GET /metrics``.
+  ``GET /metrics``;
+* the scale-out routes (``SCALE_OUT_PATHS``) answer 403, as ``vllm serve`` without
+  ``--enable-scale-out`` does; with it (``EmulatorConfig.enable_scale_out``)
+  ``POST /v1/completions/render`` and ``POST /v1/chat/completions/render`` answer a prompt's
+  token ids in vLLM's ``GenerateRequest`` shape, and the scale-out routes the emulator does not
+  model answer 501. vllm-router's ``kv_aware`` takes a text prompt's tokens from
+  ``/v1/completions/render`` only: a 403 leaves it routing blind (a 404 sends it to
+  ``/tokenize``).
 
 A client mistake is always a 4xx with an OpenAI-style error object, never a 500. A client
 that disconnects aborts its request in the engine (aiohttp cancels the handler).
@@ -17,6 +24,7 @@ import asyncio
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from http import HTTPStatus
 
 from aiohttp import web
 
@@ -32,6 +40,8 @@ from kvroute.emulator.protocol import (
     parse_completion,
     parse_json_body,
     parse_tokenize,
+    render_chat,
+    render_completion,
     validation_error,
 )
 from kvroute.emulator.worker import EmulatedWorker, make_output_generator
@@ -46,6 +56,27 @@ MAX_BODY_BYTES = 64 * 1024 * 1024
 _JSON = "application/json"
 _SSE_HEADERS = {"Content-Type": "text/event-stream; charset=utf-8", "Cache-Control": "no-cache"}
 _DONE = b"data: [DONE]\n\n"
+
+#: vLLM 0.32's scale-out routes (``entrypoints/scale_out``: render, derender and token-in
+#: token-out). ``vllm serve`` without ``--enable-scale-out`` mounts each of them (POST) on a
+#: handler that answers 403 whatever the body (``register_scale_out_api_routers``).
+SCALE_OUT_PATHS = (
+    "/v1/chat/completions/render",
+    "/v1/messages/render",
+    "/v1/completions/render",
+    "/v1/responses/render",
+    "/v1/chat/completions/derender",
+    "/v1/completions/derender",
+    "/inference/v1/generate",
+    "/inference/v1/abort_requests",
+)
+#: The scale-out routes ``--enable-scale-out`` serves here (the others answer 501).
+RENDER_PATHS = ("/v1/completions/render", "/v1/chat/completions/render")
+_SCALE_OUT_DISABLED = ApiError(
+    "Scale-out endpoints are disabled. Restart vllm serve with --enable-scale-out to enable them.",
+    HTTPStatus.FORBIDDEN,
+    "PermissionDeniedError",
+)
 
 
 def _error(exc: ApiError) -> web.Response:
@@ -91,6 +122,15 @@ class EmulatorApp:
                 web.get("/metrics", self.metrics),
             ]
         )
+        if worker.config.enable_scale_out:
+            self.app.add_routes([
+                web.post("/v1/completions/render", self.render_completion, expect_handler=_expect),
+                web.post("/v1/chat/completions/render", self.render_chat, expect_handler=_expect),
+            ])
+            unmodelled = [path for path in SCALE_OUT_PATHS if path not in RENDER_PATHS]
+            self.app.add_routes([web.post(path, self.scale_out_not_emulated) for path in unmodelled])
+        else:
+            self.app.add_routes([web.post(path, self.scale_out_disabled) for path in SCALE_OUT_PATHS])
 
     @web.middleware
     async def _errors(self, request: web.Request, handler: Callable) -> web.StreamResponse:
@@ -188,6 +228,28 @@ class EmulatorApp:
         # vLLM answers 200 even when the reset is refused (requests still hold blocks).
         self.worker.reset_prefix_cache()
         return web.Response(status=200)
+
+    async def render_completion(self, request: web.Request) -> web.Response:
+        return await self._render(request, render_completion)
+
+    async def render_chat(self, request: web.Request) -> web.Response:
+        return await self._render(request, render_chat)
+
+    async def _render(self, request: web.Request, render: Callable) -> web.Response:
+        body = await _json_body(request)
+        try:
+            result = render(body, self.context)
+        except UserError as exc:  # a chat template that refuses the messages
+            raise ApiError(str(exc)) from None
+        return web.Response(body=dumps(result), content_type=_JSON)
+
+    async def scale_out_not_emulated(self, request: web.Request) -> web.Response:
+        raise ApiError(f"{request.path} is not emulated (kvroute emulate serves only the render "
+                       f"routes of --enable-scale-out)", HTTPStatus.NOT_IMPLEMENTED, "NotImplementedError")
+
+    async def scale_out_disabled(self, request: web.Request) -> web.Response:
+        # vLLM's handler takes no body, so it answers 403 before any validation.
+        return _error(_SCALE_OUT_DISABLED)
 
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(
