@@ -196,7 +196,9 @@ SETTINGS: dict[str, dict[str, Setting]] = {
             "(--kv-event-source URL=ENDPOINT, --kv-event-replay-source; src/policies/kv_aware.rs "
             "in vllm-project/router). Its static sources have no topic flag and saw nothing of "
             "workers publishing on a topic (issue 19), so the emulated workers publish on "
-            "topic \"\", vLLM's default"),
+            "topic \"\", vLLM's default. Tokens from every worker's /v1/completions/render "
+            "(WORKER_ARGS). Its --help's other kv_aware flags (temperature, tier penalties, "
+            "session affinity) do not apply to this workload (peers/README.md, issue 19)"),
             policy="kv_aware", kv_events=True),
     },
     "dynamo": {
