@@ -52,7 +52,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::blocks::BlockHasher;
-use crate::engine::events::{BlockRemoved, BlockStored, KvCacheEvent};
+use crate::engine::events::{BlockRemoved, BlockStored, HashEvent, HashEvents, KvCacheEvent};
 
 /// Estimated bytes one event-backed (worker, block) entry costs across the index's tables
 /// (engine-hash entry, own-hash entry, its share of the worker mask, the LRU node, with the
@@ -536,53 +536,68 @@ impl KvIndex {
     }
 
     fn remove(&mut self, id: WorkerId, event: &BlockRemoved) {
-        let (word, bit) = (id / 64, 1u64 << (id % 64));
-        let w = self.workers[id].as_mut().expect("known worker");
-        for eh in &event.block_hashes {
-            let oh = if self.engine_hashes_are_own {
-                *eh
-            } else {
-                match w.engine.entry(*eh) {
-                    Entry::Vacant(_) => {
-                        self.unknown_removals += 1;
-                        continue;
-                    }
-                    Entry::Occupied(mut e) => {
-                        if e.get().copies > 1 {
-                            e.get_mut().copies -= 1; // another copy of this engine block is stored
-                            continue;
-                        }
-                        e.remove().own
-                    }
-                }
-            };
-            let Entry::Occupied(mut own) = w.own.entry(oh) else {
-                if self.engine_hashes_are_own {
+        if self.engine_hashes_are_own {
+            self.remove_hashes(id, &event.block_hashes);
+            return;
+        }
+        for &eh in &event.block_hashes {
+            let w = self.workers[id].as_mut().expect("known worker");
+            let oh = match w.engine.entry(eh) {
+                Entry::Vacant(_) => {
                     self.unknown_removals += 1;
                     continue;
                 }
-                unreachable!("an engine entry has its own entry");
-            };
-            if own.get().refs > 1 {
-                let own = own.get_mut();
-                // Another engine hash (trusted hashes: another copy) still vouches for these tokens.
-                own.refs -= 1;
-                if !self.engine_hashes_are_own && own.engine == *eh {
-                    own.engine = w
-                        .engine
-                        .iter()
-                        .find(|(_, e)| e.own == oh)
-                        .map_or(0, |(k, _)| *k);
+                Entry::Occupied(mut e) => {
+                    if e.get().copies > 1 {
+                        e.get_mut().copies -= 1; // another copy of this engine block is stored
+                        continue;
+                    }
+                    e.remove().own
                 }
-                continue;
-            }
-            let lru = own.remove().lru;
-            if self.bound.is_some() {
-                self.lru.remove(lru);
-            }
-            self.blocks -= 1;
-            drop_bit(&mut self.held[word], oh, bit);
+            };
+            let released = self.release(id, oh, eh);
+            debug_assert!(released, "an engine entry has its own entry");
         }
+    }
+
+    /// Removals of trusted engine hashes (each the own hash), in order.
+    fn remove_hashes(&mut self, id: WorkerId, hashes: &[u64]) {
+        for &h in hashes {
+            if !self.release(id, h, h) {
+                self.unknown_removals += 1;
+            }
+        }
+    }
+
+    /// One engine hash `eh` stops vouching for `(id, oh)`: the entry leaves when none is
+    /// left. False when `(id, oh)` is not held.
+    #[inline]
+    fn release(&mut self, id: WorkerId, oh: u64, eh: u64) -> bool {
+        let (word, bit) = (id / 64, 1u64 << (id % 64));
+        let w = self.workers[id].as_mut().expect("known worker");
+        let Entry::Occupied(mut own) = w.own.entry(oh) else {
+            return false;
+        };
+        if own.get().refs > 1 {
+            let own = own.get_mut();
+            // Another engine hash (trusted hashes: another copy) still vouches for these tokens.
+            own.refs -= 1;
+            if !self.engine_hashes_are_own && own.engine == eh {
+                own.engine = w
+                    .engine
+                    .iter()
+                    .find(|(_, e)| e.own == oh)
+                    .map_or(0, |(k, _)| *k);
+            }
+            return true;
+        }
+        let lru = own.remove().lru;
+        if self.bound.is_some() {
+            self.lru.remove(lru);
+        }
+        self.blocks -= 1;
+        drop_bit(&mut self.held[word], oh, bit);
+        true
     }
 
     fn store(&mut self, id: WorkerId, event: &BlockStored) {
@@ -600,18 +615,13 @@ impl KvIndex {
             self.skipped_blocks += n as u64;
             return;
         }
-        let (word, bit) = (id / 64, 1u64 << (id % 64));
-        let trusted = self.engine_hashes_are_own;
+        if self.engine_hashes_are_own {
+            self.store_hashes(id, event.parent_block_hash, &event.block_hashes);
+            return;
+        }
         let w = self.workers[id].as_mut().expect("known worker");
         let parent_own = match event.parent_block_hash {
             None => None,
-            Some(p) if trusted => {
-                if !w.own.contains_key(&p) {
-                    self.orphan_blocks += n as u64;
-                    return;
-                }
-                Some(p)
-            }
             Some(p) => match w.engine.get(&p) {
                 Some(e) => Some(e.own),
                 None => {
@@ -620,83 +630,124 @@ impl KvIndex {
                 }
             },
         };
-        if !trusted {
-            // One pass converts and checks (any id outside u32, here or in a trailing partial
-            // block, means these are not token ids: nothing to hash).
-            let mut out_of_range = 0u64;
-            self.tokens.clear();
-            self.tokens
-                .extend(event.token_ids[..n * bs].iter().map(|&t| {
-                    out_of_range |= (t as u64) >> 32;
-                    t as u32
-                }));
-            for &t in &event.token_ids[n * bs..] {
+        // One pass converts and checks (any id outside u32, here or in a trailing partial
+        // block, means these are not token ids: nothing to hash).
+        let mut out_of_range = 0u64;
+        self.tokens.clear();
+        self.tokens
+            .extend(event.token_ids[..n * bs].iter().map(|&t| {
                 out_of_range |= (t as u64) >> 32;
-            }
-            if out_of_range != 0 {
-                self.skipped_blocks += n as u64;
-                return;
-            }
-            self.own_hashes.clear();
-            self.hasher
-                .extend_chain(&self.tokens[..n * bs], parent_own, &mut self.own_hashes);
-            w.engine.reserve(n);
+                t as u32
+            }));
+        for &t in &event.token_ids[n * bs..] {
+            out_of_range |= (t as u64) >> 32;
         }
-        let own_hashes = if trusted {
-            &event.block_hashes
-        } else {
-            &self.own_hashes
-        };
-        let held = &mut self.held[word];
-        let bounded = self.bound.is_some();
-        for (&eh, &oh) in event.block_hashes.iter().zip(own_hashes) {
-            if !trusted {
-                match w.engine.entry(eh) {
-                    Entry::Occupied(mut e) => {
-                        e.get_mut().copies += 1;
-                        continue;
-                    }
-                    Entry::Vacant(v) => {
-                        v.insert(EngineEntry { own: oh, copies: 1 });
-                    }
-                }
-            }
-            match w.own.entry(oh) {
-                Entry::Occupied(mut own) => {
-                    let own = own.get_mut();
-                    own.refs += 1;
-                    // Trusted hashes: another stored copy of the same engine block, counted and
-                    // not touched, as the engine map's copies are.
-                    if bounded && !trusted {
-                        self.lru.move_to_back(own.lru);
-                    }
+        if out_of_range != 0 {
+            self.skipped_blocks += n as u64;
+            return;
+        }
+        let mut own_hashes = std::mem::take(&mut self.own_hashes);
+        own_hashes.clear();
+        self.hasher
+            .extend_chain(&self.tokens[..n * bs], parent_own, &mut own_hashes);
+        w.engine.reserve(n);
+        for (&eh, &oh) in event.block_hashes.iter().zip(&own_hashes) {
+            let w = self.workers[id].as_mut().expect("known worker");
+            match w.engine.entry(eh) {
+                Entry::Occupied(mut e) => {
+                    e.get_mut().copies += 1;
                     continue;
                 }
                 Entry::Vacant(v) => {
-                    let lru = if bounded {
-                        self.lru.push_back((id, oh))
-                    } else {
-                        NIL
-                    };
-                    v.insert(OwnEntry {
-                        refs: 1,
-                        lru,
-                        engine: eh,
-                    });
+                    v.insert(EngineEntry { own: oh, copies: 1 });
                 }
             }
-            *held.entry(oh).or_insert(0) |= bit;
-            self.blocks += 1;
-            if !w.predicted.is_empty()
-                && let Some(slot) = w.predicted.remove(&oh)
-            {
-                // The event now vouches for this block: the prediction has served its purpose.
-                w.predicted_order.remove(slot);
-                self.predicted -= 1;
-                drop_bit(&mut self.predicted_masks[word], oh, bit);
+            self.hold(id, eh, oh, true);
+        }
+        self.own_hashes = own_hashes;
+        self.enforce_bound();
+    }
+
+    /// A `BlockStored` of trusted engine hashes (each the own hash) after `parent`.
+    fn store_hashes(&mut self, id: WorkerId, parent: Option<u64>, hashes: &[u64]) {
+        if let Some(p) = parent {
+            let w = self.workers[id].as_ref().expect("known worker");
+            if !w.own.contains_key(&p) {
+                self.orphan_blocks += hashes.len() as u64;
+                return;
             }
         }
+        for &h in hashes {
+            // Another stored copy of the same engine block is counted and not touched, as
+            // the engine map's copies are.
+            self.hold(id, h, h, false);
+        }
         self.enforce_bound();
+    }
+
+    /// Engine hash `eh` now vouches for `(id, oh)`: a new entry, or one more reference
+    /// (touched when `touch_held`).
+    #[inline]
+    fn hold(&mut self, id: WorkerId, eh: u64, oh: u64, touch_held: bool) {
+        let (word, bit) = (id / 64, 1u64 << (id % 64));
+        let bounded = self.bound.is_some();
+        let w = self.workers[id].as_mut().expect("known worker");
+        match w.own.entry(oh) {
+            Entry::Occupied(mut own) => {
+                let own = own.get_mut();
+                own.refs += 1;
+                if bounded && touch_held {
+                    self.lru.move_to_back(own.lru);
+                }
+                return;
+            }
+            Entry::Vacant(v) => {
+                let lru = if bounded {
+                    self.lru.push_back((id, oh))
+                } else {
+                    NIL
+                };
+                v.insert(OwnEntry {
+                    refs: 1,
+                    lru,
+                    engine: eh,
+                });
+            }
+        }
+        *self.held[word].entry(oh).or_insert(0) |= bit;
+        self.blocks += 1;
+        if !w.predicted.is_empty()
+            && let Some(slot) = w.predicted.remove(&oh)
+        {
+            // The event now vouches for this block: the prediction has served its purpose.
+            w.predicted_order.remove(slot);
+            self.predicted -= 1;
+            drop_bit(&mut self.predicted_masks[word], oh, bit);
+        }
+    }
+
+    /// Apply one worker's KV events given as hash events, in order: what [`KvIndex::apply_to`]
+    /// does with the full events they were reduced from (`HashEvents::from_events`), for an
+    /// index that trusts the engines' hashes (panics otherwise: an untrusted index must hash
+    /// the tokens, which hash events do not carry) and engines that emit plain blocks of its
+    /// block size (the engine model's), the only ones whose events it would keep.
+    pub fn apply_hash_events(&mut self, id: WorkerId, events: &HashEvents) {
+        assert!(
+            self.engine_hashes_are_own,
+            "hash events need an index that trusts the engine hashes"
+        );
+        for event in events.iter() {
+            match event {
+                HashEvent::Stored { parent, hashes } => self.store_hashes(id, parent, hashes),
+                HashEvent::Removed(hashes) => self.remove_hashes(id, hashes),
+                HashEvent::AllCleared => self.clear(id),
+            }
+        }
+    }
+
+    /// Whether engine hashes are taken as own hashes ([`KvIndex::trust_engine_hashes`]).
+    pub fn trusts_engine_hashes(&self) -> bool {
+        self.engine_hashes_are_own
     }
 
     /// Drop the least recently touched entries beyond the memory bound.
@@ -1046,13 +1097,21 @@ mod tests {
     }
 
     /// Events from engines hashing with the index's own hasher, applied to an index that maps
-    /// them and to one that trusts them: the same answers and counts after every event.
+    /// them, to one that trusts them and, reduced to hash events, to another that trusts
+    /// them: the same answers and counts after every event.
     #[test]
     fn trusted_engine_hashes_answer_as_mapped_ones() {
         for bound in [None, Some(MemoryBound::Blocks(12))] {
             let mut mapped = index(bound);
             let mut trusted = index(bound);
             assert!(trusted.trust_engine_hashes());
+            let mut hashed = index(bound);
+            assert!(hashed.trust_engine_hashes());
+            let ids = [hashed.ensure_worker("a"), hashed.ensure_worker("b")];
+            assert_eq!(
+                ids,
+                [trusted.ensure_worker("a"), trusted.ensure_worker("b")]
+            );
             let mut rng = crate::pyrandom::PyRandom::from_seed(7);
             let prompts: Vec<Vec<u32>> = (0..4).map(|i| tokens(5, 100 * i)).collect();
             let hashes: Vec<Vec<u64>> = prompts
@@ -1062,10 +1121,13 @@ mod tests {
             for _ in 0..400 {
                 let k = rng.randrange(prompts.len());
                 let (p, h) = (&prompts[k], &hashes[k]);
-                let worker = ["a", "b"][rng.randrange(2)];
+                let w = rng.randrange(2);
+                let worker = ["a", "b"][w];
                 let first = rng.randrange(5);
                 let stop = first + 1 + rng.randrange(5 - first);
-                let event = if rng.random() < 0.6 {
+                let event = if rng.random() < 0.03 {
+                    KvCacheEvent::AllCleared
+                } else if rng.random() < 0.6 {
                     KvCacheEvent::Stored(BlockStored::plain(
                         h[first..stop].to_vec(),
                         first.checked_sub(1).map(|b| h[b]),
@@ -1077,12 +1139,13 @@ mod tests {
                 };
                 mapped.apply(worker, std::slice::from_ref(&event));
                 trusted.apply(worker, std::slice::from_ref(&event));
+                hashed.apply_hash_events(ids[w], &HashEvents::from_events(&[event]));
                 for h in &hashes {
-                    assert_eq!(
-                        mapped.overlaps(h, &["a", "b"], 0.0),
-                        trusted.overlaps(h, &["a", "b"], 0.0)
-                    );
+                    let want = mapped.overlaps(h, &["a", "b"], 0.0);
+                    assert_eq!(want, trusted.overlaps(h, &["a", "b"], 0.0));
+                    assert_eq!(want, hashed.overlaps(h, &["a", "b"], 0.0));
                 }
+                assert_eq!(trusted.stats(), hashed.stats());
                 let (m, t) = (mapped.stats(), trusted.stats());
                 assert_eq!(
                     (
