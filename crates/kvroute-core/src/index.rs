@@ -39,9 +39,9 @@
 //!   when it is stored and when a prompt holding it is routed to its worker, the same accesses
 //!   that keep it in vLLM's own LRU. Predicted entries are bounded by their TTL and capacity.
 //!
-//! Look-up speed: each block maps to one `u64` mask per group of 64 workers (one bit per
-//! worker). [`KvIndex::overlaps_into`] ANDs the masks along the prompt's chain and stops as
-//! soon as no worker is left, so a look-up costs one or two map reads per matched block
+//! Look-up speed: each block maps to one entry per group of 64 workers, two `u64` masks (one
+//! bit per worker: held by events, predicted). [`KvIndex::overlaps_into`] ANDs the masks along the prompt's chain and stops as
+//! soon as no worker is left, so a look-up costs one map read per matched block
 //! whatever the number of workers. Maps are keyed by hashes already uniform, with a cheap
 //! mixer instead of SipHash.
 //!
@@ -286,6 +286,14 @@ struct OwnEntry {
     engine: u64,
 }
 
+/// A block's holders among one group of 64 workers, one bit per worker: those whose events
+/// vouch for it, and those it is predicted at (a worker's bit is in one at most).
+#[derive(Clone, Copy, Debug, Default)]
+struct Holders {
+    held: u64,
+    predicted: u64,
+}
+
 /// Everything the index knows about one worker.
 #[derive(Debug)]
 struct Worker {
@@ -310,10 +318,10 @@ pub struct KvIndex {
     by_name: HashMap<String, WorkerId>,
     free_slots: Vec<WorkerId>,
     next_generation: u64,
-    /// Per group of 64 workers: own hash → mask of event-backed holders.
-    held: Vec<HashKeyed<u64>>,
-    /// Per group of 64 workers: own hash → mask of predicted holders.
-    predicted_masks: Vec<HashKeyed<u64>>,
+    /// Per group of 64 workers: own hash → its event-backed and predicted holders (one
+    /// table for both, so that a look-up, a store replacing a prediction and a prediction
+    /// meeting a held block each read one entry).
+    masks: Vec<HashKeyed<Holders>>,
     /// (expiry, worker, generation, own hash) in expiry order; stale items are skipped.
     expiry: VecDeque<(f64, WorkerId, u64, u64)>,
     /// Event-backed entries in touch order (only with a memory bound).
@@ -384,8 +392,7 @@ impl KvIndex {
             by_name: HashMap::new(),
             free_slots: Vec::new(),
             next_generation: 0,
-            held: Vec::new(),
-            predicted_masks: Vec::new(),
+            masks: Vec::new(),
             expiry: VecDeque::new(),
             lru: LruList::new(),
             blocks: 0,
@@ -460,9 +467,8 @@ impl KvIndex {
             self.workers.len() - 1
         });
         let word = id / 64;
-        while self.held.len() <= word {
-            self.held.push(HashKeyed::default());
-            self.predicted_masks.push(HashKeyed::default());
+        while self.masks.len() <= word {
+            self.masks.push(HashKeyed::default());
         }
         self.next_generation += 1;
         self.workers[id] = Some(Worker {
@@ -500,16 +506,15 @@ impl KvIndex {
         let (word, bit) = (id / 64, 1u64 << (id % 64));
         let w = self.workers[id].as_mut().expect("known worker");
         self.blocks -= w.own.len();
-        let held = &mut self.held[word];
+        let masks = &mut self.masks[word];
         for (oh, entry) in w.own.drain() {
-            drop_bit(held, oh, bit);
+            drop_bits(masks, oh, bit, 0);
             if self.bound.is_some() {
                 self.lru.remove(entry.lru);
             }
         }
-        let masks = &mut self.predicted_masks[word];
         for (oh, _) in w.predicted.drain() {
-            drop_bit(masks, oh, bit);
+            drop_bits(masks, oh, 0, bit);
         }
         self.predicted -= w.predicted_order.len;
         w.predicted_order.clear();
@@ -596,7 +601,7 @@ impl KvIndex {
             self.lru.remove(lru);
         }
         self.blocks -= 1;
-        drop_bit(&mut self.held[word], oh, bit);
+        drop_bits(&mut self.masks[word], oh, bit, 0);
         true
     }
 
@@ -714,15 +719,18 @@ impl KvIndex {
                 });
             }
         }
-        *self.held[word].entry(oh).or_insert(0) |= bit;
+        let holders = self.masks[word].entry(oh).or_default();
+        holders.held |= bit;
         self.blocks += 1;
-        if !w.predicted.is_empty()
-            && let Some(slot) = w.predicted.remove(&oh)
-        {
+        if holders.predicted & bit != 0 {
             // The event now vouches for this block: the prediction has served its purpose.
+            holders.predicted &= !bit;
+            let slot = w
+                .predicted
+                .remove(&oh)
+                .expect("a predicted bit has its entry");
             w.predicted_order.remove(slot);
             self.predicted -= 1;
-            drop_bit(&mut self.predicted_masks[word], oh, bit);
         }
     }
 
@@ -766,7 +774,7 @@ impl KvIndex {
             } else {
                 w.engine.remove(&own.engine);
             }
-            drop_bit(&mut self.held[word], oh, bit);
+            drop_bits(&mut self.masks[word], oh, bit, 0);
             self.blocks -= 1;
             self.evicted_blocks += 1;
         }
@@ -788,27 +796,28 @@ impl KvIndex {
         let bounded = self.bound.is_some();
         let (word, bit) = (id / 64, 1u64 << (id % 64));
         let w = self.workers[id].as_mut().expect("known worker");
-        let masks = &mut self.predicted_masks[word];
+        let masks = &mut self.masks[word];
         // Tail first: vLLM frees a finished request's blocks in reverse so its tail is
         // evicted first; inserting in that order makes the LRU below evict the same way.
         for &h in block_hashes.iter().rev() {
-            if let Some(own) = w.own.get(&h) {
+            // Never left empty: either bit is set below, or the entry was there already.
+            let holders = masks.entry(h).or_default();
+            if holders.held & bit != 0 {
                 if bounded {
+                    let own = w.own.get(&h).expect("a held bit has its entry");
                     self.lru.move_to_back(own.lru); // a hit touches the block in vLLM too
                 }
                 continue; // events already vouch for it
             }
-            match w.predicted.get(&h) {
-                Some(&slot) => {
-                    w.predicted_order.move_to_back(slot);
-                    w.predicted_order.get_mut(slot).1 = expires;
-                }
-                None => {
-                    *masks.entry(h).or_insert(0) |= bit;
-                    let slot = w.predicted_order.push_back((h, expires));
-                    w.predicted.insert(h, slot);
-                    self.predicted += 1;
-                }
+            if holders.predicted & bit != 0 {
+                let slot = *w.predicted.get(&h).expect("a predicted bit has its entry");
+                w.predicted_order.move_to_back(slot);
+                w.predicted_order.get_mut(slot).1 = expires;
+            } else {
+                holders.predicted |= bit;
+                let slot = w.predicted_order.push_back((h, expires));
+                w.predicted.insert(h, slot);
+                self.predicted += 1;
             }
             if track {
                 self.expiry.push_back((expires, id, w.generation, h));
@@ -820,7 +829,7 @@ impl KvIndex {
                 let (h, _) = w.predicted_order.remove(slot);
                 w.predicted.remove(&h);
                 self.predicted -= 1;
-                drop_bit(masks, h, bit);
+                drop_bits(masks, h, 0, bit);
             }
         }
         if track && self.expiry.len() > 1024 && self.expiry.len() > 2 * self.predicted {
@@ -846,7 +855,7 @@ impl KvIndex {
                 w.predicted.remove(&h);
                 w.predicted_order.remove(slot);
                 self.predicted -= 1;
-                drop_bit(&mut self.predicted_masks[id / 64], h, 1u64 << (id % 64));
+                drop_bits(&mut self.masks[id / 64], h, 0, 1u64 << (id % 64));
             }
         }
     }
@@ -890,7 +899,7 @@ impl KvIndex {
         self.expire(now);
         out.clear();
         out.resize(workers.len(), 0);
-        let words = self.held.len();
+        let words = self.masks.len();
         for word in 0..words {
             let mut alive = 0u64;
             let mut position = [0u32; 64];
@@ -905,15 +914,10 @@ impl KvIndex {
             if alive == 0 {
                 continue;
             }
-            let held = &self.held[word];
-            let predicted = &self.predicted_masks[word];
-            let use_predicted = !predicted.is_empty();
+            let masks = &self.masks[word];
             let mut depth = 0usize;
             for h in block_hashes {
-                let mut m = held.get(h).copied().unwrap_or(0) & alive;
-                if m != alive && use_predicted {
-                    m |= predicted.get(h).copied().unwrap_or(0) & alive;
-                }
+                let m = masks.get(h).map_or(0, |e| e.held | e.predicted) & alive;
                 if m != alive {
                     assign(out, &position, alive & !m, depth);
                     alive = m;
@@ -957,8 +961,18 @@ impl KvIndex {
     pub fn table_sizes(&self) -> TableSizes {
         let workers = self.workers.iter().flatten();
         TableSizes {
-            held_keys: self.held.iter().map(HashMap::len).sum(),
-            predicted_keys: self.predicted_masks.iter().map(HashMap::len).sum(),
+            held_keys: self
+                .masks
+                .iter()
+                .flat_map(HashMap::values)
+                .filter(|e| e.held != 0)
+                .count(),
+            predicted_keys: self
+                .masks
+                .iter()
+                .flat_map(HashMap::values)
+                .filter(|e| e.predicted != 0)
+                .count(),
             expiry_queue: self.expiry.len(),
             engine_entries: workers.clone().map(|w| w.engine.len()).sum(),
             duplicate_copies: workers
@@ -979,10 +993,13 @@ impl KvIndex {
     }
 }
 
-fn drop_bit(table: &mut HashKeyed<u64>, h: u64, bit: u64) {
+/// Clear `held` and `predicted` bits of `h`'s holders, forgetting `h` once it has none.
+fn drop_bits(table: &mut HashKeyed<Holders>, h: u64, held: u64, predicted: u64) {
     if let Entry::Occupied(mut m) = table.entry(h) {
-        *m.get_mut() &= !bit;
-        if *m.get() == 0 {
+        let e = m.get_mut();
+        e.held &= !held;
+        e.predicted &= !predicted;
+        if e.held == 0 && e.predicted == 0 {
             m.remove();
         }
     }
