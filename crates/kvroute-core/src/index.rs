@@ -301,7 +301,13 @@ struct Worker {
     /// Distinguishes this worker from a later one in the same slot (expiry queue items).
     generation: u64,
     engine: HashKeyed<EngineEntry>,
+    /// Its event-backed entries (empty in a flat index, see `KvIndex::flat`: its held bits
+    /// are its entries then, and `copies` counts their extra copies).
     own: HashKeyed<OwnEntry>,
+    /// Flat index only: own hash → stored copies beyond the first (rare: vLLM duplicates).
+    copies: HashKeyed<u32>,
+    /// Event-backed entries it has (`own.len()` when not flat).
+    held: usize,
     /// own hash → LRU slot of `(own hash, expiry)`, least recently routed first.
     predicted: HashKeyed<u32>,
     predicted_order: LruList<(u64, f64)>,
@@ -338,6 +344,10 @@ pub struct KvIndex {
     /// The engines hash blocks exactly as this index does (see
     /// [`KvIndex::trust_engine_hashes`]): an engine hash is the own hash.
     engine_hashes_are_own: bool,
+    /// Trusted hashes and no memory bound: an entry needs neither an engine hash nor an LRU
+    /// slot, so a worker's entries are its bits in `masks` alone (one table per store and
+    /// removal instead of two), its duplicates counted apart.
+    flat: bool,
 }
 
 /// A configuration the index refuses.
@@ -405,6 +415,7 @@ impl KvIndex {
             tokens: Vec::new(),
             own_hashes: Vec::new(),
             engine_hashes_are_own: false,
+            flat: false,
         })
     }
 
@@ -412,6 +423,9 @@ impl KvIndex {
     /// for engines known to hash exactly as the index does (the simulator's engine model
     /// built with the index's hasher), whose events then need neither re-hashing nor an
     /// engine → own map: the same entries and answers for half the table work per event.
+    /// Without a memory bound the index then keeps no per-worker entry either (no LRU slot
+    /// to keep): a block's held bit is the entry, one table probe per stored or removed
+    /// block.
     /// Only an index that holds nothing can switch (its earlier entries were mapped); returns
     /// whether it is on.
     pub fn trust_engine_hashes(&mut self) -> bool {
@@ -420,6 +434,7 @@ impl KvIndex {
             && self.workers.iter().flatten().all(|w| w.engine.is_empty())
         {
             self.engine_hashes_are_own = true;
+            self.flat = self.bound.is_none();
         }
         self.engine_hashes_are_own
     }
@@ -476,6 +491,8 @@ impl KvIndex {
             generation: self.next_generation,
             engine: HashKeyed::default(),
             own: HashKeyed::default(),
+            copies: HashKeyed::default(),
+            held: 0,
             predicted: HashKeyed::default(),
             predicted_order: LruList::new(),
         });
@@ -505,8 +522,16 @@ impl KvIndex {
     fn clear(&mut self, id: WorkerId) {
         let (word, bit) = (id / 64, 1u64 << (id % 64));
         let w = self.workers[id].as_mut().expect("known worker");
-        self.blocks -= w.own.len();
+        self.blocks -= w.held;
         let masks = &mut self.masks[word];
+        if self.flat && w.held > 0 {
+            masks.retain(|_, e| {
+                e.held &= !bit;
+                e.held != 0 || e.predicted != 0
+            });
+        }
+        w.held = 0;
+        w.copies.clear();
         for (oh, entry) in w.own.drain() {
             drop_bits(masks, oh, bit, 0);
             if self.bound.is_some() {
@@ -580,6 +605,33 @@ impl KvIndex {
     fn release(&mut self, id: WorkerId, oh: u64, eh: u64) -> bool {
         let (word, bit) = (id / 64, 1u64 << (id % 64));
         let w = self.workers[id].as_mut().expect("known worker");
+        if self.flat {
+            let Entry::Occupied(mut holders) = self.masks[word].entry(oh) else {
+                return false;
+            };
+            if holders.get().held & bit == 0 {
+                return false;
+            }
+            if !w.copies.is_empty()
+                && let Entry::Occupied(mut extra) = w.copies.entry(oh)
+            {
+                // Another stored copy still vouches for these tokens.
+                if *extra.get() > 1 {
+                    *extra.get_mut() -= 1;
+                } else {
+                    extra.remove();
+                }
+                return true;
+            }
+            let e = holders.get_mut();
+            e.held &= !bit;
+            if e.predicted == 0 && e.held == 0 {
+                holders.remove();
+            }
+            w.held -= 1;
+            self.blocks -= 1;
+            return true;
+        }
         let Entry::Occupied(mut own) = w.own.entry(oh) else {
             return false;
         };
@@ -600,6 +652,7 @@ impl KvIndex {
         if self.bound.is_some() {
             self.lru.remove(lru);
         }
+        w.held -= 1;
         self.blocks -= 1;
         drop_bits(&mut self.masks[word], oh, bit, 0);
         true
@@ -677,7 +730,14 @@ impl KvIndex {
     fn store_hashes(&mut self, id: WorkerId, parent: Option<u64>, hashes: &[u64]) {
         if let Some(p) = parent {
             let w = self.workers[id].as_ref().expect("known worker");
-            if !w.own.contains_key(&p) {
+            let held = if self.flat {
+                self.masks[id / 64]
+                    .get(&p)
+                    .is_some_and(|e| e.held & (1u64 << (id % 64)) != 0)
+            } else {
+                w.own.contains_key(&p)
+            };
+            if !held {
                 self.orphan_blocks += hashes.len() as u64;
                 return;
             }
@@ -697,6 +757,26 @@ impl KvIndex {
         let (word, bit) = (id / 64, 1u64 << (id % 64));
         let bounded = self.bound.is_some();
         let w = self.workers[id].as_mut().expect("known worker");
+        if self.flat {
+            let holders = self.masks[word].entry(oh).or_default();
+            if holders.held & bit != 0 {
+                *w.copies.entry(oh).or_insert(0) += 1; // another copy, counted, not touched
+                return;
+            }
+            holders.held |= bit;
+            w.held += 1;
+            self.blocks += 1;
+            if holders.predicted & bit != 0 {
+                holders.predicted &= !bit;
+                let slot = w
+                    .predicted
+                    .remove(&oh)
+                    .expect("a predicted bit has its entry");
+                w.predicted_order.remove(slot);
+                self.predicted -= 1;
+            }
+            return;
+        }
         match w.own.entry(oh) {
             Entry::Occupied(mut own) => {
                 let own = own.get_mut();
@@ -721,6 +801,7 @@ impl KvIndex {
         }
         let holders = self.masks[word].entry(oh).or_default();
         holders.held |= bit;
+        w.held += 1;
         self.blocks += 1;
         if holders.predicted & bit != 0 {
             // The event now vouches for this block: the prediction has served its purpose.
@@ -769,6 +850,7 @@ impl KvIndex {
                 .as_mut()
                 .expect("an LRU entry's worker is known");
             let own = w.own.remove(&oh).expect("an LRU entry is held");
+            w.held -= 1;
             if own.refs > 1 {
                 w.engine.retain(|_, e| e.own != oh);
             } else {
@@ -941,7 +1023,7 @@ impl KvIndex {
     pub fn worker_blocks_of(&self, id: WorkerId) -> usize {
         self.workers[id]
             .as_ref()
-            .map_or(0, |w| w.own.len() + w.predicted.len())
+            .map_or(0, |w| w.held + w.predicted.len())
     }
 
     /// Size and health.
@@ -982,6 +1064,7 @@ impl KvIndex {
                         .map(|e| e.copies as usize - 1)
                         .sum::<usize>()
                         + w.own.values().map(|o| o.refs as usize - 1).sum::<usize>()
+                        + w.copies.values().map(|&c| c as usize).sum::<usize>()
                 })
                 .sum(),
         }
@@ -1163,6 +1246,17 @@ mod tests {
                     assert_eq!(want, hashed.overlaps(h, &["a", "b"], 0.0));
                 }
                 assert_eq!(trusted.stats(), hashed.stats());
+                let sizes = |ix: &KvIndex| {
+                    let t = ix.table_sizes();
+                    (
+                        t.held_keys,
+                        t.duplicate_copies,
+                        ix.worker_blocks("a"),
+                        ix.worker_blocks("b"),
+                    )
+                };
+                assert_eq!(sizes(&mapped), sizes(&trusted));
+                assert_eq!(sizes(&mapped), sizes(&hashed));
                 let (m, t) = (mapped.stats(), trusted.stats());
                 assert_eq!(
                     (
