@@ -39,9 +39,9 @@
 //!   when it is stored and when a prompt holding it is routed to its worker, the same accesses
 //!   that keep it in vLLM's own LRU. Predicted entries are bounded by their TTL and capacity.
 //!
-//! Look-up speed: each block maps to one `u64` mask per group of 64 workers (one bit per
-//! worker). [`KvIndex::overlaps_into`] ANDs the masks along the prompt's chain and stops as
-//! soon as no worker is left, so a look-up costs one or two map reads per matched block
+//! Look-up speed: each block maps to one entry per group of 64 workers, two `u64` masks (one
+//! bit per worker: held by events, predicted). [`KvIndex::overlaps_into`] ANDs the masks along the prompt's chain and stops as
+//! soon as no worker is left, so a look-up costs one map read per matched block
 //! whatever the number of workers. Maps are keyed by hashes already uniform, with a cheap
 //! mixer instead of SipHash.
 //!
@@ -52,7 +52,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::blocks::BlockHasher;
-use crate::engine::events::{BlockRemoved, BlockStored, KvCacheEvent};
+use crate::engine::events::{BlockRemoved, BlockStored, HashEvent, HashEvents, KvCacheEvent};
 
 /// Estimated bytes one event-backed (worker, block) entry costs across the index's tables
 /// (engine-hash entry, own-hash entry, its share of the worker mask, the LRU node, with the
@@ -286,6 +286,14 @@ struct OwnEntry {
     engine: u64,
 }
 
+/// A block's holders among one group of 64 workers, one bit per worker: those whose events
+/// vouch for it, and those it is predicted at (a worker's bit is in one at most).
+#[derive(Clone, Copy, Debug, Default)]
+struct Holders {
+    held: u64,
+    predicted: u64,
+}
+
 /// Everything the index knows about one worker.
 #[derive(Debug)]
 struct Worker {
@@ -293,7 +301,13 @@ struct Worker {
     /// Distinguishes this worker from a later one in the same slot (expiry queue items).
     generation: u64,
     engine: HashKeyed<EngineEntry>,
+    /// Its event-backed entries (empty in a flat index, see `KvIndex::flat`: its held bits
+    /// are its entries then, and `copies` counts their extra copies).
     own: HashKeyed<OwnEntry>,
+    /// Flat index only: own hash → stored copies beyond the first (rare: vLLM duplicates).
+    copies: HashKeyed<u32>,
+    /// Event-backed entries it has (`own.len()` when not flat).
+    held: usize,
     /// own hash → LRU slot of `(own hash, expiry)`, least recently routed first.
     predicted: HashKeyed<u32>,
     predicted_order: LruList<(u64, f64)>,
@@ -310,10 +324,10 @@ pub struct KvIndex {
     by_name: HashMap<String, WorkerId>,
     free_slots: Vec<WorkerId>,
     next_generation: u64,
-    /// Per group of 64 workers: own hash → mask of event-backed holders.
-    held: Vec<HashKeyed<u64>>,
-    /// Per group of 64 workers: own hash → mask of predicted holders.
-    predicted_masks: Vec<HashKeyed<u64>>,
+    /// Per group of 64 workers: own hash → its event-backed and predicted holders (one
+    /// table for both, so that a look-up, a store replacing a prediction and a prediction
+    /// meeting a held block each read one entry).
+    masks: Vec<HashKeyed<Holders>>,
     /// (expiry, worker, generation, own hash) in expiry order; stale items are skipped.
     expiry: VecDeque<(f64, WorkerId, u64, u64)>,
     /// Event-backed entries in touch order (only with a memory bound).
@@ -330,6 +344,10 @@ pub struct KvIndex {
     /// The engines hash blocks exactly as this index does (see
     /// [`KvIndex::trust_engine_hashes`]): an engine hash is the own hash.
     engine_hashes_are_own: bool,
+    /// Trusted hashes and no memory bound: an entry needs neither an engine hash nor an LRU
+    /// slot, so a worker's entries are its bits in `masks` alone (one table per store and
+    /// removal instead of two), its duplicates counted apart.
+    flat: bool,
 }
 
 /// A configuration the index refuses.
@@ -384,8 +402,7 @@ impl KvIndex {
             by_name: HashMap::new(),
             free_slots: Vec::new(),
             next_generation: 0,
-            held: Vec::new(),
-            predicted_masks: Vec::new(),
+            masks: Vec::new(),
             expiry: VecDeque::new(),
             lru: LruList::new(),
             blocks: 0,
@@ -398,6 +415,7 @@ impl KvIndex {
             tokens: Vec::new(),
             own_hashes: Vec::new(),
             engine_hashes_are_own: false,
+            flat: false,
         })
     }
 
@@ -405,6 +423,9 @@ impl KvIndex {
     /// for engines known to hash exactly as the index does (the simulator's engine model
     /// built with the index's hasher), whose events then need neither re-hashing nor an
     /// engine → own map: the same entries and answers for half the table work per event.
+    /// Without a memory bound the index then keeps no per-worker entry either (no LRU slot
+    /// to keep): a block's held bit is the entry, one table probe per stored or removed
+    /// block.
     /// Only an index that holds nothing can switch (its earlier entries were mapped); returns
     /// whether it is on.
     pub fn trust_engine_hashes(&mut self) -> bool {
@@ -413,6 +434,7 @@ impl KvIndex {
             && self.workers.iter().flatten().all(|w| w.engine.is_empty())
         {
             self.engine_hashes_are_own = true;
+            self.flat = self.bound.is_none();
         }
         self.engine_hashes_are_own
     }
@@ -460,9 +482,8 @@ impl KvIndex {
             self.workers.len() - 1
         });
         let word = id / 64;
-        while self.held.len() <= word {
-            self.held.push(HashKeyed::default());
-            self.predicted_masks.push(HashKeyed::default());
+        while self.masks.len() <= word {
+            self.masks.push(HashKeyed::default());
         }
         self.next_generation += 1;
         self.workers[id] = Some(Worker {
@@ -470,6 +491,8 @@ impl KvIndex {
             generation: self.next_generation,
             engine: HashKeyed::default(),
             own: HashKeyed::default(),
+            copies: HashKeyed::default(),
+            held: 0,
             predicted: HashKeyed::default(),
             predicted_order: LruList::new(),
         });
@@ -499,17 +522,24 @@ impl KvIndex {
     fn clear(&mut self, id: WorkerId) {
         let (word, bit) = (id / 64, 1u64 << (id % 64));
         let w = self.workers[id].as_mut().expect("known worker");
-        self.blocks -= w.own.len();
-        let held = &mut self.held[word];
+        self.blocks -= w.held;
+        let masks = &mut self.masks[word];
+        if self.flat && w.held > 0 {
+            masks.retain(|_, e| {
+                e.held &= !bit;
+                e.held != 0 || e.predicted != 0
+            });
+        }
+        w.held = 0;
+        w.copies.clear();
         for (oh, entry) in w.own.drain() {
-            drop_bit(held, oh, bit);
+            drop_bits(masks, oh, bit, 0);
             if self.bound.is_some() {
                 self.lru.remove(entry.lru);
             }
         }
-        let masks = &mut self.predicted_masks[word];
         for (oh, _) in w.predicted.drain() {
-            drop_bit(masks, oh, bit);
+            drop_bits(masks, oh, 0, bit);
         }
         self.predicted -= w.predicted_order.len;
         w.predicted_order.clear();
@@ -536,53 +566,96 @@ impl KvIndex {
     }
 
     fn remove(&mut self, id: WorkerId, event: &BlockRemoved) {
-        let (word, bit) = (id / 64, 1u64 << (id % 64));
-        let w = self.workers[id].as_mut().expect("known worker");
-        for eh in &event.block_hashes {
-            let oh = if self.engine_hashes_are_own {
-                *eh
-            } else {
-                match w.engine.entry(*eh) {
-                    Entry::Vacant(_) => {
-                        self.unknown_removals += 1;
-                        continue;
-                    }
-                    Entry::Occupied(mut e) => {
-                        if e.get().copies > 1 {
-                            e.get_mut().copies -= 1; // another copy of this engine block is stored
-                            continue;
-                        }
-                        e.remove().own
-                    }
-                }
-            };
-            let Entry::Occupied(mut own) = w.own.entry(oh) else {
-                if self.engine_hashes_are_own {
+        if self.engine_hashes_are_own {
+            self.remove_hashes(id, &event.block_hashes);
+            return;
+        }
+        for &eh in &event.block_hashes {
+            let w = self.workers[id].as_mut().expect("known worker");
+            let oh = match w.engine.entry(eh) {
+                Entry::Vacant(_) => {
                     self.unknown_removals += 1;
                     continue;
                 }
-                unreachable!("an engine entry has its own entry");
-            };
-            if own.get().refs > 1 {
-                let own = own.get_mut();
-                // Another engine hash (trusted hashes: another copy) still vouches for these tokens.
-                own.refs -= 1;
-                if !self.engine_hashes_are_own && own.engine == *eh {
-                    own.engine = w
-                        .engine
-                        .iter()
-                        .find(|(_, e)| e.own == oh)
-                        .map_or(0, |(k, _)| *k);
+                Entry::Occupied(mut e) => {
+                    if e.get().copies > 1 {
+                        e.get_mut().copies -= 1; // another copy of this engine block is stored
+                        continue;
+                    }
+                    e.remove().own
                 }
-                continue;
-            }
-            let lru = own.remove().lru;
-            if self.bound.is_some() {
-                self.lru.remove(lru);
-            }
-            self.blocks -= 1;
-            drop_bit(&mut self.held[word], oh, bit);
+            };
+            let released = self.release(id, oh, eh);
+            debug_assert!(released, "an engine entry has its own entry");
         }
+    }
+
+    /// Removals of trusted engine hashes (each the own hash), in order.
+    fn remove_hashes(&mut self, id: WorkerId, hashes: &[u64]) {
+        for &h in hashes {
+            if !self.release(id, h, h) {
+                self.unknown_removals += 1;
+            }
+        }
+    }
+
+    /// One engine hash `eh` stops vouching for `(id, oh)`: the entry leaves when none is
+    /// left. False when `(id, oh)` is not held.
+    #[inline]
+    fn release(&mut self, id: WorkerId, oh: u64, eh: u64) -> bool {
+        let (word, bit) = (id / 64, 1u64 << (id % 64));
+        let w = self.workers[id].as_mut().expect("known worker");
+        if self.flat {
+            let Entry::Occupied(mut holders) = self.masks[word].entry(oh) else {
+                return false;
+            };
+            if holders.get().held & bit == 0 {
+                return false;
+            }
+            if !w.copies.is_empty()
+                && let Entry::Occupied(mut extra) = w.copies.entry(oh)
+            {
+                // Another stored copy still vouches for these tokens.
+                if *extra.get() > 1 {
+                    *extra.get_mut() -= 1;
+                } else {
+                    extra.remove();
+                }
+                return true;
+            }
+            let e = holders.get_mut();
+            e.held &= !bit;
+            if e.predicted == 0 && e.held == 0 {
+                holders.remove();
+            }
+            w.held -= 1;
+            self.blocks -= 1;
+            return true;
+        }
+        let Entry::Occupied(mut own) = w.own.entry(oh) else {
+            return false;
+        };
+        if own.get().refs > 1 {
+            let own = own.get_mut();
+            // Another engine hash (trusted hashes: another copy) still vouches for these tokens.
+            own.refs -= 1;
+            if !self.engine_hashes_are_own && own.engine == eh {
+                own.engine = w
+                    .engine
+                    .iter()
+                    .find(|(_, e)| e.own == oh)
+                    .map_or(0, |(k, _)| *k);
+            }
+            return true;
+        }
+        let lru = own.remove().lru;
+        if self.bound.is_some() {
+            self.lru.remove(lru);
+        }
+        w.held -= 1;
+        self.blocks -= 1;
+        drop_bits(&mut self.masks[word], oh, bit, 0);
+        true
     }
 
     fn store(&mut self, id: WorkerId, event: &BlockStored) {
@@ -600,18 +673,13 @@ impl KvIndex {
             self.skipped_blocks += n as u64;
             return;
         }
-        let (word, bit) = (id / 64, 1u64 << (id % 64));
-        let trusted = self.engine_hashes_are_own;
+        if self.engine_hashes_are_own {
+            self.store_hashes(id, event.parent_block_hash, &event.block_hashes);
+            return;
+        }
         let w = self.workers[id].as_mut().expect("known worker");
         let parent_own = match event.parent_block_hash {
             None => None,
-            Some(p) if trusted => {
-                if !w.own.contains_key(&p) {
-                    self.orphan_blocks += n as u64;
-                    return;
-                }
-                Some(p)
-            }
             Some(p) => match w.engine.get(&p) {
                 Some(e) => Some(e.own),
                 None => {
@@ -620,83 +688,155 @@ impl KvIndex {
                 }
             },
         };
-        if !trusted {
-            // One pass converts and checks (any id outside u32, here or in a trailing partial
-            // block, means these are not token ids: nothing to hash).
-            let mut out_of_range = 0u64;
-            self.tokens.clear();
-            self.tokens
-                .extend(event.token_ids[..n * bs].iter().map(|&t| {
-                    out_of_range |= (t as u64) >> 32;
-                    t as u32
-                }));
-            for &t in &event.token_ids[n * bs..] {
+        // One pass converts and checks (any id outside u32, here or in a trailing partial
+        // block, means these are not token ids: nothing to hash).
+        let mut out_of_range = 0u64;
+        self.tokens.clear();
+        self.tokens
+            .extend(event.token_ids[..n * bs].iter().map(|&t| {
                 out_of_range |= (t as u64) >> 32;
-            }
-            if out_of_range != 0 {
-                self.skipped_blocks += n as u64;
-                return;
-            }
-            self.own_hashes.clear();
-            self.hasher
-                .extend_chain(&self.tokens[..n * bs], parent_own, &mut self.own_hashes);
-            w.engine.reserve(n);
+                t as u32
+            }));
+        for &t in &event.token_ids[n * bs..] {
+            out_of_range |= (t as u64) >> 32;
         }
-        let own_hashes = if trusted {
-            &event.block_hashes
-        } else {
-            &self.own_hashes
-        };
-        let held = &mut self.held[word];
-        let bounded = self.bound.is_some();
-        for (&eh, &oh) in event.block_hashes.iter().zip(own_hashes) {
-            if !trusted {
-                match w.engine.entry(eh) {
-                    Entry::Occupied(mut e) => {
-                        e.get_mut().copies += 1;
-                        continue;
-                    }
-                    Entry::Vacant(v) => {
-                        v.insert(EngineEntry { own: oh, copies: 1 });
-                    }
-                }
-            }
-            match w.own.entry(oh) {
-                Entry::Occupied(mut own) => {
-                    let own = own.get_mut();
-                    own.refs += 1;
-                    // Trusted hashes: another stored copy of the same engine block, counted and
-                    // not touched, as the engine map's copies are.
-                    if bounded && !trusted {
-                        self.lru.move_to_back(own.lru);
-                    }
+        if out_of_range != 0 {
+            self.skipped_blocks += n as u64;
+            return;
+        }
+        let mut own_hashes = std::mem::take(&mut self.own_hashes);
+        own_hashes.clear();
+        self.hasher
+            .extend_chain(&self.tokens[..n * bs], parent_own, &mut own_hashes);
+        w.engine.reserve(n);
+        for (&eh, &oh) in event.block_hashes.iter().zip(&own_hashes) {
+            let w = self.workers[id].as_mut().expect("known worker");
+            match w.engine.entry(eh) {
+                Entry::Occupied(mut e) => {
+                    e.get_mut().copies += 1;
                     continue;
                 }
                 Entry::Vacant(v) => {
-                    let lru = if bounded {
-                        self.lru.push_back((id, oh))
-                    } else {
-                        NIL
-                    };
-                    v.insert(OwnEntry {
-                        refs: 1,
-                        lru,
-                        engine: eh,
-                    });
+                    v.insert(EngineEntry { own: oh, copies: 1 });
                 }
             }
-            *held.entry(oh).or_insert(0) |= bit;
-            self.blocks += 1;
-            if !w.predicted.is_empty()
-                && let Some(slot) = w.predicted.remove(&oh)
-            {
-                // The event now vouches for this block: the prediction has served its purpose.
-                w.predicted_order.remove(slot);
-                self.predicted -= 1;
-                drop_bit(&mut self.predicted_masks[word], oh, bit);
+            self.hold(id, eh, oh, true);
+        }
+        self.own_hashes = own_hashes;
+        self.enforce_bound();
+    }
+
+    /// A `BlockStored` of trusted engine hashes (each the own hash) after `parent`.
+    fn store_hashes(&mut self, id: WorkerId, parent: Option<u64>, hashes: &[u64]) {
+        if let Some(p) = parent {
+            let w = self.workers[id].as_ref().expect("known worker");
+            let held = if self.flat {
+                self.masks[id / 64]
+                    .get(&p)
+                    .is_some_and(|e| e.held & (1u64 << (id % 64)) != 0)
+            } else {
+                w.own.contains_key(&p)
+            };
+            if !held {
+                self.orphan_blocks += hashes.len() as u64;
+                return;
             }
         }
+        for &h in hashes {
+            // Another stored copy of the same engine block is counted and not touched, as
+            // the engine map's copies are.
+            self.hold(id, h, h, false);
+        }
         self.enforce_bound();
+    }
+
+    /// Engine hash `eh` now vouches for `(id, oh)`: a new entry, or one more reference
+    /// (touched when `touch_held`).
+    #[inline]
+    fn hold(&mut self, id: WorkerId, eh: u64, oh: u64, touch_held: bool) {
+        let (word, bit) = (id / 64, 1u64 << (id % 64));
+        let bounded = self.bound.is_some();
+        let w = self.workers[id].as_mut().expect("known worker");
+        if self.flat {
+            let holders = self.masks[word].entry(oh).or_default();
+            if holders.held & bit != 0 {
+                *w.copies.entry(oh).or_insert(0) += 1; // another copy, counted, not touched
+                return;
+            }
+            holders.held |= bit;
+            w.held += 1;
+            self.blocks += 1;
+            if holders.predicted & bit != 0 {
+                holders.predicted &= !bit;
+                let slot = w
+                    .predicted
+                    .remove(&oh)
+                    .expect("a predicted bit has its entry");
+                w.predicted_order.remove(slot);
+                self.predicted -= 1;
+            }
+            return;
+        }
+        match w.own.entry(oh) {
+            Entry::Occupied(mut own) => {
+                let own = own.get_mut();
+                own.refs += 1;
+                if bounded && touch_held {
+                    self.lru.move_to_back(own.lru);
+                }
+                return;
+            }
+            Entry::Vacant(v) => {
+                let lru = if bounded {
+                    self.lru.push_back((id, oh))
+                } else {
+                    NIL
+                };
+                v.insert(OwnEntry {
+                    refs: 1,
+                    lru,
+                    engine: eh,
+                });
+            }
+        }
+        let holders = self.masks[word].entry(oh).or_default();
+        holders.held |= bit;
+        w.held += 1;
+        self.blocks += 1;
+        if holders.predicted & bit != 0 {
+            // The event now vouches for this block: the prediction has served its purpose.
+            holders.predicted &= !bit;
+            let slot = w
+                .predicted
+                .remove(&oh)
+                .expect("a predicted bit has its entry");
+            w.predicted_order.remove(slot);
+            self.predicted -= 1;
+        }
+    }
+
+    /// Apply one worker's KV events given as hash events, in order: what [`KvIndex::apply_to`]
+    /// does with the full events they were reduced from (`HashEvents::from_events`), for an
+    /// index that trusts the engines' hashes (panics otherwise: an untrusted index must hash
+    /// the tokens, which hash events do not carry) and engines that emit plain blocks of its
+    /// block size (the engine model's), the only ones whose events it would keep.
+    pub fn apply_hash_events(&mut self, id: WorkerId, events: &HashEvents) {
+        assert!(
+            self.engine_hashes_are_own,
+            "hash events need an index that trusts the engine hashes"
+        );
+        for event in events.iter() {
+            match event {
+                HashEvent::Stored { parent, hashes } => self.store_hashes(id, parent, hashes),
+                HashEvent::Removed(hashes) => self.remove_hashes(id, hashes),
+                HashEvent::AllCleared => self.clear(id),
+            }
+        }
+    }
+
+    /// Whether engine hashes are taken as own hashes ([`KvIndex::trust_engine_hashes`]).
+    pub fn trusts_engine_hashes(&self) -> bool {
+        self.engine_hashes_are_own
     }
 
     /// Drop the least recently touched entries beyond the memory bound.
@@ -710,12 +850,13 @@ impl KvIndex {
                 .as_mut()
                 .expect("an LRU entry's worker is known");
             let own = w.own.remove(&oh).expect("an LRU entry is held");
+            w.held -= 1;
             if own.refs > 1 {
                 w.engine.retain(|_, e| e.own != oh);
             } else {
                 w.engine.remove(&own.engine);
             }
-            drop_bit(&mut self.held[word], oh, bit);
+            drop_bits(&mut self.masks[word], oh, bit, 0);
             self.blocks -= 1;
             self.evicted_blocks += 1;
         }
@@ -737,27 +878,28 @@ impl KvIndex {
         let bounded = self.bound.is_some();
         let (word, bit) = (id / 64, 1u64 << (id % 64));
         let w = self.workers[id].as_mut().expect("known worker");
-        let masks = &mut self.predicted_masks[word];
+        let masks = &mut self.masks[word];
         // Tail first: vLLM frees a finished request's blocks in reverse so its tail is
         // evicted first; inserting in that order makes the LRU below evict the same way.
         for &h in block_hashes.iter().rev() {
-            if let Some(own) = w.own.get(&h) {
+            // Never left empty: either bit is set below, or the entry was there already.
+            let holders = masks.entry(h).or_default();
+            if holders.held & bit != 0 {
                 if bounded {
+                    let own = w.own.get(&h).expect("a held bit has its entry");
                     self.lru.move_to_back(own.lru); // a hit touches the block in vLLM too
                 }
                 continue; // events already vouch for it
             }
-            match w.predicted.get(&h) {
-                Some(&slot) => {
-                    w.predicted_order.move_to_back(slot);
-                    w.predicted_order.get_mut(slot).1 = expires;
-                }
-                None => {
-                    *masks.entry(h).or_insert(0) |= bit;
-                    let slot = w.predicted_order.push_back((h, expires));
-                    w.predicted.insert(h, slot);
-                    self.predicted += 1;
-                }
+            if holders.predicted & bit != 0 {
+                let slot = *w.predicted.get(&h).expect("a predicted bit has its entry");
+                w.predicted_order.move_to_back(slot);
+                w.predicted_order.get_mut(slot).1 = expires;
+            } else {
+                holders.predicted |= bit;
+                let slot = w.predicted_order.push_back((h, expires));
+                w.predicted.insert(h, slot);
+                self.predicted += 1;
             }
             if track {
                 self.expiry.push_back((expires, id, w.generation, h));
@@ -769,7 +911,7 @@ impl KvIndex {
                 let (h, _) = w.predicted_order.remove(slot);
                 w.predicted.remove(&h);
                 self.predicted -= 1;
-                drop_bit(masks, h, bit);
+                drop_bits(masks, h, 0, bit);
             }
         }
         if track && self.expiry.len() > 1024 && self.expiry.len() > 2 * self.predicted {
@@ -795,7 +937,7 @@ impl KvIndex {
                 w.predicted.remove(&h);
                 w.predicted_order.remove(slot);
                 self.predicted -= 1;
-                drop_bit(&mut self.predicted_masks[id / 64], h, 1u64 << (id % 64));
+                drop_bits(&mut self.masks[id / 64], h, 0, 1u64 << (id % 64));
             }
         }
     }
@@ -839,7 +981,7 @@ impl KvIndex {
         self.expire(now);
         out.clear();
         out.resize(workers.len(), 0);
-        let words = self.held.len();
+        let words = self.masks.len();
         for word in 0..words {
             let mut alive = 0u64;
             let mut position = [0u32; 64];
@@ -854,15 +996,10 @@ impl KvIndex {
             if alive == 0 {
                 continue;
             }
-            let held = &self.held[word];
-            let predicted = &self.predicted_masks[word];
-            let use_predicted = !predicted.is_empty();
+            let masks = &self.masks[word];
             let mut depth = 0usize;
             for h in block_hashes {
-                let mut m = held.get(h).copied().unwrap_or(0) & alive;
-                if m != alive && use_predicted {
-                    m |= predicted.get(h).copied().unwrap_or(0) & alive;
-                }
+                let m = masks.get(h).map_or(0, |e| e.held | e.predicted) & alive;
                 if m != alive {
                     assign(out, &position, alive & !m, depth);
                     alive = m;
@@ -886,7 +1023,7 @@ impl KvIndex {
     pub fn worker_blocks_of(&self, id: WorkerId) -> usize {
         self.workers[id]
             .as_ref()
-            .map_or(0, |w| w.own.len() + w.predicted.len())
+            .map_or(0, |w| w.held + w.predicted.len())
     }
 
     /// Size and health.
@@ -906,8 +1043,18 @@ impl KvIndex {
     pub fn table_sizes(&self) -> TableSizes {
         let workers = self.workers.iter().flatten();
         TableSizes {
-            held_keys: self.held.iter().map(HashMap::len).sum(),
-            predicted_keys: self.predicted_masks.iter().map(HashMap::len).sum(),
+            held_keys: self
+                .masks
+                .iter()
+                .flat_map(HashMap::values)
+                .filter(|e| e.held != 0)
+                .count(),
+            predicted_keys: self
+                .masks
+                .iter()
+                .flat_map(HashMap::values)
+                .filter(|e| e.predicted != 0)
+                .count(),
             expiry_queue: self.expiry.len(),
             engine_entries: workers.clone().map(|w| w.engine.len()).sum(),
             duplicate_copies: workers
@@ -917,6 +1064,7 @@ impl KvIndex {
                         .map(|e| e.copies as usize - 1)
                         .sum::<usize>()
                         + w.own.values().map(|o| o.refs as usize - 1).sum::<usize>()
+                        + w.copies.values().map(|&c| c as usize).sum::<usize>()
                 })
                 .sum(),
         }
@@ -928,10 +1076,13 @@ impl KvIndex {
     }
 }
 
-fn drop_bit(table: &mut HashKeyed<u64>, h: u64, bit: u64) {
+/// Clear `held` and `predicted` bits of `h`'s holders, forgetting `h` once it has none.
+fn drop_bits(table: &mut HashKeyed<Holders>, h: u64, held: u64, predicted: u64) {
     if let Entry::Occupied(mut m) = table.entry(h) {
-        *m.get_mut() &= !bit;
-        if *m.get() == 0 {
+        let e = m.get_mut();
+        e.held &= !held;
+        e.predicted &= !predicted;
+        if e.held == 0 && e.predicted == 0 {
             m.remove();
         }
     }
@@ -1046,13 +1197,21 @@ mod tests {
     }
 
     /// Events from engines hashing with the index's own hasher, applied to an index that maps
-    /// them and to one that trusts them: the same answers and counts after every event.
+    /// them, to one that trusts them and, reduced to hash events, to another that trusts
+    /// them: the same answers and counts after every event.
     #[test]
     fn trusted_engine_hashes_answer_as_mapped_ones() {
         for bound in [None, Some(MemoryBound::Blocks(12))] {
             let mut mapped = index(bound);
             let mut trusted = index(bound);
             assert!(trusted.trust_engine_hashes());
+            let mut hashed = index(bound);
+            assert!(hashed.trust_engine_hashes());
+            let ids = [hashed.ensure_worker("a"), hashed.ensure_worker("b")];
+            assert_eq!(
+                ids,
+                [trusted.ensure_worker("a"), trusted.ensure_worker("b")]
+            );
             let mut rng = crate::pyrandom::PyRandom::from_seed(7);
             let prompts: Vec<Vec<u32>> = (0..4).map(|i| tokens(5, 100 * i)).collect();
             let hashes: Vec<Vec<u64>> = prompts
@@ -1062,10 +1221,13 @@ mod tests {
             for _ in 0..400 {
                 let k = rng.randrange(prompts.len());
                 let (p, h) = (&prompts[k], &hashes[k]);
-                let worker = ["a", "b"][rng.randrange(2)];
+                let w = rng.randrange(2);
+                let worker = ["a", "b"][w];
                 let first = rng.randrange(5);
                 let stop = first + 1 + rng.randrange(5 - first);
-                let event = if rng.random() < 0.6 {
+                let event = if rng.random() < 0.03 {
+                    KvCacheEvent::AllCleared
+                } else if rng.random() < 0.6 {
                     KvCacheEvent::Stored(BlockStored::plain(
                         h[first..stop].to_vec(),
                         first.checked_sub(1).map(|b| h[b]),
@@ -1077,12 +1239,24 @@ mod tests {
                 };
                 mapped.apply(worker, std::slice::from_ref(&event));
                 trusted.apply(worker, std::slice::from_ref(&event));
+                hashed.apply_hash_events(ids[w], &HashEvents::from_events(&[event]));
                 for h in &hashes {
-                    assert_eq!(
-                        mapped.overlaps(h, &["a", "b"], 0.0),
-                        trusted.overlaps(h, &["a", "b"], 0.0)
-                    );
+                    let want = mapped.overlaps(h, &["a", "b"], 0.0);
+                    assert_eq!(want, trusted.overlaps(h, &["a", "b"], 0.0));
+                    assert_eq!(want, hashed.overlaps(h, &["a", "b"], 0.0));
                 }
+                assert_eq!(trusted.stats(), hashed.stats());
+                let sizes = |ix: &KvIndex| {
+                    let t = ix.table_sizes();
+                    (
+                        t.held_keys,
+                        t.duplicate_copies,
+                        ix.worker_blocks("a"),
+                        ix.worker_blocks("b"),
+                    )
+                };
+                assert_eq!(sizes(&mapped), sizes(&trusted));
+                assert_eq!(sizes(&mapped), sizes(&hashed));
                 let (m, t) = (mapped.stats(), trusted.stats());
                 assert_eq!(
                     (

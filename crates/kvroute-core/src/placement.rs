@@ -2,7 +2,7 @@
 //! worker gets each request (`crate::routing::RoutingStep`, the step the live router runs
 //! too). The driver tells it about the life of each request, it answers where to send it.
 
-use crate::engine::events::KvCacheEvent;
+use crate::engine::events::{HashEvents, KvCacheEvent};
 use crate::retention::Refresh;
 
 /// Where a request was placed, and what the placement charged to that worker's load.
@@ -29,6 +29,15 @@ pub trait Placement {
     fn finished(&mut self, placed: Placed);
     /// KV events worker `worker` published at the end of a step ending at `now`.
     fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64);
+    /// Whether it takes the workers' KV events as [`HashEvents`] (hashes only, far cheaper
+    /// for the engines to emit) through [`Placement::apply_hash_events`] instead: only a
+    /// placement whose index trusts the engines' hashes; none by default.
+    fn wants_hash_events(&self) -> bool {
+        false
+    }
+    /// KV events worker `worker` published at the end of a step ending at `now`, as hash
+    /// events (called instead of `apply_events` only when `wants_hash_events`).
+    fn apply_hash_events(&mut self, _worker: usize, _events: &HashEvents, _now: f64) {}
     /// [`Placement::place`] with the prompt's tokens (its shared head, then the rest: the
     /// simulator never joins them) and output budget, for a placement that keeps more than
     /// hashes (retention's refresh prompts).

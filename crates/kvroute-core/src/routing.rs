@@ -19,7 +19,7 @@
 
 use std::collections::HashMap;
 
-use crate::engine::events::KvCacheEvent;
+use crate::engine::events::{HashEvents, KvCacheEvent};
 use crate::index::{KvIndex, WorkerId};
 use crate::placement::{Placed, Placement};
 use crate::policies::{Choose, RequestView, WorkerState};
@@ -348,6 +348,23 @@ impl Placement for StepPlacement<'_> {
     fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
         if let Some(index) = self.index.as_deref_mut() {
             self.step.apply_events(index, worker, events, now);
+        }
+    }
+
+    /// Hash events when the index trusts the engines' hashes, unless the step keeps a
+    /// journal (which records full events).
+    fn wants_hash_events(&self) -> bool {
+        self.step.journal.is_none()
+            && self
+                .index
+                .as_deref()
+                .is_some_and(KvIndex::trusts_engine_hashes)
+    }
+
+    fn apply_hash_events(&mut self, worker: usize, events: &HashEvents, _now: f64) {
+        if let Some(index) = self.index.as_deref_mut() {
+            let id = index.ensure_worker(&self.step.slots[worker].state.name);
+            index.apply_hash_events(id, events);
         }
     }
 }

@@ -226,6 +226,8 @@ pub struct Simulation<'p> {
     engines: Vec<Engine>,
     placement: &'p mut dyn Placement,
     wants_events: bool,
+    /// The engines emit their events as hash events (see `Placement::wants_hash_events`).
+    hash_events: bool,
     prefixes: Vec<Arc<[u32]>>,
     prefix_hashes: Vec<Option<Vec<u64>>>,
     output: Arc<[u32]>,
@@ -287,12 +289,18 @@ impl<'p> Simulation<'p> {
     ) -> Self {
         let workers = engines.len();
         let wants_events = placement.wants_events();
+        let hash_events = wants_events && placement.wants_hash_events();
+        let mut engines = engines;
+        for e in &mut engines {
+            e.set_hash_events(hash_events);
+        }
         let n = prefixes.len();
         Self {
             config,
             engines,
             placement,
             wants_events,
+            hash_events,
             prefixes,
             prefix_hashes: vec![None; n],
             output,
@@ -312,7 +320,10 @@ impl<'p> Simulation<'p> {
     }
 
     /// The engines back, and the clock, once the runs are over.
-    pub fn into_engines(self) -> (Vec<Engine>, f64) {
+    pub fn into_engines(mut self) -> (Vec<Engine>, f64) {
+        for e in &mut self.engines {
+            e.set_hash_events(false);
+        }
         (self.engines, self.now)
     }
 
@@ -615,7 +626,12 @@ impl<'p> Simulation<'p> {
                 Event::StepEnd { worker: w } => {
                     self.busy[w] = false;
                     let mut result = std::mem::take(&mut self.in_step[w]);
-                    if self.wants_events
+                    if self.hash_events {
+                        if !result.hash_events.is_empty() {
+                            self.placement
+                                .apply_hash_events(w, &result.hash_events, self.now);
+                        }
+                    } else if self.wants_events
                         && let Some(batch) = result.events.take()
                     {
                         self.placement.apply_events(w, &batch.events, self.now);

@@ -23,12 +23,13 @@
 //!   lookup answers the oldest holder.
 //!
 //! Events are collected as data (`crate::engine::events`) when `emit_events` is on, for the
-//! engine to hand out per step.
+//! engine to hand out per step: full [`KvCacheEvent`]s, or, for the simulator's own index
+//! ([`BlockPool::set_hash_events`]), the same events as [`HashEvents`] (hashes only).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::engine::events::{BlockRemoved, BlockStored, KvCacheEvent};
+use crate::engine::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
 
 /// A KV block's id: its index in the pool.
 pub type BlockId = u32;
@@ -301,6 +302,9 @@ pub struct BlockPool {
     /// hash -> younger holders of the same hash, oldest first (rare: vLLM does not dedup).
     more_holders: BlockHashMap<VecDeque<BlockId>>,
     pending_events: Vec<KvCacheEvent>,
+    /// Events are collected as `hash_events` instead of `pending_events`.
+    hash_only: bool,
+    hash_events: HashEvents,
     version: u64,
     /// The last hit found for a chain, by the chain's first hash: its blocks and their
     /// generations then. Bounded; any entry may be dropped.
@@ -343,6 +347,8 @@ impl BlockPool {
             cached: HashTable::with_room_for(num_blocks),
             more_holders: BlockHashMap::default(),
             pending_events: Vec::new(),
+            hash_only: false,
+            hash_events: HashEvents::default(),
             version: 0,
             hit_memo: BlockHashMap::default(),
             freed_uncached: Vec::new(),
@@ -548,8 +554,12 @@ impl BlockPool {
                 self.flags[i] &= !HAS_HASH;
                 self.forget_holder(b, h);
                 if self.emit_events {
-                    self.pending_events
-                        .push(KvCacheEvent::Removed(BlockRemoved::plain(vec![h])));
+                    if self.hash_only {
+                        self.hash_events.push_removed(h);
+                    } else {
+                        self.pending_events
+                            .push(KvCacheEvent::Removed(BlockRemoved::plain(vec![h])));
+                    }
                 }
             }
             out.push(b);
@@ -603,15 +613,17 @@ impl BlockPool {
             }
         }
         if self.emit_events {
+            let parent = (num_cached > 0).then(|| block_hashes[num_cached - 1]);
+            if self.hash_only {
+                self.hash_events
+                    .push_stored(parent, &block_hashes[num_cached..num_full]);
+                return;
+            }
             let bs = self.block_size;
             self.pending_events
                 .push(KvCacheEvent::Stored(BlockStored::plain(
                     block_hashes[num_cached..num_full].to_vec(),
-                    if num_cached > 0 {
-                        Some(block_hashes[num_cached - 1])
-                    } else {
-                        None
-                    },
+                    parent,
                     tokens.range(num_cached * bs, num_full * bs),
                     bs,
                 )));
@@ -657,7 +669,11 @@ impl BlockPool {
         }
         self.version += 1;
         if self.emit_events {
-            self.pending_events.push(KvCacheEvent::AllCleared);
+            if self.hash_only {
+                self.hash_events.push_cleared();
+            } else {
+                self.pending_events.push(KvCacheEvent::AllCleared);
+            }
         }
         true
     }
@@ -669,7 +685,37 @@ impl BlockPool {
 
     /// Whether any events are waiting to be taken.
     pub fn has_events(&self) -> bool {
-        !self.pending_events.is_empty()
+        !self.pending_events.is_empty() || !self.hash_events.is_empty()
+    }
+
+    /// Collect events as [`HashEvents`] (`on`) or as full [`KvCacheEvent`]s (the default),
+    /// when events are collected at all. For the simulator, whose index takes its engines'
+    /// hashes as its own and reads nothing else of an event. Events pending are carried
+    /// over: full ones become hash events exactly; hash events pending when switching back
+    /// (none between a simulation's steps) cannot regain their tokens and are dropped.
+    pub fn set_hash_events(&mut self, on: bool) {
+        if on == self.hash_only {
+            return;
+        }
+        self.hash_only = on;
+        if on {
+            let full = std::mem::take(&mut self.pending_events);
+            self.hash_events = HashEvents::from_events(&full);
+        } else {
+            self.hash_events.clear();
+        }
+    }
+
+    /// Whether events are collected as [`HashEvents`].
+    pub fn hash_events_on(&self) -> bool {
+        self.hash_only
+    }
+
+    /// Move the hash events collected since the last call into `out` (cleared first; the
+    /// two swap buffers, so neither allocates once warm).
+    pub fn take_hash_events_into(&mut self, out: &mut HashEvents) {
+        out.clear();
+        std::mem::swap(out, &mut self.hash_events);
     }
 
     // -- the free queue ----------------------------------------------------------------------

@@ -28,7 +28,7 @@ use std::sync::Arc;
 
 use crate::blocks::BlockHasher;
 use crate::engine::cost::CostModel;
-use crate::engine::events::EventBatch;
+use crate::engine::events::{EventBatch, HashEvents};
 use crate::engine::pool::{BlockId, BlockPool, TokenSeq};
 
 /// A request's handle inside one engine, given by `Engine::add_request`. Handles of finished
@@ -176,6 +176,9 @@ pub struct StepResult {
     pub outputs: Vec<RequestOutput>,
     /// The step's KV events (only when the engine emits them and there were any).
     pub events: Option<EventBatch>,
+    /// The step's KV events instead, when the engine emits them as hash events
+    /// ([`Engine::set_hash_events`]); empty otherwise.
+    pub hash_events: HashEvents,
 }
 
 /// vLLM's prefix-cache counters (tokens), cumulative.
@@ -284,6 +287,12 @@ impl Engine {
     /// The block pool (read-only: the engine owns its state).
     pub fn pool(&self) -> &BlockPool {
         &self.pool
+    }
+    /// Emit KV events (when the engine emits any) as [`HashEvents`] in
+    /// `StepResult::hash_events` (`on`) or as full events in `StepResult::events`; see
+    /// `BlockPool::set_hash_events`.
+    pub fn set_hash_events(&mut self, on: bool) {
+        self.pool.set_hash_events(on);
     }
     /// The events the pool collected outside a step (a reset on an idle engine).
     pub fn take_pool_events(&mut self) -> Vec<crate::engine::events::KvCacheEvent> {
@@ -425,6 +434,7 @@ impl Engine {
         result.preempted.clear();
         result.outputs.clear();
         result.events = None;
+        result.hash_events.clear();
         let result = &mut *result;
         self.schedule(result);
         for &(key, n) in &result.scheduled {
@@ -441,7 +451,9 @@ impl Engine {
                 .step_time(result.prefill_tokens, result.decode_seqs);
         result.end = end;
         self.update(result);
-        if self.pool.emit_events() && self.pool.has_events() {
+        if self.pool.hash_events_on() {
+            self.pool.take_hash_events_into(&mut result.hash_events);
+        } else if self.pool.emit_events() && self.pool.has_events() {
             result.events = Some(EventBatch {
                 ts: end,
                 events: self.pool.take_events(),
@@ -684,7 +696,7 @@ mod tests {
     //! As the engine half of tests/test_engine_pool.py.
     use super::*;
     use crate::blocks::DEFAULT_HASH_SEED;
-    use crate::engine::events::KvCacheEvent;
+    use crate::engine::events::{HashEvents, KvCacheEvent};
 
     const BS: usize = 4;
 
@@ -757,6 +769,44 @@ mod tests {
             }
         }
         assert_eq!(tokens, vec![1, 2, 3, 4, 5, 6, 100, 101]);
+    }
+
+    /// An engine emitting hash events emits, step by step, exactly the hashes of the full
+    /// events a twin emitting full events does, evictions and preemptions included.
+    #[test]
+    fn hash_events_are_the_full_events_reduced() {
+        let (mut full, mut hashed) = (engine(7), engine(7));
+        hashed.set_hash_events(true);
+        let mut steps_with_removals = 0;
+        for round in 0..6u32 {
+            for e in [&mut full, &mut hashed] {
+                e.add_request(req((round % 3) * 100..(round % 3) * 100 + 8, 10..20))
+                    .unwrap();
+                e.add_request(req(500 + round * 40..508 + round * 40, 10..20))
+                    .unwrap();
+            }
+            while full.has_work() {
+                let (a, b) = (full.step(0.0), hashed.step(0.0));
+                let events = a.events.map(|batch| batch.events).unwrap_or_default();
+                assert_eq!(HashEvents::from_events(&events), b.hash_events);
+                assert!(b.events.is_none() && a.hash_events.is_empty());
+                steps_with_removals +=
+                    events.iter().any(|e| matches!(e, KvCacheEvent::Removed(_))) as usize;
+            }
+            assert!(!hashed.has_work());
+        }
+        assert!(
+            steps_with_removals > 0 && full.num_preemptions() > 0,
+            "{steps_with_removals} {}",
+            full.num_preemptions()
+        );
+        assert!(full.reset_prefix_cache() && hashed.reset_prefix_cache());
+        hashed.set_hash_events(false);
+        assert_eq!(full.take_pool_events(), vec![KvCacheEvent::AllCleared]);
+        assert!(
+            hashed.take_pool_events().is_empty(),
+            "dropped on switching back"
+        );
     }
 
     #[test]
