@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import statistics
 import subprocess
 import sys
@@ -49,6 +50,8 @@ from kvroute.proxy.pool import EVENTS_COALESCE_S
 from kvroute.routing.index import KvIndex
 
 BLOCK = 16
+#: The native consumer's thread, as /proc names it (15 characters).
+CONSUMER_THREAD = "kvroute-kv-even"
 
 
 def payloads(blocks: int, count: int = 64) -> list[bytes]:
@@ -84,10 +87,26 @@ def publish(port: int, rate: float, batches: int, blocks: int) -> None:
     pub.close(linger=1000)
 
 
-def consume_native(port: int, batches: int, timeout_s: float) -> float:
-    """The native consumer: CPU seconds of this process per batch, first batch to last."""
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds of each thread of this process so far, by thread name (Linux /proc)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for tid in os.listdir("/proc/self/task"):
+        try:
+            stat = open(f"/proc/self/task/{tid}/stat").read()
+        except OSError:
+            continue  # a thread that just ended
+        name = stat[stat.index("(") + 1:stat.rindex(")")]
+        fields = stat[stat.rindex(")") + 2:].split()
+        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def consume_native(port: int, batches: int, timeout_s: float, coalesce_s: float) -> tuple[float, float]:
+    """The native consumer: CPU seconds of this process per batch, first batch to last, and
+    of its consumer thread alone."""
     index = KvIndex(BlockHasher(BLOCK))
-    consumer = KvEventConsumer(index, coalesce_s=EVENTS_COALESCE_S)
+    consumer = KvEventConsumer(index, coalesce_s=coalesce_s)
     consumer.add_worker("worker", f"tcp://127.0.0.1:{port}", None, catch_up=False)
     deadline = time.monotonic() + timeout_s
 
@@ -98,11 +117,13 @@ def consume_native(port: int, batches: int, timeout_s: float) -> float:
         while (first := applied()) == 0:
             assert time.monotonic() < deadline, "no batch arrived"
             time.sleep(0.001)
-        started = time.process_time()
+        started, threads = time.process_time(), thread_cpu_s()
         while (last := applied()) < batches:
             assert time.monotonic() < deadline, f"{last} of {batches} batches arrived"
             time.sleep(0.25)
-        return (time.process_time() - started) / (last - first)
+        total = time.process_time() - started
+        thread = thread_cpu_s().get(CONSUMER_THREAD, 0.0) - threads.get(CONSUMER_THREAD, 0.0)
+        return total / (last - first), thread / (last - first)
     finally:
         assert consumer.close(5.0)
 
@@ -155,6 +176,8 @@ def main() -> None:
     parser.add_argument("--batches", type=int, default=6000, help="batches per measurement (default %(default)s)")
     parser.add_argument("--blocks", type=int, default=4, help="blocks stored (and evicted) per batch (default %(default)s)")
     parser.add_argument("--rounds", type=int, default=2, help="alternations of the two ways (default %(default)s)")
+    parser.add_argument("--coalesce", type=float, default=EVENTS_COALESCE_S,
+                        help="the native consumer's gathering window in seconds (default: the router's, %(default)s)")
     parser.add_argument("--publish", type=int, default=None, help=argparse.SUPPRESS)  # the child's port
     args = parser.parse_args()
     if args.publish is not None:
@@ -162,6 +185,7 @@ def main() -> None:
         return
     ways = ("pyzmq", "native")
     figures: dict[str, list[float]] = {way: [] for way in ways}
+    thread_figures: list[float] = []
     for round_ in range(args.rounds):
         for way in ways if round_ % 2 == 0 else ways[::-1]:
             port = free_ports(1)[0]
@@ -171,17 +195,20 @@ def main() -> None:
                 # The publisher's pace plus its start-up, with room to spare.
                 timeout_s = args.batches / args.rate + 30.0
                 if way == "native":
-                    per_batch = consume_native(port, args.batches, timeout_s)
+                    per_batch, per_batch_thread = consume_native(port, args.batches, timeout_s, args.coalesce)
+                    thread_figures.append(per_batch_thread * 1e6)
                 else:
                     per_batch = uvloop.run(consume_pyzmq(port, args.batches, timeout_s))
             finally:
                 child.wait(timeout=60)
             figures[way].append(per_batch * 1e6)
-            print(f"round {round_}: {way:7s} {per_batch * 1e6:6.1f} µs CPU per batch", flush=True)
+            detail = f"  (its consumer thread {per_batch_thread * 1e6:.1f})" if way == "native" else ""
+            print(f"round {round_}: {way:7s} {per_batch * 1e6:6.1f} µs CPU per batch{detail}", flush=True)
     print(f"\n{args.batches} batches of {args.blocks} stored + {args.blocks} removed blocks at {args.rate:g}/s, "
-          f"median of {args.rounds}:")
+          f"native window {args.coalesce * 1e3:g} ms, median of {args.rounds} (range):")
     for way, values in figures.items():
-        print(f"  {way:7s} {statistics.median(values):6.1f} µs CPU per batch")
+        print(f"  {way:7s} {statistics.median(values):6.1f} µs CPU per batch ({min(values):.1f}-{max(values):.1f})")
+    print(f"  native's consumer thread alone {statistics.median(thread_figures):.1f} µs")
     native_parts(args.blocks)
 
 
