@@ -1030,6 +1030,8 @@ struct Stream {
     held: Option<Vec<u8>>,
     /// A replay ended this turn: the live bytes already buffered are taken again.
     resume: bool,
+    /// The catch-up replay is still to be asked for (see [`Stream::start`]).
+    catch_up_pending: bool,
 }
 
 /// A descriptor in one turn's poll set.
@@ -1043,11 +1045,24 @@ enum Token {
 
 impl Stream {
     /// Start following: forget what the index knew (a catch-up replays every store again),
-    /// connect, and ask for the catch-up replay.
+    /// connect, and ask for the catch-up replay: at once when publishers connect to us, else
+    /// once the live connection's handshake is done and its subscription sent. A replay asked
+    /// before could be answered before the subscription reaches the engine, and a batch
+    /// published in between would be in neither (found only when the next one shows the gap).
     fn start(&mut self, now: Instant) {
         self.sink.reset();
-        self.connect_live(now);
-        if self.subscription.catch_up && self.subscription.replay_endpoint.is_some() {
+        self.catch_up_pending =
+            self.subscription.catch_up && self.subscription.replay_endpoint.is_some();
+        if self.dialer.is_some() {
+            self.connect_live(now);
+        } else {
+            self.catch_up(now);
+        }
+    }
+
+    /// Ask for the catch-up replay if it is still to be asked for.
+    fn catch_up(&mut self, now: Instant) {
+        if std::mem::take(&mut self.catch_up_pending) {
             // A replay that cannot even be asked for leaves everything to the live stream
             // (the tracker makes nothing of an empty catch-up).
             let _ = self.start_replay(0, Purpose::CatchUp, now);
@@ -1218,6 +1233,9 @@ impl Stream {
                         if let Some(dialer) = self.dialer.as_mut() {
                             dialer.failures = 0;
                         }
+                        // The subscription goes out with this turn's flush, ahead of the
+                        // catch-up's request (whose connection has its handshake to do).
+                        self.catch_up(Instant::now());
                         continue;
                     }
                     Some(Event::Message(message)) => message,
@@ -1432,15 +1450,14 @@ impl Loop {
                     }
                 }
             }
-            let (mut received, mut backlog, mut control) = (false, false, false);
+            let (mut backlog, mut control) = (false, false);
+            let taken_before = self.taken();
             let now = Instant::now();
             for &(token, revents) in &ready {
-                let readable = revents.intersects(PollFlags::IN | PollFlags::HUP);
                 match token {
                     Token::Control => control = true,
                     Token::Listener(i) => self.streams[i].accept_all(),
                     Token::Live(i, j) => {
-                        received |= readable;
                         let mut budget = BYTES_PER_TURN;
                         let stream = &mut self.streams[i];
                         match stream.service_live(j, revents, &mut budget, &mut self.actions) {
@@ -1449,7 +1466,6 @@ impl Loop {
                         }
                     }
                     Token::Replay(i) => {
-                        received |= readable;
                         self.streams[i].service_replay(revents, &mut self.actions, now);
                     }
                 }
@@ -1462,7 +1478,6 @@ impl Loop {
             for stream in &mut self.streams {
                 if std::mem::take(&mut stream.resume) {
                     stream.pump_all(&mut self.actions, now);
-                    received = true;
                 }
                 stream.on_timers(now, &mut self.actions);
                 if std::mem::take(&mut stream.resume) {
@@ -1486,9 +1501,20 @@ impl Loop {
                 }
             }
             self.apply_pending();
-            // Not while a socket still holds bytes, so the window never caps the rate.
+            // Only after batches (a handshake or a replay's progress waits for nothing), and
+            // not while a socket still holds bytes, so the window never caps the rate.
+            let received = self.taken() != taken_before;
             gathering = received && !backlog && !self.coalesce.is_zero();
         }
+    }
+
+    /// Batches (good or malformed) taken so far, over every stream.
+    fn taken(&self) -> u64 {
+        let count = |c: &AtomicU64| c.load(Ordering::Relaxed);
+        self.streams
+            .iter()
+            .map(|s| count(&s.sink.counters.batches) + count(&s.sink.counters.malformed))
+            .sum()
     }
 
     /// Apply what every stream decoded this turn, under one lock of the index.
@@ -1540,6 +1566,7 @@ impl Loop {
             replay: None,
             held: None,
             resume: false,
+            catch_up_pending: false,
         };
         stream.start(Instant::now());
         self.streams.push(stream);
