@@ -1,15 +1,16 @@
 //! kvroute's I/O around the pure core (`kvroute-core` has no clock and no sockets).
 //!
-//! * [`consumer`]: the router's KV-event consumer, one thread that owns every worker's ZeroMQ
-//!   SUB socket and replay DEALERs, runs the core's sequence tracker on what arrives, decodes
-//!   with the core's codec and applies each batch to the shared KV index, without Python.
-//!
-//! ZeroMQ is libzmq itself (the `zmq` crate; `zmq-sys` builds libzmq 4.3 from source with the
-//! `cc` crate), the library vLLM's publisher and pyzmq use, so the socket semantics (reconnect,
-//! high-water marks, linger) are the ones the engines were written against.
+//! * [`consumer`]: the router's KV-event consumer, one thread that owns every worker's
+//!   connections to the engine's PUB and replay ROUTER sockets, runs the core's sequence
+//!   tracker on what arrives, decodes with the core's codec and applies each batch to the
+//!   shared KV index, without Python.
+//! * [`zmtp`]: ZeroMQ's wire protocol (ZMTP 3.0, NULL mechanism) as a pure state machine, which
+//!   the consumer drives over its own non-blocking sockets: no libzmq, so no I/O thread of its
+//!   own waking once per TCP segment (see the consumer's docs for what that cost).
 
 pub mod consumer;
+pub mod zmtp;
 
 pub use consumer::{
-    Consumer, CounterSnapshot, Item, Notice, SharedIndex, Subscription, lock_index,
+    Consumer, CounterSnapshot, Item, MAX_MESSAGE, Notice, SharedIndex, Subscription, lock_index,
 };

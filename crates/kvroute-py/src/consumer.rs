@@ -80,7 +80,8 @@ impl KvEventConsumer {
     /// instead with ``bind``), its replay ROUTER ``replay_endpoint`` (None: gaps cannot be
     /// repaired), the ``topic`` prefix, ``replay_timeout`` seconds per replayed message, and
     /// ``catch_up``: replay the engine's buffer first. Returns the SUB socket's address (the
-    /// bound one when binding); raises ValueError for an address ZeroMQ refuses.
+    /// bound one when binding); raises ValueError for an address that cannot be followed (not
+    /// ``tcp://HOST:PORT`` or ``ipc://PATH``, or a bind that fails).
     #[pyo3(signature = (worker, endpoint, replay_endpoint = None, *, topic = "", bind = false, replay_timeout = 1.0, catch_up = true))]
     #[allow(clippy::too_many_arguments)]
     fn add_worker(
@@ -164,6 +165,6 @@ impl KvEventConsumer {
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<KvEventConsumer>()?;
-    m.add("KV_EVENTS_RCVHWM", kvroute_io::consumer::RCVHWM)?;
+    m.add("KV_EVENTS_MAX_MESSAGE", kvroute_io::MAX_MESSAGE)?;
     Ok(())
 }

@@ -34,7 +34,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Self
 
-from kvroute._native import KV_EVENTS_RCVHWM, KvEventConsumer
+from kvroute._native import KV_EVENTS_MAX_MESSAGE, KvEventConsumer
 from kvroute.kvevents.wire import DecodedBatch, NativeEventBatch
 
 logger = logging.getLogger(__name__)
@@ -125,7 +125,8 @@ class KVEventSubscriber:
             in Rust) instead of :class:`DecodedBatch`.
 
     Raises:
-        ValueError: an address ZeroMQ refuses.
+        ValueError: an address that cannot be followed (not ``tcp://HOST:PORT`` or
+            ``ipc://PATH``, or a bind that fails).
 
     Sequence numbers are expected from 0, so a subscriber that starts after the engine first
     replays what the engine still buffers (or reports ReplayFailed when that is not everything).
@@ -137,13 +138,13 @@ class KVEventSubscriber:
     Two ways to consume, with the same items in the same order: ``async for item in
     subscriber``, or ``await subscriber.run(on_item)``, which hands items to a plain callback.
     The consumer thread reads the socket whether or not anyone iterates; items wait in its
-    outbox (bounded: past 100,000 it stops reading, and the SUB socket drops, as a slow
-    consumer's does).
+    outbox (bounded: past 100,000 it stops reading, and the publisher drops, as it does for a
+    slow consumer).
     """
 
-    #: Receive queue size in messages; matches vLLM's default publisher HWM so a busy reader
-    #: loses nothing the engine did not already drop.
-    RCVHWM = KV_EVENTS_RCVHWM
+    #: The longest message a connection may carry, in bytes (longer: counted as malformed and
+    #: the connection reset).
+    MAX_MESSAGE = KV_EVENTS_MAX_MESSAGE
     #: Items handed over between two turns given to the event loop (a replay can bring
     #: thousands at once).
     PAUSE_EVERY = 64

@@ -326,7 +326,7 @@ class WorkerPool:
             consumer.add_worker(
                 worker.name, source.endpoint, source.replay_endpoint, topic=self.events.topic, catch_up=True
             )
-        except ValueError as exc:  # an address ZeroMQ refuses
+        except ValueError as exc:  # an address the consumer cannot follow
             logger.error("worker %s: %s", worker.name, exc)
             return
         worker.subscribed = True

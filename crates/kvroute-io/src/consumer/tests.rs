@@ -1,8 +1,11 @@
-//! The consumer against libzmq peers on 127.0.0.1 ephemeral ports: an XPUB standing for the
-//! engine's PUB (so a test knows when the subscription arrived) and a ROUTER answering replays
-//! from a buffer, in current vLLM's framing. (Interop with pyzmq and the emulator's publisher
-//! is tested from Python: tests/test_kvevents.py, tests/test_proxy_events.py.)
+//! The consumer against scripted engines on 127.0.0.1 ephemeral ports, speaking ZMTP through
+//! this crate's codec in the engine's roles: a PUB that tells a test when a subscription
+//! arrived, and a ROUTER answering replays from a buffer in current vLLM's framing. (Interop
+//! with libzmq itself, pyzmq's PUB and ROUTER as vLLM uses them, is tested from Python:
+//! tests/test_kvevents.py, tests/test_proxy_events.py, tests/test_faults.py.)
 
+use std::io::{Read, Write};
+use std::net::{TcpListener, TcpStream};
 use std::sync::atomic::AtomicBool;
 use std::thread;
 
@@ -11,91 +14,181 @@ use kvroute_core::engine::events::{BlockStored, EventBatch, KvCacheEvent};
 use kvroute_core::kvevents::codec::{WireFormat, encode_batch};
 
 use super::*;
+use crate::zmtp::{Codec, Event, SocketType};
 
 const BS: usize = 16;
 
 /// The batches an engine keeps for replay: `(seq, payload)`.
 type ReplayBuffer = Arc<Mutex<Vec<(u64, Vec<u8>)>>>;
 
-/// A scripted engine: XPUB live socket and a ROUTER replay socket served by a thread.
+/// Messages (frames copied) read from `stream` through `codec` until `done` says enough.
+fn read_until(
+    stream: &mut TcpStream,
+    codec: &mut Codec,
+    mut done: impl FnMut(&[Vec<u8>]) -> bool,
+) -> Option<Vec<Vec<u8>>> {
+    let mut buf = [0u8; 4096];
+    loop {
+        loop {
+            match codec.next_event() {
+                Ok(Some(Event::Message(m))) => {
+                    let frames: Vec<Vec<u8>> = m.frames().map(<[u8]>::to_vec).collect();
+                    if done(&frames) {
+                        return Some(frames);
+                    }
+                }
+                Ok(Some(Event::Ready { .. })) => {}
+                Ok(None) => break,
+                Err(_) => return None,
+            }
+        }
+        if !flush(stream, codec) {
+            return None;
+        }
+        match stream.read(&mut buf) {
+            Ok(0) | Err(_) => return None,
+            Ok(n) => codec.receive(&buf[..n]),
+        }
+    }
+}
+
+fn flush(stream: &mut TcpStream, codec: &mut Codec) -> bool {
+    let ok = stream.write_all(codec.outgoing()).is_ok();
+    codec.sent(usize::MAX);
+    ok
+}
+
+/// Accept connections on `listener` until `stop`, handing each to `serve` on its own thread.
+fn accept_loop(
+    listener: TcpListener,
+    stop: Arc<AtomicBool>,
+    serve: impl Fn(TcpStream) + Send + Sync + 'static,
+) -> thread::JoinHandle<()> {
+    listener.set_nonblocking(true).unwrap();
+    let serve = Arc::new(serve);
+    thread::spawn(move || {
+        while !stop.load(Ordering::Relaxed) {
+            match listener.accept() {
+                Ok((stream, _)) => {
+                    stream.set_nonblocking(false).unwrap();
+                    let serve = serve.clone();
+                    thread::spawn(move || serve(stream));
+                }
+                Err(_) => thread::sleep(Duration::from_millis(5)),
+            }
+        }
+    })
+}
+
+/// A scripted engine: a PUB and a ROUTER replay socket, each served by threads.
 struct Engine {
-    ctx: zmq::Context,
-    publisher: zmq::Socket,
-    endpoint: String,
+    port: u16,
     replay_endpoint: String,
+    /// Subscribed connections of the PUB.
+    subscribers: Arc<Mutex<Vec<(TcpStream, Codec)>>>,
     buffer: ReplayBuffer,
     /// False: the ROUTER never answers.
     answering: Arc<AtomicBool>,
     stop: Arc<AtomicBool>,
-    server: Option<thread::JoinHandle<()>>,
+    threads: Vec<thread::JoinHandle<()>>,
 }
 
 impl Engine {
     fn new() -> Self {
-        let ctx = zmq::Context::new();
-        let publisher = ctx.socket(zmq::XPUB).unwrap();
-        publisher.set_linger(0).unwrap();
-        publisher.bind("tcp://127.0.0.1:*").unwrap();
-        let endpoint = publisher.get_last_endpoint().unwrap().unwrap();
-        let router = ctx.socket(zmq::ROUTER).unwrap();
-        router.set_linger(0).unwrap();
-        router.bind("tcp://127.0.0.1:*").unwrap();
-        let replay_endpoint = router.get_last_endpoint().unwrap().unwrap();
-        let buffer: ReplayBuffer = Arc::default();
-        let answering = Arc::new(AtomicBool::new(true));
+        Self::on_port(0)
+    }
+
+    fn on_port(port: u16) -> Self {
         let stop = Arc::new(AtomicBool::new(false));
-        let (b, a, s) = (buffer.clone(), answering.clone(), stop.clone());
-        let server = thread::spawn(move || {
-            while !s.load(Ordering::Relaxed) {
-                if router.poll(zmq::POLLIN, 20).unwrap() == 0 {
-                    continue;
-                }
-                let frames = router.recv_multipart(0).unwrap();
-                if !a.load(Ordering::Relaxed) {
-                    continue;
-                }
-                let start = sequence::parse_seq(&frames[2]).unwrap();
-                for (seq, payload) in lock(&b).iter().filter(|(s, _)| *s >= start) {
-                    let reply: [&[u8]; 5] = [&frames[0], b"", b"", &seq.to_be_bytes(), payload];
-                    router.send_multipart(reply, 0).unwrap();
-                }
-                let end: [&[u8]; 5] = [&frames[0], b"", b"", &END_SEQ, b""];
-                router.send_multipart(end, 0).unwrap();
+        let publisher = TcpListener::bind(("127.0.0.1", port)).unwrap();
+        let port = publisher.local_addr().unwrap().port();
+        let subscribers: Arc<Mutex<Vec<(TcpStream, Codec)>>> = Arc::default();
+        let subs = subscribers.clone();
+        let pub_thread = accept_loop(publisher, stop.clone(), move |mut stream| {
+            let mut codec = Codec::new(SocketType::Pub, MAX_MESSAGE);
+            if !flush(&mut stream, &mut codec) {
+                return;
+            }
+            // The subscription: a one-frame message starting with 1.
+            if read_until(&mut stream, &mut codec, |f| {
+                f.len() == 1 && f[0].first() == Some(&1)
+            })
+            .is_some()
+            {
+                lock(&subs).push((stream, codec));
             }
         });
+        let router = TcpListener::bind("127.0.0.1:0").unwrap();
+        let replay_endpoint = format!("tcp://{}", router.local_addr().unwrap());
+        let buffer: ReplayBuffer = Arc::default();
+        let answering = Arc::new(AtomicBool::new(true));
+        let (b, a) = (buffer.clone(), answering.clone());
+        let router_thread = accept_loop(router, stop.clone(), move |mut stream| {
+            let mut codec = Codec::new(SocketType::Router, MAX_MESSAGE);
+            if !flush(&mut stream, &mut codec) {
+                return;
+            }
+            let Some(request) = read_until(&mut stream, &mut codec, |_| true) else {
+                return;
+            };
+            assert_eq!(request.len(), 2, "a DEALER's request is [b\"\", seq]");
+            assert!(request[0].is_empty());
+            if !a.load(Ordering::Relaxed) {
+                let _ = read_until(&mut stream, &mut codec, |_| false); // until closed
+                return;
+            }
+            let start = sequence::parse_seq(&request[1]).unwrap();
+            for (seq, payload) in lock(&b).iter().filter(|(s, _)| *s >= start) {
+                codec.send_message(&[b"", b"", &seq.to_be_bytes(), payload]);
+            }
+            codec.send_message(&[b"", b"", &END_SEQ, b""]);
+            flush(&mut stream, &mut codec);
+            let _ = read_until(&mut stream, &mut codec, |_| false);
+        });
         Self {
-            ctx,
-            publisher,
-            endpoint,
+            port,
             replay_endpoint,
+            subscribers,
             buffer,
             answering,
             stop,
-            server: Some(server),
+            threads: vec![pub_thread, router_thread],
         }
     }
 
     fn wait_subscribed(&self) {
-        assert!(
-            self.publisher.poll(zmq::POLLIN, 5000).unwrap() > 0,
-            "no subscription"
-        );
-        let subscription = self.publisher.recv_bytes(0).unwrap();
-        assert_eq!(subscription[0], 1);
+        until("a subscription", || !lock(&self.subscribers).is_empty());
     }
 
     /// Publish `payload` as batch `seq` (live unless `live` is false) and keep it for replay.
     fn send(&self, seq: u64, payload: &[u8], live: bool) {
         lock(&self.buffer).push((seq, payload.to_vec()));
         if live {
-            let frames: [&[u8]; 3] = [b"", &seq.to_be_bytes(), payload];
-            self.publisher.send_multipart(frames, 0).unwrap();
+            self.send_frames(&[b"", &seq.to_be_bytes(), payload]);
+        }
+    }
+
+    /// Publish several batches in one write (and keep them for replay).
+    fn send_together(&self, batches: &[(u64, Vec<u8>)]) {
+        lock(&self.buffer).extend(batches.iter().cloned());
+        for (stream, codec) in lock(&self.subscribers).iter_mut() {
+            for (seq, payload) in batches {
+                codec.send_message(&[b"", &seq.to_be_bytes(), payload]);
+            }
+            flush(stream, codec);
+        }
+    }
+
+    fn send_frames(&self, frames: &[&[u8]]) {
+        for (stream, codec) in lock(&self.subscribers).iter_mut() {
+            codec.send_message(frames);
+            flush(stream, codec);
         }
     }
 
     fn subscription(&self) -> Subscription {
         Subscription {
-            endpoint: self.endpoint.clone(),
+            endpoint: format!("tcp://127.0.0.1:{}", self.port),
             replay_endpoint: Some(self.replay_endpoint.clone()),
             topic: Vec::new(),
             bind: false,
@@ -108,10 +201,12 @@ impl Engine {
 impl Drop for Engine {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::Relaxed);
-        if let Some(server) = self.server.take() {
-            server.join().unwrap();
+        for (stream, _) in lock(&self.subscribers).drain(..) {
+            let _ = stream.shutdown(std::net::Shutdown::Both);
         }
-        let _ = &self.ctx;
+        for thread in self.threads.drain(..) {
+            thread.join().unwrap();
+        }
     }
 }
 
@@ -193,6 +288,28 @@ fn catch_up_live_and_a_gap_filled_by_replay_reach_the_index() {
 }
 
 #[test]
+fn a_batch_behind_a_gap_in_the_same_read_waits_for_the_replay_then_follows() {
+    let engine = Engine::new();
+    let index = index();
+    let consumer = Consumer::start(Some(index.clone()), Duration::from_millis(5)).unwrap();
+    consumer.add_worker("w", engine.subscription()).unwrap();
+    engine.wait_subscribed();
+    engine.send(0, &stored(100, 1, 1000, None), true);
+    until("batch 0", || counts(&consumer).batches == 1);
+    engine.send(1, &stored(116, 1, 1001, Some(1000)), false); // lost on the way
+    // 2 and 3 in one write: 2 shows the gap, 3 is already in the connection's buffer while
+    // the replay runs, and must be taken once it answered (no more bytes come to wake it).
+    engine.send_together(&[
+        (2, stored(132, 1, 1002, Some(1001))),
+        (3, stored(148, 1, 1003, Some(1002))),
+    ]);
+    until("batch 3", || counts(&consumer).batches == 4);
+    assert_eq!(held(&index, 100, 4), 4);
+    let c = counts(&consumer);
+    assert_eq!((c.gaps, c.replay_failures, c.restarts), (1, 0, 0));
+}
+
+#[test]
 fn a_restart_and_a_malformed_batch_reset_the_worker_and_are_posted() {
     let engine = Engine::new();
     let index = index();
@@ -224,12 +341,73 @@ fn a_restart_and_a_malformed_batch_reset_the_worker_and_are_posted() {
 }
 
 #[test]
+fn an_engine_that_dies_and_comes_back_on_its_port_is_followed_again() {
+    let engine = Engine::new();
+    let port = engine.port;
+    let index = index();
+    let consumer = Consumer::start(Some(index.clone()), Duration::from_millis(1)).unwrap();
+    let mut subscription = engine.subscription();
+    subscription.replay_endpoint = None;
+    consumer.add_worker("w", subscription).unwrap();
+    engine.wait_subscribed();
+    engine.send(0, &stored(100, 2, 1000, None), true);
+    engine.send(1, &stored(132, 2, 1002, Some(1001)), true);
+    until("batches 0 and 1", || counts(&consumer).batches == 2);
+    drop(engine); // the connection closes; the consumer retries (refused) with backoff
+    thread::sleep(Duration::from_millis(400));
+    let engine = Engine::on_port(port);
+    engine.wait_subscribed();
+    engine.send(0, &stored(900, 3, 2000, None), true);
+    until("the new engine's batch", || held(&index, 900, 3) == 3);
+    assert_eq!(held(&index, 100, 2), 0, "the restart reset the worker");
+    assert_eq!(counts(&consumer).restarts, 1);
+    assert!(consumer.close(Duration::from_secs(2)));
+}
+
+#[test]
+fn a_peer_that_is_not_zmtp_is_counted_and_its_connection_reset() {
+    let listener = TcpListener::bind("127.0.0.1:0").unwrap();
+    let endpoint = format!("tcp://{}", listener.local_addr().unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let server = accept_loop(listener, stop.clone(), |mut stream| {
+        let _ = stream.write_all(b"HTTP/1.1 400 Bad Request\r\n\r\n");
+        thread::sleep(Duration::from_millis(200));
+    });
+    let consumer = Consumer::start(Some(index()), Duration::ZERO).unwrap();
+    let subscription = Subscription {
+        endpoint: endpoint.clone(),
+        replay_endpoint: None,
+        topic: Vec::new(),
+        bind: false,
+        replay_timeout: Duration::from_secs(1),
+        catch_up: false,
+    };
+    consumer.add_worker("w", subscription).unwrap();
+    until("the refusal", || counts(&consumer).malformed >= 1);
+    let notices = consumer.take_notices();
+    match &notices[0].item {
+        Item::Malformed { seq: None, error } => {
+            assert!(error.contains("not a ZMTP 3 peer"), "{error}");
+            assert!(error.contains(&endpoint), "{error}");
+        }
+        other => panic!("{other:?}"),
+    }
+    until("a reconnect, refused again", || {
+        counts(&consumer).malformed >= 2
+    });
+    assert!(consumer.close(Duration::from_secs(2)));
+    stop.store(true, Ordering::Relaxed);
+    server.join().unwrap();
+}
+
+#[test]
 fn outbox_mode_posts_every_item_and_a_silent_replay_times_out() {
     let engine = Engine::new();
     engine.answering.store(false, Ordering::Relaxed);
     let consumer = Consumer::start(None, Duration::ZERO).unwrap();
     consumer.add_worker("w", engine.subscription()).unwrap();
     engine.wait_subscribed();
+    thread::sleep(Duration::from_millis(400)); // the catch-up times out (300 ms)
     engine.send(0, &stored(100, 1, 1000, None), true);
     engine.send(5, &stored(200, 1, 1001, None), true);
     let mut items = Vec::new();
@@ -273,6 +451,42 @@ fn outbox_mode_posts_every_item_and_a_silent_replay_times_out() {
 }
 
 #[test]
+fn a_bound_consumer_accepts_publishers_that_connect() {
+    let consumer = Consumer::start(None, Duration::ZERO).unwrap();
+    let subscription = Subscription {
+        endpoint: "tcp://127.0.0.1:*".into(),
+        replay_endpoint: None,
+        topic: b"kv".to_vec(),
+        bind: true,
+        replay_timeout: Duration::from_secs(1),
+        catch_up: false,
+    };
+    let endpoint = consumer.add_worker("w", subscription).unwrap();
+    let address = endpoint.strip_prefix("tcp://").unwrap();
+    assert!(
+        !address.ends_with(":0") && !address.ends_with(":*"),
+        "{endpoint}"
+    );
+    let mut stream = TcpStream::connect(address).unwrap();
+    let mut codec = Codec::new(SocketType::Pub, MAX_MESSAGE);
+    flush(&mut stream, &mut codec);
+    let subscription = read_until(&mut stream, &mut codec, |_| true).unwrap();
+    assert_eq!(subscription, vec![b"\x01kv".to_vec()]);
+    codec.send_message(&[b"other", &0u64.to_be_bytes(), &stored(1, 1, 1, None)]);
+    codec.send_message(&[b"kv", &0u64.to_be_bytes(), &stored(1, 1, 1, None)]);
+    flush(&mut stream, &mut codec);
+    let mut items = Vec::new();
+    until("the batch", || {
+        items.extend(consumer.take_notices().into_iter().map(|n| n.item));
+        !items.is_empty()
+    });
+    thread::sleep(Duration::from_millis(50));
+    items.extend(consumer.take_notices().into_iter().map(|n| n.item));
+    assert_eq!(items.len(), 1, "the other topic is not taken: {items:?}");
+    assert!(matches!(items[0], Item::Batch { seq: 0, .. }));
+}
+
+#[test]
 fn close_is_bounded_with_a_replay_pending_and_an_unreachable_engine() {
     let engine = Engine::new();
     engine.answering.store(false, Ordering::Relaxed);
@@ -298,19 +512,38 @@ fn close_is_bounded_with_a_replay_pending_and_an_unreachable_engine() {
 }
 
 #[test]
+fn reconnecting_is_quick_at_first_then_backs_off() {
+    assert_eq!(Dialer::backoff(1), RECONNECT_IVL);
+    assert_eq!(Dialer::backoff(RECONNECT_QUICK_ATTEMPTS), RECONNECT_IVL);
+    assert_eq!(
+        Dialer::backoff(RECONNECT_QUICK_ATTEMPTS + 1),
+        2 * RECONNECT_IVL
+    );
+    assert_eq!(Dialer::backoff(u32::MAX), RECONNECT_MAX);
+}
+
+#[test]
 fn a_malformed_address_fails_at_once() {
     let consumer = Consumer::start(None, Duration::ZERO).unwrap();
-    let bad = Subscription {
-        endpoint: "localhost:5557".into(),
-        replay_endpoint: None,
-        topic: Vec::new(),
-        bind: false,
-        replay_timeout: Duration::from_secs(1),
-        catch_up: false,
-    };
-    let error = consumer.add_worker("w", bad).unwrap_err();
-    assert!(
-        error.contains("cannot subscribe to localhost:5557"),
-        "{error}"
-    );
+    for (endpoint, why) in [
+        ("localhost:5557", "expected tcp://HOST:PORT or ipc://PATH"),
+        ("tcp://127.0.0.1", "expected tcp://HOST:PORT"),
+        ("tcp://127.0.0.1:99999", "bad port"),
+        ("tcp://*:5557", "can only be bound"),
+        ("inproc://kv", "within one process"),
+    ] {
+        let bad = Subscription {
+            endpoint: endpoint.into(),
+            replay_endpoint: None,
+            topic: Vec::new(),
+            bind: false,
+            replay_timeout: Duration::from_secs(1),
+            catch_up: false,
+        };
+        let error = consumer.add_worker("w", bad).unwrap_err();
+        assert!(
+            error.contains(&format!("cannot subscribe to {endpoint}")) && error.contains(why),
+            "{error}"
+        );
+    }
 }
