@@ -13,6 +13,7 @@ mod engine;
 mod kvevents;
 mod routing;
 mod sim;
+mod tokenize;
 mod tokens;
 mod trace;
 
@@ -24,6 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kvevents::register(m)?;
     consumer::register(m)?;
     sim::register(m)?;
+    tokenize::register(m)?;
     trace::register(m)?;
     Ok(())
 }

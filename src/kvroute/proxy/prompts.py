@@ -282,7 +282,7 @@ class PromptHasher:
         hasher: the router's block hasher (same block size and seed as the index).
         cache_bytes: memory bound of the caches together (see
             :data:`DEFAULT_PROMPT_CACHE_BYTES` for the shares).
-        segment_cache_entries / prefix_cache_entries / text_piece_cache_entries: entry
+        segment_cache_entries / prefix_cache_entries: entry
             bounds on top (tests use small ones to see evictions).
         max_text_bytes: longer prompt texts are not tokenized (routed with no prefix match,
             see :func:`max_text_bytes`): the bound on each request's tokenization work.
@@ -296,7 +296,6 @@ class PromptHasher:
         hasher: BlockHasher,
         segment_cache_entries: int | None = None,
         prefix_cache_entries: int | None = None,
-        text_piece_cache_entries: int = 1 << 20,
         *,
         cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES,
         max_text_bytes: int | None = None,
@@ -319,7 +318,7 @@ class PromptHasher:
         self._segment_entries = segment_cache_entries
         self._prefix_entries = prefix_cache_entries
         #: Piecewise exact encoder of text prompts, or None when the tokenizer does not qualify.
-        self.text_chunker = text_chunker(tokenizer, text_piece_cache_entries, max_bytes=cache_bytes // 2)
+        self.text_chunker = text_chunker(tokenizer, max_bytes=cache_bytes // 2)
 
     def cache_stats(self) -> tuple[int, int]:
         """Bytes the caches hold, and entries they dropped to stay within their bounds."""
