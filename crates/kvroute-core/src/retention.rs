@@ -127,6 +127,10 @@ pub struct RetentionConfig {
     /// every running request as pinning all its blocks until a later one takes its place,
     /// so it errs full); `usize::MAX` never keeps a worker from a request.
     pub admission_slack_blocks: usize,
+    /// [`Retention::admits`] keeps requests off full workers only while the fleet's mean
+    /// requests in flight per worker is at most this: beyond it every worker is short of room,
+    /// and a request moved off its owner misses and pushes out what the other one keeps.
+    pub admission_max_in_flight: f64,
 }
 
 impl RetentionConfig {
@@ -147,6 +151,7 @@ impl RetentionConfig {
             min_reuses: 1,
             refresh_after_requests: 3,
             admission_slack_blocks: 100,
+            admission_max_in_flight: 3.0,
         }
     }
 }
@@ -791,7 +796,10 @@ impl Placement for RetainingPlacement<'_> {
         let prompt = prompt.as_slice();
         let p = &mut self.placement;
         let bs = self.retention.config().block_size;
-        // Workers whose running requests leave this one room (all, when none or all do).
+        // Workers whose running requests leave this one room (all, when all do, when fewer
+        // than half do, or when the fleet runs more than `admission_max_in_flight` a worker:
+        // a fleet that full sends the request where it would miss, to a worker short of room
+        // too, and the copy pushes out what that worker keeps).
         let total = (prompt.len() + output_tokens).div_ceil(bs);
         let live = p.step.live_slots();
         let roomy: Vec<usize> = live
@@ -802,7 +810,11 @@ impl Placement for RetainingPlacement<'_> {
                     .admits(w, p.step.state(w).in_flight, block_hashes, total)
             })
             .collect();
-        let candidates = (!roomy.is_empty() && roomy.len() < live.len()).then_some(roomy);
+        let in_flight: i64 = live.iter().map(|&w| p.step.state(w).in_flight).sum();
+        let calm =
+            in_flight as f64 <= self.retention.config().admission_max_in_flight * live.len() as f64;
+        let candidates =
+            (calm && 2 * roomy.len() >= live.len() && roomy.len() < live.len()).then_some(roomy);
         let r = p.step.route(
             p.index.as_deref_mut(),
             p.policy,

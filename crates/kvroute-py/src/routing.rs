@@ -1212,7 +1212,7 @@ type RefreshTuple = (Vec<u32>, Vec<u64>, usize);
 ///     capacity_blocks: usable KV blocks per worker (``num_gpu_blocks`` − 1).
 ///     margin_requests, refresh_cost_tokens, value_ratio, min_prefix_blocks, max_tracked,
 ///     reserve_factor, min_coverage, min_reuses, refresh_after_requests,
-///     admission_slack_blocks: the knobs of ``RetentionConfig`` (defaults
+///     admission_slack_blocks, admission_max_in_flight: the knobs of ``RetentionConfig`` (defaults
 ///     when None).
 #[pyclass(module = "kvroute._native", name = "Retention")]
 pub struct PyRetention {
@@ -1222,7 +1222,7 @@ pub struct PyRetention {
 #[pymethods]
 impl PyRetention {
     #[new]
-    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None, min_coverage = None, min_reuses = None, refresh_after_requests = None, admission_slack_blocks = None))]
+    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None, min_coverage = None, min_reuses = None, refresh_after_requests = None, admission_slack_blocks = None, admission_max_in_flight = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         mode: &str,
@@ -1238,6 +1238,7 @@ impl PyRetention {
         min_reuses: Option<u32>,
         refresh_after_requests: Option<u64>,
         admission_slack_blocks: Option<usize>,
+        admission_max_in_flight: Option<f64>,
     ) -> PyResult<Self> {
         let mode: retention::RetentionMode = mode.parse().map_err(PyValueError::new_err)?;
         if block_size == 0 {
@@ -1273,6 +1274,9 @@ impl PyRetention {
         }
         if let Some(v) = admission_slack_blocks {
             config.admission_slack_blocks = v;
+        }
+        if let Some(v) = admission_max_in_flight {
+            config.admission_max_in_flight = v;
         }
         Ok(Self {
             inner: retention::Retention::new(config),
@@ -1352,6 +1356,13 @@ impl PyRetention {
     ) -> bool {
         self.inner
             .admits(slot, in_flight, &block_hashes, total_blocks)
+    }
+
+    /// ``admission_max_in_flight``: above this mean in flight per worker ``admits`` is not
+    /// asked (see ``RetentionConfig``).
+    #[getter]
+    fn admission_max_in_flight(&self) -> f64 {
+        self.inner.config().admission_max_in_flight
     }
 
     /// Forget what it knew of ``slot`` (the worker left or reset its cache).

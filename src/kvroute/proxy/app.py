@@ -65,7 +65,6 @@ from kvroute.proxy.discovery import Discovery, StaticDiscovery
 from kvroute.proxy.edge import ConnectionLimits, GuardedRunner, default_max_connections
 from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import EventsSettings, Worker, WorkerPool
-from kvroute.proxy.retention import LiveRetention
 from kvroute.proxy.prompts import (
     DEFAULT_PROMPT_CACHE_BYTES,
     BadRequest,
@@ -74,6 +73,7 @@ from kvroute.proxy.prompts import (
     max_text_bytes,
     parse_large_ids,
 )
+from kvroute.proxy.retention import LiveRetention
 from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
 from kvroute.routing.policies import make_policy, policy_parameters
@@ -709,13 +709,15 @@ class Router:
         hashes = prompt.block_hashes
         pool = self.pool
         slots = pool.available_slots() if candidates is pool.available() else [w.slot for w in candidates]
-        slot, overlap, prefill = self.routing.route(hashes, prompt.num_tokens, self.clock(), slots)
+        retained = self.retention.read(raw) if raw is not None and self.retention is not None else None
+        offered = slots if retained is None else self.retention.roomy(slots, hashes, retained)
+        slot, overlap, prefill = self.routing.route(hashes, prompt.num_tokens, self.clock(), offered)
         chosen = candidates[slots.index(slot)]
         chosen.decisions.inc()
         self.metrics.overlap_blocks.observe(overlap)
         self.metrics.prompt_blocks.observe(len(hashes))
-        if raw is not None and self.retention is not None:
-            self.retention.routed(chosen, raw, hashes, overlap, self.clock())
+        if retained is not None:
+            self.retention.routed(chosen, retained, hashes, overlap, self.clock())
         return chosen, prefill
 
     async def _generate(self, request: web.Request, parse: Callable[[dict], PromptInfo]) -> web.StreamResponse:

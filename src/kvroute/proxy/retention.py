@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Any
+from typing import Any, NamedTuple
 
 import aiohttp
 import msgspec
@@ -49,6 +49,14 @@ class _Fields(msgspec.Struct):
 
 
 _decode_fields = msgspec.json.Decoder(_Fields).decode
+
+
+class _Request(NamedTuple):
+    """A routed completion as retention reads it."""
+
+    ids: list[int]
+    output_tokens: int
+    model: str | None
 
 
 class RetentionMetrics:
@@ -110,31 +118,50 @@ class LiveRetention:
     def mode(self) -> str:
         return self.native.mode
 
-    def routed(self, worker, raw: bytes, block_hashes: list[int], overlap: int, now: float) -> None:
-        """The routing step sent a completion body ``raw`` to ``worker`` (a pool ``Worker``),
-        crediting ``overlap`` blocks: send that worker's refreshes, then tell the retention."""
-        if not block_hashes:
-            return
+    def read(self, raw: bytes) -> _Request | None:
+        """What a refresh and the model need of a completion body: its token ids (None for a
+        text prompt: nothing to refresh with), output budget and model."""
         try:
             fields = _decode_fields(raw)
         except (msgspec.DecodeError, msgspec.ValidationError):
-            return
+            return None
         ids = fields.prompt
         if not isinstance(ids, list) or not ids or not isinstance(ids[0], int):
-            return  # text (or a batch): no token ids for a refresh body
-        out = fields.max_tokens if isinstance(fields.max_tokens, int) and fields.max_tokens > 0 \
-            else DEFAULT_OUTPUT_TOKENS
-        bs = self.block_size
-        incoming = max(-(-(len(ids) + out) // bs) - overlap, 0)
+            return None  # text (or a batch): no token ids for a refresh body
+        out = fields.max_tokens
+        out = out if isinstance(out, int) and out > 0 else DEFAULT_OUTPUT_TOKENS
+        model = fields.model if isinstance(fields.model, str) else None
+        return _Request(ids, out, model)
+
+    def roomy(self, slots: list[int], block_hashes: list[int], request: _Request) -> list[int]:
+        """The ``slots`` whose running requests leave this one room by the model (all of them
+        when all do, fewer than half do, or the fleet runs more than
+        ``admission_max_in_flight`` a worker, as ``RetainingPlacement``): a request sent where it
+        does not fit waits in the engine's queue however much of it is cached (the worker's
+        LRU pressure)."""
+        total = -(-(len(request.ids) + request.output_tokens) // self.block_size)
+        routing = self.routing
+        busy = sum(routing.state(s).in_flight for s in slots)
+        if busy > self.native.admission_max_in_flight * len(slots):
+            return slots
+        fits = [s for s in slots if self.native.admits(s, routing.state(s).in_flight, block_hashes, total)]
+        return fits if len(slots) <= 2 * len(fits) < 2 * len(slots) else slots
+
+    def routed(self, worker, request: _Request, block_hashes: list[int], overlap: int, now: float) -> None:
+        """The routing step sent ``request`` to ``worker`` (a pool ``Worker``), crediting
+        ``overlap`` blocks: send that worker's refreshes, then tell the retention."""
+        if not block_hashes:
+            return
+        ids, out = request.ids, request.output_tokens
+        incoming = max(-(-(len(ids) + out) // self.block_size) - overlap, 0)
         try:
             refreshes = self.native.poll(self.routing, worker.slot, now, incoming)
             self.native.routed(worker.slot, block_hashes, ids, overlap, out, now)
-        except (ValueError, OverflowError, TypeError) as exc:  # ids out of range: not ours to judge
+        except (ValueError, OverflowError, TypeError) as exc:  # ids out of range: the worker judges
             logger.debug("retention skipped a prompt: %r", exc)
             return
-        model = fields.model if isinstance(fields.model, str) else None
         for prompt, _hashes, _blocks in refreshes:
-            self._fire(worker, model, prompt)
+            self._fire(worker, request.model, prompt)
 
     def _fire(self, worker, model: str | None, prompt: list[int]) -> None:
         name = worker.name
