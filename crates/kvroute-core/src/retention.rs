@@ -120,8 +120,9 @@ pub struct RetentionConfig {
     /// this many times.
     pub min_reuses: u32,
     /// A retained prefix neither used nor refreshed for this many of the worker's requests is
-    /// refreshed whatever the model says of its distance to the head (the model only sees the
-    /// router's side of the engine; this bounds how far it can drift). 0 turns it off.
+    /// refreshed, once the modelled cache is full, whatever the model says of its distance to
+    /// the head (the model only sees the router's side of the engine; this bounds how far it
+    /// can drift). 0 turns it off.
     pub refresh_after_requests: u64,
     /// [`Retention::admits`]: blocks a request may overrun the capacity by (the model counts
     /// every running request as pinning all its blocks until a later one takes its place,
@@ -246,6 +247,9 @@ struct WorkerModel {
     /// own new blocks). Requests finish about in the order they came, so the newest
     /// `in_flight` of them are what the worker runs now.
     recent: VecDeque<(Option<u64>, usize, usize)>,
+    /// `auto`: whether the last poll found the retained prefixes worth keeping here (enough
+    /// coverage); only then does placement keep requests off this worker when it is full.
+    keeping: bool,
 }
 
 /// Requests remembered per worker for [`WorkerModel::recent`].
@@ -522,6 +526,11 @@ impl Retention {
         let Some(m) = self.workers.get(worker) else {
             return true;
         };
+        if self.config.mode == RetentionMode::Auto && !m.keeping {
+            // Nothing kept here beyond what the LRU keeps anyway: the full worker's wait is
+            // today's, and moving the request would only trade it for a miss.
+            return true;
+        }
         let (pinned, running) = m.running(in_flight);
         let shared = m
             .tracked
@@ -621,6 +630,7 @@ impl Retention {
             used += blocks;
             retained.push((k, interval));
         }
+        m.keeping = !retained.is_empty();
         if retained.is_empty() {
             return;
         }
@@ -634,6 +644,7 @@ impl Retention {
             let kept: f64 = retained.iter().map(|&(_, i)| demand(i)).sum();
             if kept < self.config.min_coverage * total {
                 stats.declined_coverage += 1;
+                m.keeping = false;
                 return;
             }
             // A cold prefix (a copy placed here once) is not worth its blocks, nor one not yet
@@ -669,13 +680,15 @@ impl Retention {
                 }
                 distance += s.blocks as f64;
             }
-            // Then one the model lost track of, or one left untouched too long.
+            // Then one the model lost track of, or one left untouched too long while the cache
+            // is full (allocations evict: where the free queue still has room, nothing is).
             if danger.is_none() {
                 danger = retained.iter().map(|&(k, _)| k).find(|k| {
                     let t = &m.tracked[k];
                     !t.gone
                         && (!m.segments.iter().any(|s| s.key == Some(*k))
                             || (refresh_after > 0
+                                && uncached < margin
                                 && requests.saturating_sub(t.last_touch) >= refresh_after))
                 });
             }
@@ -1117,6 +1130,18 @@ mod tests {
         // Two running: room for anything; a worker never seen: room too.
         assert!(r.admits(0, 2, &other_prefix, 13));
         assert!(r.admits(5, 3, &other_prefix, 13));
+        // `auto` keeps requests off a full worker only once a poll found its prefixes worth
+        // keeping (before that, or where they are not, the wait is what the LRU gives anyway).
+        let mut cfg = RetentionConfig::new(RetentionMode::Auto, BS, 45);
+        cfg.admission_slack_blocks = 0;
+        let mut auto = Retention::new(cfg);
+        for i in 0..11u32 {
+            let (tokens, hashes) = prompt(i % 4, 10, 2 * BS, i);
+            auto.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+        }
+        assert!(auto.admits(0, 3, &other_prefix, 13));
+        auto.poll(0, &idle(), &mut held_all, 3, 0.0, &mut Vec::new());
+        assert!(!auto.admits(0, 3, &other_prefix, 13));
     }
 
     #[test]
