@@ -26,9 +26,17 @@
 //! reverse free order does). A prefix is *retained* when its demand (one use every so many of
 //! the worker's requests) ranks it among those that fit the worker's capacity after a reserve
 //! for the running requests' own blocks; a retained prefix whose distance to the head falls
-//! under a margin of allocations is refreshed. The model allocates at routing time (before the
+//! under a margin of allocations (or that went `refresh_after_requests` of the worker's requests
+//! untouched while the modelled cache is full) is refreshed; one whose tail the index says is
+//! gone is refreshed as far as it is held. The model allocates at routing time (before the
 //! engine does) and counts running requests' blocks as freed, so it errs early: a refresh
 //! comes before the eviction, not after.
+//!
+//! Placement counts the pressure too ([`Retention::admits`], used by [`RetainingPlacement`]
+//! and the live router): the newest `in_flight` requests routed to a worker stand for what it
+//! runs (their own blocks, their prefixes once each); a request that would not fit beside them
+//! waits in the engine's queue however cached it is, so while the fleet is not saturated it is
+//! kept off such a worker.
 //!
 //! Modes ([`RetentionMode`]): `off` never refreshes; `on` refreshes a retained prefix as soon
 //! as it is in danger; `auto` refreshes only when the worker has slack (no prompt waiting for
@@ -149,7 +157,7 @@ impl RetentionConfig {
             value_ratio: 2.0,
             min_coverage: 0.6,
             max_turnovers: 2.0,
-            min_reuses: 1,
+            min_reuses: 2,
             refresh_after_requests: 3,
             admission_slack_blocks: 100,
             admission_max_in_flight: 3.0,
