@@ -16,6 +16,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
+from kvroute.bench.runner import router_refreshes
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.proxy import RouterConfig, start_router
 
@@ -75,6 +76,7 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
                 text = await _metrics(router.url)
                 assert "kvroute_retention_refreshes" not in text
                 assert worker.worker.engine.stats.requests == 40
+                assert await router_refreshes(router.url) == 0
                 return
             await _settle(router)
             text = await _metrics(router.url)
@@ -88,6 +90,9 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
             assert metric(text, "kvroute_router_requests_total") == 40
             assert worker.worker.engine.stats.requests == 40 + sent
             assert router.retention.stats()["refreshes"] == sent
+            # What the bench reads as a trial's refreshes; a worker's own /metrics has none.
+            assert await router_refreshes(router.url + "/v1") == sent
+            assert await router_refreshes(worker.url) is None
     finally:
         await worker.close()
 
