@@ -39,14 +39,24 @@ def test_off_reproduces_todays_reference_point():
 def test_on_lifts_the_reference_hit_rate_and_keeps_ttft_p99():
     off = trial(24, 8, "off")
     on = trial(24, 8, "on")
-    # Measured 0.879 -> 0.915 (seeds 0-3: +0.034 to +0.081) with TTFT p99 123 vs 119 ms.
-    assert on.request_hit_rate >= off.request_hit_rate + 0.03
+    # Measured 0.879 -> 0.979 (seeds 0-3: 0.960-0.979) with TTFT p99 114 vs 121 ms.
+    assert on.request_hit_rate >= 0.95
     assert on.ttft_p99_ms <= off.ttft_p99_ms * 1.1
     # Every refresh is counted, with the engine time it added: a refresh rides in the step of
     # the request it was sent ahead of and computes one token when its prefix is cached, so it
     # costs far less than the prefills it saves (measured ~0.17 ms a refresh).
     assert on.refreshes > on.requests
     assert 0 < on.refresh_engine_s / on.refreshes < 0.002
+
+
+def test_at_c16_requests_stay_off_workers_without_room_and_p99_holds():
+    # At c = 16 a worker cannot run 4 requests on 4 different prefixes (4 x 153 blocks > 584):
+    # the 4th would wait for blocks however cached it is. Placement leaves such workers out, so
+    # the hit rate rises less (0.896 -> 0.917) but TTFT p99 falls (311 -> 272 ms).
+    off = trial(24, 16, "off")
+    on = trial(24, 16, "on")
+    assert on.request_hit_rate >= off.request_hit_rate + 0.01
+    assert on.ttft_p99_ms <= off.ttft_p99_ms
 
 
 def test_auto_changes_nothing_where_everything_fits():
@@ -58,10 +68,13 @@ def test_auto_changes_nothing_where_everything_fits():
 
 def test_random_routing_with_retention_gets_an_index():
     # Retention learns prefixes from the overlap, so the simulation builds an index for it even
-    # when the policy needs none; the policy's decisions stay its own.
+    # when the policy needs none; the policy still decides, among the workers whose running
+    # requests leave the request room (prefix-hash piles onto its owners: some move).
     off = trial(24, 8, "off", policy="prefix-hash")
     on = trial(24, 8, "on", policy="prefix-hash")
-    assert on.worker_requests == off.worker_requests
+    moved = sum(abs(on.worker_requests.get(w, 0) - n) for w, n in off.worker_requests.items()) / 2
+    assert 0 < moved <= 0.1 * off.requests
+    assert max(on.worker_requests.values()) < max(off.worker_requests.values())
     assert on.refreshes > 0
 
 

@@ -26,9 +26,17 @@
 //! reverse free order does). A prefix is *retained* when its demand (one use every so many of
 //! the worker's requests) ranks it among those that fit the worker's capacity after a reserve
 //! for the running requests' own blocks; a retained prefix whose distance to the head falls
-//! under a margin of allocations is refreshed. The model allocates at routing time (before the
+//! under a margin of allocations (or that went `refresh_after_requests` of the worker's requests
+//! untouched while the modelled cache is full) is refreshed; one whose tail the index says is
+//! gone is refreshed as far as it is held. The model allocates at routing time (before the
 //! engine does) and counts running requests' blocks as freed, so it errs early: a refresh
 //! comes before the eviction, not after.
+//!
+//! Placement counts the pressure too ([`Retention::admits`], used by [`RetainingPlacement`]
+//! and the live router): the newest `in_flight` requests routed to a worker stand for what it
+//! runs (their own blocks, their prefixes once each); a request that would not fit beside them
+//! waits in the engine's queue however cached it is, so while the fleet is not saturated it is
+//! kept off such a worker.
 //!
 //! Modes ([`RetentionMode`]): `off` never refreshes; `on` refreshes a retained prefix as soon
 //! as it is in danger; `auto` refreshes only when the worker has slack (no prompt waiting for
@@ -119,6 +127,19 @@ pub struct RetentionConfig {
     /// once by its next turn and then superseded) is retained only once the worker reused it
     /// this many times.
     pub min_reuses: u32,
+    /// A retained prefix neither used nor refreshed for this many of the worker's requests is
+    /// refreshed, once the modelled cache is full, whatever the model says of its distance to
+    /// the head (the model only sees the router's side of the engine; this bounds how far it
+    /// can drift). 0 turns it off.
+    pub refresh_after_requests: u64,
+    /// [`Retention::admits`]: blocks a request may overrun the capacity by (the model counts
+    /// every running request as pinning all its blocks until a later one takes its place,
+    /// so it errs full); `usize::MAX` never keeps a worker from a request.
+    pub admission_slack_blocks: usize,
+    /// [`Retention::admits`] keeps requests off full workers only while the fleet's mean
+    /// requests in flight per worker is at most this: beyond it every worker is short of room,
+    /// and a request moved off its owner misses and pushes out what the other one keeps.
+    pub admission_max_in_flight: f64,
 }
 
 impl RetentionConfig {
@@ -136,7 +157,10 @@ impl RetentionConfig {
             value_ratio: 2.0,
             min_coverage: 0.6,
             max_turnovers: 2.0,
-            min_reuses: 1,
+            min_reuses: 2,
+            refresh_after_requests: 3,
+            admission_slack_blocks: 100,
+            admission_max_in_flight: 3.0,
         }
     }
 }
@@ -162,8 +186,10 @@ pub struct RetentionStats {
     pub refreshes: u64,
     /// Blocks they touched.
     pub refreshed_blocks: u64,
-    /// Refreshes not sent because the index no longer held the whole prefix.
+    /// Refreshes not sent because the index held too little of the prefix.
     pub skipped_evicted: u64,
+    /// Refreshes of a prefix's leading blocks only (the index held no more of it).
+    pub partial: u64,
     /// Refreshes `auto` held back because the worker had a prefill waiting.
     pub deferred_busy: u64,
     /// Refreshes not sent because, pinned for their step beside the running requests, their
@@ -191,6 +217,8 @@ struct Tracked {
     extends: bool,
     /// The index said it was gone at the last check (cleared by its next use).
     gone: bool,
+    /// The worker's request count at its last use or refresh.
+    last_touch: u64,
 }
 
 impl Tracked {
@@ -223,7 +251,17 @@ struct WorkerModel {
     new_blocks: f64,
     /// Smoothed blocks per request (prompt and output: what a running request pins).
     request_blocks: f64,
+    /// The last requests routed here, newest last: (tracked prefix, its blocks, the request's
+    /// own new blocks). Requests finish about in the order they came, so the newest
+    /// `in_flight` of them are what the worker runs now.
+    recent: VecDeque<(Option<u64>, usize, usize)>,
+    /// `auto`: whether the last poll found the retained prefixes worth keeping here (enough
+    /// coverage); only then does placement keep requests off this worker when it is full.
+    keeping: bool,
 }
+
+/// Requests remembered per worker for [`WorkerModel::recent`].
+const RECENT: usize = 64;
 
 const SMOOTHING: f64 = 0.3;
 
@@ -260,6 +298,22 @@ impl WorkerModel {
             return;
         }
         self.segments.push_back(Segment { key, blocks });
+    }
+
+    /// What the running requests pin, and their prefixes: the newest `in_flight` routed here
+    /// (requests finish about in the order they came), each its own blocks, and their
+    /// prefixes once each.
+    fn running(&self, in_flight: i64) -> (usize, Vec<Option<u64>>) {
+        let mut pinned = 0;
+        let mut keys: Vec<Option<u64>> = Vec::new();
+        for &(key, prefix, own) in self.recent.iter().rev().take(in_flight.max(0) as usize) {
+            pinned += own;
+            if key.is_none() || !keys.contains(&key) {
+                pinned += prefix;
+            }
+            keys.push(key);
+        }
+        (pinned, keys)
     }
 
     /// Make room for `n` blocks about to go to the tail: uncached ones first, then from the
@@ -395,6 +449,11 @@ impl Retention {
             m.take_segment(k);
         }
         let requests = m.requests;
+        if m.recent.len() == RECENT {
+            m.recent.pop_front();
+        }
+        m.recent
+            .push_back((key, key_blocks, total.saturating_sub(key_blocks)));
         // The request's blocks go to the tail: the prefix's (just taken out of the queue) and
         // its own new ones, taken from the head. A prefix newly learned was counted as its
         // first request's garbage: the surplus goes from the head too.
@@ -409,6 +468,7 @@ impl Retention {
                         let gap = requests.saturating_sub(t.last_use) as f64;
                         t.gap = (1.0 - SMOOTHING) * t.gap + SMOOTHING * gap;
                         t.last_use = requests;
+                        t.last_touch = requests;
                         t.reuses += 1;
                         t.gone = false;
                     }
@@ -429,6 +489,7 @@ impl Retention {
                                 reuses: 1,
                                 extends: inherited_gap.is_some(),
                                 gone: false,
+                                last_touch: requests,
                             },
                         );
                         if m.tracked.len() > max_tracked {
@@ -452,6 +513,49 @@ impl Retention {
             }
             None => m.push_tail(None, total),
         }
+    }
+
+    /// Whether `worker` can admit a request of these block hashes and `total_blocks` blocks
+    /// (prompt and output) beside the `in_flight` requests it runs, by the model: the blocks
+    /// they pin, plus what this one would pin (its prefix too, unless a running request
+    /// already pins it), within the capacity. A request routed where it does not fit waits
+    /// in the engine's queue for a running one to finish, however much of it is cached:
+    /// placement counts this as the worker's LRU pressure. A worker not seen yet admits.
+    pub fn admits(
+        &self,
+        worker: usize,
+        in_flight: i64,
+        block_hashes: &[u64],
+        total_blocks: usize,
+    ) -> bool {
+        if self.config.mode == RetentionMode::Off {
+            return true;
+        }
+        let Some(m) = self.workers.get(worker) else {
+            return true;
+        };
+        if self.config.mode == RetentionMode::Auto && !m.keeping {
+            // Nothing kept here beyond what the LRU keeps anyway: the full worker's wait is
+            // today's, and moving the request would only trade it for a miss.
+            return true;
+        }
+        let (pinned, running) = m.running(in_flight);
+        let shared = m
+            .tracked
+            .iter()
+            .filter(|&(&k, t)| {
+                t.blocks <= block_hashes.len()
+                    && block_hashes[t.blocks - 1] == k
+                    && running.contains(&Some(k))
+            })
+            .map(|(_, t)| t.blocks)
+            .max()
+            .unwrap_or(0);
+        pinned + total_blocks.saturating_sub(shared)
+            <= self
+                .config
+                .capacity_blocks
+                .saturating_add(self.config.admission_slack_blocks)
     }
 
     /// [`Retention::poll`] for a routing step's slot `worker`, the index (if any) answering
@@ -534,6 +638,7 @@ impl Retention {
             used += blocks;
             retained.push((k, interval));
         }
+        m.keeping = !retained.is_empty();
         if retained.is_empty() {
             return;
         }
@@ -547,6 +652,7 @@ impl Retention {
             let kept: f64 = retained.iter().map(|&(_, i)| demand(i)).sum();
             if kept < self.config.min_coverage * total {
                 stats.declined_coverage += 1;
+                m.keeping = false;
                 return;
             }
             // A cold prefix (a copy placed here once) is not worth its blocks, nor one not yet
@@ -562,28 +668,37 @@ impl Retention {
         }
         let margin = incoming_blocks as f64 + margin_requests * m.new_blocks.max(1.0);
         let uncached = capacity.saturating_sub(m.held()) as f64;
+        let refresh_after = self.config.refresh_after_requests;
+        let min_blocks = self.config.min_prefix_blocks.max(1);
+        // What the running requests pin (the one just routed is counted by the load but not
+        // yet told: an older one stands in for it), and the new request's own blocks.
+        let (running_pinned, running) = m.running(load.in_flight);
+        let running_pinned = running_pinned + incoming_blocks;
         loop {
-            // The retained prefix nearest the head, if it is within the margin; a retained
-            // prefix the model already counts (partly) evicted is at distance 0.
+            // The retained prefix nearest the head, if it is within the margin.
             let mut distance = uncached;
             let mut danger: Option<u64> = None;
             for s in &m.segments {
                 if let Some(k) = s.key
                     && retained.iter().any(|&(r, _)| r == k)
+                    && distance < margin
                 {
-                    let whole = m.tracked.get(&k).is_some_and(|t| s.blocks >= t.blocks);
-                    if distance < margin || !whole {
-                        danger = Some(k);
-                        break;
-                    }
+                    danger = Some(k);
+                    break;
                 }
                 distance += s.blocks as f64;
             }
+            // Then one the model lost track of, or one left untouched too long while the cache
+            // is full (allocations evict: where the free queue still has room, nothing is).
             if danger.is_none() {
-                danger = retained
-                    .iter()
-                    .map(|&(k, _)| k)
-                    .find(|k| !m.tracked[k].gone && !m.segments.iter().any(|s| s.key == Some(*k)));
+                danger = retained.iter().map(|&(k, _)| k).find(|k| {
+                    let t = &m.tracked[k];
+                    !t.gone
+                        && (!m.segments.iter().any(|s| s.key == Some(*k))
+                            || (refresh_after > 0
+                                && uncached < margin
+                                && requests.saturating_sub(t.last_touch) >= refresh_after))
+                });
             }
             let Some(k) = danger else { break };
             retained.retain(|&(r, _)| r != k);
@@ -591,47 +706,66 @@ impl Retention {
                 .tracked
                 .get_mut(&k)
                 .expect("retained prefixes are tracked");
-            if mode == RetentionMode::Auto {
+            if mode == RetentionMode::Auto && incoming_blocks == 0 && load.in_flight_tokens > 0 {
                 // A refresh sent on its own makes a step (no request comes with it): only
                 // when the worker has nothing to prefill anyway.
-                if incoming_blocks == 0 && load.in_flight_tokens > 0 {
-                    stats.deferred_busy += 1;
-                    continue;
-                }
-                // Refreshes until its next use, each keeping it one margin longer.
-                let remaining = (t.gap - requests.saturating_sub(t.last_use) as f64).max(1.0);
-                let refreshes_needed = (remaining / margin_requests.max(0.5)).max(1.0);
-                let value = (t.blocks * bs) as f64 / refreshes_needed;
-                if value < value_floor {
-                    stats.declined_value += 1;
-                    continue;
-                }
-            }
-            // A refresh pins its prefix for one step: beside what the running requests pin
-            // (the one just routed included), that must leave the worker room to admit them,
-            // or a client request waits behind the refresh for blocks.
-            let pinned = in_flight * m.request_blocks + t.blocks as f64;
-            if pinned > capacity as f64 {
-                stats.deferred_full += 1;
+                stats.deferred_busy += 1;
                 continue;
             }
-            if held_blocks(&t.hashes) < t.blocks {
+            // The leading blocks the worker still holds: a prefix whose tail was evicted is
+            // refreshed as far as it is held (its next use recomputes only the tail).
+            let held = held_blocks(&t.hashes).min(t.blocks);
+            if held < min_blocks {
                 t.gone = true;
                 stats.skipped_evicted += 1;
                 m.take_segment(k);
                 continue;
             }
+            if mode == RetentionMode::Auto {
+                // Refreshes until its next use, each keeping it one trigger longer.
+                let every = if refresh_after > 0 {
+                    (refresh_after as f64).min(margin_requests)
+                } else {
+                    margin_requests
+                };
+                let remaining = (t.gap - requests.saturating_sub(t.last_use) as f64).max(1.0);
+                let refreshes_needed = (remaining / every.max(0.5)).max(1.0);
+                let value = (held * bs) as f64 / refreshes_needed;
+                if value < value_floor {
+                    stats.declined_value += 1;
+                    continue;
+                }
+            }
+            // A refresh pins its prefix for one step: beside what the running requests pin,
+            // that must leave the worker room to admit them, or a client request waits behind
+            // the refresh for blocks.
+            // A prefix one of them pins adds nothing (and the oldest of them, which stands in
+            // for the request just routed, may have ended: its prefix is then in the queue).
+            let extra = if running.contains(&Some(k)) { 0 } else { held };
+            if running_pinned + extra > capacity {
+                stats.deferred_full += 1;
+                continue;
+            }
+            let (prompt, hashes) = if held == t.blocks {
+                (t.prompt.clone(), t.hashes.clone())
+            } else {
+                let mut p = Vec::with_capacity(held * bs + 1);
+                p.extend_from_slice(&t.prompt[..held * bs]);
+                p.push(t.prompt[held * bs]);
+                stats.partial += 1;
+                (p.into(), t.hashes[..held].into())
+            };
             out.push(Refresh {
                 worker,
-                prompt: t.prompt.clone(),
-                block_hashes: t.hashes.clone(),
-                blocks: t.blocks,
+                prompt,
+                block_hashes: hashes,
+                blocks: held,
             });
             stats.refreshes += 1;
-            stats.refreshed_blocks += t.blocks as u64;
-            let blocks = t.blocks;
+            stats.refreshed_blocks += held as u64;
+            t.last_touch = requests;
             m.take_segment(k);
-            m.push_tail(Some(k), blocks);
+            m.push_tail(Some(k), held);
         }
     }
 }
@@ -682,15 +816,34 @@ impl Placement for RetainingPlacement<'_> {
         let prompt = [prompt_head, prompt_tail].concat();
         let prompt = prompt.as_slice();
         let p = &mut self.placement;
+        let bs = self.retention.config().block_size;
+        // Workers whose running requests leave this one room (all, when all do, when fewer
+        // than half do, or when the fleet runs more than `admission_max_in_flight` a worker:
+        // a fleet that full sends the request where it would miss, to a worker short of room
+        // too, and the copy pushes out what that worker keeps).
+        let total = (prompt.len() + output_tokens).div_ceil(bs);
+        let live = p.step.live_slots();
+        let roomy: Vec<usize> = live
+            .iter()
+            .copied()
+            .filter(|&w| {
+                self.retention
+                    .admits(w, p.step.state(w).in_flight, block_hashes, total)
+            })
+            .collect();
+        let in_flight: i64 = live.iter().map(|&w| p.step.state(w).in_flight).sum();
+        let calm =
+            in_flight as f64 <= self.retention.config().admission_max_in_flight * live.len() as f64;
+        let candidates =
+            (calm && 2 * roomy.len() >= live.len() && roomy.len() < live.len()).then_some(roomy);
         let r = p.step.route(
             p.index.as_deref_mut(),
             p.policy,
             block_hashes,
             prompt.len(),
-            None,
+            candidates.as_deref(),
             now,
         );
-        let bs = self.retention.config().block_size;
         let incoming = (prompt.len() + output_tokens)
             .div_ceil(bs)
             .saturating_sub(r.overlap);
@@ -879,10 +1032,33 @@ mod tests {
             let p = i % 4;
             let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
             r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
-            r.poll(0, &idle(), &mut |_| 3, 3, 0.0, &mut out);
+            // One block left: less than a refresh is worth (min_prefix_blocks 2).
+            r.poll(0, &idle(), &mut |_| 1, 3, 0.0, &mut out);
         }
         assert!(out.is_empty());
         assert!(r.stats().skipped_evicted > 0);
+    }
+
+    #[test]
+    fn a_prefix_whose_tail_was_evicted_is_refreshed_as_far_as_it_is_held() {
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
+        let mut out = Vec::new();
+        for i in 0..40u32 {
+            let p = i % 4;
+            let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
+            r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+            r.poll(0, &idle(), &mut |_| 3, 3, 0.0, &mut out);
+        }
+        assert!(!out.is_empty());
+        for f in &out {
+            // The 3 held blocks and one token more: a full hit on what is left, one token
+            // computed, and those blocks moved to the free queue's tail.
+            assert_eq!(
+                (f.blocks, f.block_hashes.len(), f.prompt.len()),
+                (3, 3, 3 * BS + 1)
+            );
+        }
+        assert_eq!(r.stats().partial, out.len() as u64);
     }
 
     #[test]
@@ -919,7 +1095,19 @@ mod tests {
         let mut crowded = idle();
         crowded.in_flight = 3;
         let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
-        assert!(drive(&mut r, 4, 100, &crowded).is_empty());
+        for i in 0..100u32 {
+            let (tokens, hashes) = prompt(i % 4, 10, 2 * BS, i);
+            r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+            let mut sent = Vec::new();
+            r.poll(0, &crowded, &mut held_all, 3, 0.0, &mut sent);
+            // What goes out is a prefix the running requests (the last 3 routed) pin anyway.
+            for f in &sent {
+                let running: Vec<u64> = (0..3)
+                    .map(|back| prompt((i + 4 - back) % 4, 10, 0, 0).1[9])
+                    .collect();
+                assert!(running.contains(&f.block_hashes[9]), "request {i}");
+            }
+        }
         assert!(r.stats().deferred_full > 0);
         let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
         let mut two = idle();
@@ -928,6 +1116,40 @@ mod tests {
             !drive(&mut r, 4, 100, &two).is_empty(),
             "2 × 13 + 10 blocks fit"
         );
+    }
+
+    #[test]
+    fn a_worker_whose_running_requests_fill_it_admits_only_what_shares_their_blocks() {
+        let mut cfg = RetentionConfig::new(RetentionMode::On, BS, 45);
+        cfg.admission_slack_blocks = 0;
+        let mut r = Retention::new(cfg);
+        // Each prefix seen twice (tracked), then 3 requests on 3 prefixes: 3 × 13 blocks pinned.
+        for i in 0..11u32 {
+            let p = i % 4;
+            let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
+            r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+        }
+        let (_, running_prefix) = prompt(2, 10, 2 * BS, 99);
+        let (_, other_prefix) = prompt(3, 10, 2 * BS, 99);
+        // Prefixes 0, 1, 2 are the newest three: a fourth prefix's 13 blocks do not fit.
+        assert!(!r.admits(0, 3, &other_prefix, 13));
+        // One sharing a running request's prefix pins only its 3 own blocks.
+        assert!(r.admits(0, 3, &running_prefix, 13));
+        // Two running: room for anything; a worker never seen: room too.
+        assert!(r.admits(0, 2, &other_prefix, 13));
+        assert!(r.admits(5, 3, &other_prefix, 13));
+        // `auto` keeps requests off a full worker only once a poll found its prefixes worth
+        // keeping (before that, or where they are not, the wait is what the LRU gives anyway).
+        let mut cfg = RetentionConfig::new(RetentionMode::Auto, BS, 45);
+        cfg.admission_slack_blocks = 0;
+        let mut auto = Retention::new(cfg);
+        for i in 0..11u32 {
+            let (tokens, hashes) = prompt(i % 4, 10, 2 * BS, i);
+            auto.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+        }
+        assert!(auto.admits(0, 3, &other_prefix, 13));
+        auto.poll(0, &idle(), &mut held_all, 3, 0.0, &mut Vec::new());
+        assert!(!auto.admits(0, 3, &other_prefix, 13));
     }
 
     #[test]

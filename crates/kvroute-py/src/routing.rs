@@ -1211,7 +1211,8 @@ type RefreshTuple = (Vec<u32>, Vec<u64>, usize);
 ///     block_size: tokens per KV block.
 ///     capacity_blocks: usable KV blocks per worker (``num_gpu_blocks`` − 1).
 ///     margin_requests, refresh_cost_tokens, value_ratio, min_prefix_blocks, max_tracked,
-///     reserve_factor, min_coverage, min_reuses: the knobs of ``RetentionConfig`` (defaults
+///     reserve_factor, min_coverage, min_reuses, refresh_after_requests,
+///     admission_slack_blocks, admission_max_in_flight: the knobs of ``RetentionConfig`` (defaults
 ///     when None).
 #[pyclass(module = "kvroute._native", name = "Retention")]
 pub struct PyRetention {
@@ -1221,7 +1222,7 @@ pub struct PyRetention {
 #[pymethods]
 impl PyRetention {
     #[new]
-    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None, min_coverage = None, min_reuses = None))]
+    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None, min_coverage = None, min_reuses = None, refresh_after_requests = None, admission_slack_blocks = None, admission_max_in_flight = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         mode: &str,
@@ -1235,6 +1236,9 @@ impl PyRetention {
         reserve_factor: Option<f64>,
         min_coverage: Option<f64>,
         min_reuses: Option<u32>,
+        refresh_after_requests: Option<u64>,
+        admission_slack_blocks: Option<usize>,
+        admission_max_in_flight: Option<f64>,
     ) -> PyResult<Self> {
         let mode: retention::RetentionMode = mode.parse().map_err(PyValueError::new_err)?;
         if block_size == 0 {
@@ -1264,6 +1268,15 @@ impl PyRetention {
         }
         if let Some(v) = min_reuses {
             config.min_reuses = v;
+        }
+        if let Some(v) = refresh_after_requests {
+            config.refresh_after_requests = v;
+        }
+        if let Some(v) = admission_slack_blocks {
+            config.admission_slack_blocks = v;
+        }
+        if let Some(v) = admission_max_in_flight {
+            config.admission_max_in_flight = v;
         }
         Ok(Self {
             inner: retention::Retention::new(config),
@@ -1331,6 +1344,27 @@ impl PyRetention {
             .collect())
     }
 
+    /// Whether ``slot``, running ``in_flight`` requests, has room for a request of these block
+    /// hashes and ``total_blocks`` blocks (prompt and output) by the model (see
+    /// ``Retention::admits``): the router leaves out the workers that do not, unless none do.
+    fn admits(
+        &self,
+        slot: usize,
+        in_flight: i64,
+        block_hashes: Vec<u64>,
+        total_blocks: usize,
+    ) -> bool {
+        self.inner
+            .admits(slot, in_flight, &block_hashes, total_blocks)
+    }
+
+    /// ``admission_max_in_flight``: above this mean in flight per worker ``admits`` is not
+    /// asked (see ``RetentionConfig``).
+    #[getter]
+    fn admission_max_in_flight(&self) -> f64 {
+        self.inner.config().admission_max_in_flight
+    }
+
     /// Forget what it knew of ``slot`` (the worker left or reset its cache).
     fn reset_worker(&mut self, slot: usize) {
         self.inner.reset_worker(slot);
@@ -1341,7 +1375,7 @@ impl PyRetention {
         self.inner.tracked(slot)
     }
 
-    /// What it did: ``refreshes``, ``refreshed_blocks``, ``skipped_evicted``,
+    /// What it did: ``refreshes``, ``refreshed_blocks``, ``skipped_evicted``, ``partial``,
     /// ``deferred_busy``, ``deferred_full``, ``declined_value``, ``declined_coverage``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
@@ -1349,6 +1383,7 @@ impl PyRetention {
         d.set_item("refreshes", s.refreshes)?;
         d.set_item("refreshed_blocks", s.refreshed_blocks)?;
         d.set_item("skipped_evicted", s.skipped_evicted)?;
+        d.set_item("partial", s.partial)?;
         d.set_item("deferred_busy", s.deferred_busy)?;
         d.set_item("deferred_full", s.deferred_full)?;
         d.set_item("declined_value", s.declined_value)?;

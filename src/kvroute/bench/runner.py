@@ -176,6 +176,28 @@ class _Current:
     measuring: bool = False
 
 
+async def router_refreshes(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> float | None:
+    """Refreshes a kvroute router with retention has sent so far (its /metrics'
+    ``kvroute_retention_refreshes_total``, summed over workers; 0 for a router that sent none),
+    or None when ``url`` is not a kvroute router (a worker, a balancer): the bench's
+    ``refreshes``."""
+    base = url.rstrip("/").removesuffix("/v1")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    try:
+        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
+                s.get(f"{base}/metrics", headers=headers) as r:
+            if r.status != 200:
+                return None
+            text = await r.text()
+    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
+        return None
+    values = [float(line.rsplit(None, 1)[-1]) for line in text.splitlines()
+              if line.startswith("kvroute_retention_refreshes_total{")]
+    if values:
+        return sum(values)
+    return 0.0 if "kvroute_router_decisions" in text else None  # a router, none sent yet
+
+
 async def discover_model(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> str:
     """The first model that ``GET {url}/v1/models`` lists; checks the target is reachable
     (and, with ``api_key``, that it accepts the key).
@@ -235,6 +257,9 @@ class BenchRunner:
         self._current: _Current | None = None
         self._checked_cached_tokens = options.allow_missing_cached_tokens
         self._warned_reset = False
+        #: Whether the target is a kvroute router whose refreshes to count (None: not asked
+        #: yet; False: it is not, so its /metrics is not read again).
+        self._router_metrics: bool | None = None
 
     async def run(self, workloads: Sequence[BenchWorkload]) -> list[Point]:
         """Every (K, load level) point, ``options.trials`` trials each. Returns the points
@@ -291,6 +316,7 @@ class BenchRunner:
                 if all(not r.ok for r in cur.warmup):
                     raise UserError(f"every warmup request failed; the first: {cur.warmup[0].error}")
             before = await scraper.scrape() if scraper else None
+            refreshes_before = await self._refreshes()
             self.hooks.phase("measure", len(workload.requests))
             cur.measuring = True
             offsets = self._offsets(workload.requests)
@@ -299,9 +325,12 @@ class BenchRunner:
             else:
                 await run_open_loop(client, workload.requests, offsets, self._on_record)
             after = await scraper.scrape() if scraper else None
+            refreshes_after = await self._refreshes()
         window = deltas(before, after) if before is not None and after is not None else []
         records = sorted(cur.records, key=lambda r: r.index)
         stats = summarize(records, metrics_token_hit_rate=window_token_hit_rate(window))
+        if refreshes_before is not None and refreshes_after is not None:
+            stats.refreshes = int(refreshes_after - refreshes_before)
         result = TrialResult(self.target, workload.prefixes, concurrency, trial, cur.warmup, records, window, stats)
         self.sink.trial_done(result)
         self._current = None
@@ -309,6 +338,15 @@ class BenchRunner:
             raise UserError(f"every request of the trial failed; the first: {records[0].error}")
         self._check_cached_tokens(cur.warmup + records, window)
         return stats
+
+    async def _refreshes(self) -> float | None:
+        """The target router's refreshes so far (:func:`router_refreshes`); a target that is
+        not a kvroute router is asked once."""
+        if self._router_metrics is False:
+            return None
+        n = await router_refreshes(self.target.url, self.target.api_key)
+        self._router_metrics = n is not None
+        return n
 
     def _offsets(self, requests: Sequence[BenchRequest]) -> list[float] | None:
         if self.options.rate is not None:

@@ -106,6 +106,9 @@ Example: vLLM pods behind a headless Service, events on port 5557, replay on 555
 DESCRIPTION %= {"depth": MAX_JSON_DEPTH}
 
 
+#: ``--retention``'s default (see the README's Retention section for why).
+DEFAULT_RETENTION = "off"
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     listen = parser.add_argument_group("listening")
     listen.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -157,6 +160,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     events.add_argument("--predicted-capacity-blocks", type=int, metavar="N",
                         help="predicted blocks kept per worker, LRU (default without events: "
                         f"{DEFAULT_PREDICTED_CAPACITY_BLOCKS}, the reference worker's cache)")
+
+    routing.add_argument("--retention", choices=("off", "on", "auto"), default=DEFAULT_RETENTION,
+                         help="refresh the prefixes each worker's LRU would evict with a prefix-only "
+                         "request (max_tokens 1; token-id prompts only): off, on, or auto (only where "
+                         "it pays); metrics kvroute_retention_* (default: %(default)s)")
+    routing.add_argument("--retention-capacity-blocks", type=int, metavar="N",
+                         help="each worker's usable KV blocks, for retention's model of its cache "
+                         "(default: --predicted-capacity-blocks, or the reference worker's, less "
+                         "the null block)")
 
     events.add_argument("--index-max-bytes", default="256MiB", metavar="SIZE",
                         help="memory bound of the index of cached blocks (128 bytes per worker and "
@@ -326,6 +338,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         metrics_public=args.public_metrics,
         forward_authorization=args.forward_authorization,
         worker_api_key=args.worker_api_key,
+        retention=args.retention,
+        retention_capacity_blocks=args.retention_capacity_blocks,
     )
 
 

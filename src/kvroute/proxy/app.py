@@ -73,6 +73,7 @@ from kvroute.proxy.prompts import (
     max_text_bytes,
     parse_large_ids,
 )
+from kvroute.proxy.retention import LiveRetention
 from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
 from kvroute.routing.policies import make_policy, policy_parameters
@@ -208,6 +209,10 @@ class RouterConfig:
             (overrides a forwarded one).
         prompt_cache_bytes: memory bound of the tokenization caches together (see
             :class:`kvroute.proxy.prompts.PromptHasher`).
+        retention: ``off``, ``on`` or ``auto``: refresh the prefixes each worker's LRU would
+            evict (:mod:`kvroute.proxy.retention`).
+        retention_capacity_blocks: each worker's usable KV blocks for the retention's model;
+            None: ``predicted_capacity_blocks`` (or its default) less the null block.
     """
 
     workers: Sequence[str] = ()
@@ -245,6 +250,8 @@ class RouterConfig:
     forward_authorization: bool = False
     worker_api_key: str | None = None
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+    retention: str = "off"
+    retention_capacity_blocks: int | None = None
 
 
 def tokenizer_max_length(directory: str | None) -> int | None:
@@ -435,6 +442,15 @@ class Router:
                 self.max_body_bytes = DEFAULT_MAX_BODY_BYTES
                 self.max_body_source = "default: the tokenizer states no maximum length"
         self.metrics = RouterMetrics()
+        #: Retention (None when off): refreshes sent beside the routed requests.
+        self.retention: LiveRetention | None = None
+        if config.retention != "off":
+            capacity = config.retention_capacity_blocks or (
+                (config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS) - 1
+            )
+            self.retention = LiveRetention(
+                config.retention, config.block_size, capacity, self.routing, self.metrics.registry
+            )
         logging.getLogger("aiohttp.server").addFilter(_QUIET_CLIENT_ERRORS)  # idempotent
         self._events = events
         self._rng = random.Random(config.seed)
@@ -488,6 +504,9 @@ class Router:
             routing=self.routing,
         )
         self.pool.start(discovery)
+        if self.retention is not None:
+            self.retention.session = self._session
+            self.retention.headers = self._upstream_headers
         # Serve only once the first worker list is in: a request before it would get a 503
         # although workers exist.
         await self.pool.first_update.wait()
@@ -535,6 +554,8 @@ class Router:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
+        if self.retention is not None:
+            await self.retention.close()
         if self.pool is not None:
             await self.pool.close()
         if self._session is not None:
@@ -676,8 +697,11 @@ class Router:
         out.update(self._upstream_headers)
         return out
 
-    def _choose(self, prompt: PromptInfo, candidates: Sequence[Worker]) -> tuple[Worker, int]:
-        """Run the routing step among ``candidates``; count the choice in the metrics.
+    def _choose(
+        self, prompt: PromptInfo, candidates: Sequence[Worker], raw: bytes | None = None
+    ) -> tuple[Worker, int]:
+        """Run the routing step among ``candidates``; count the choice in the metrics; with
+        the body ``raw`` of a completion, tell the retention (if on) what went where.
 
         Returns the worker and the prompt tokens it still has to prefill (after the overlap
         the index credits it with), already in its load until :class:`_Load` counts them out.
@@ -685,11 +709,15 @@ class Router:
         hashes = prompt.block_hashes
         pool = self.pool
         slots = pool.available_slots() if candidates is pool.available() else [w.slot for w in candidates]
-        slot, overlap, prefill = self.routing.route(hashes, prompt.num_tokens, self.clock(), slots)
+        retained = self.retention.read(raw) if raw is not None and self.retention is not None else None
+        offered = slots if retained is None else self.retention.roomy(slots, hashes, retained)
+        slot, overlap, prefill = self.routing.route(hashes, prompt.num_tokens, self.clock(), offered)
         chosen = candidates[slots.index(slot)]
         chosen.decisions.inc()
         self.metrics.overlap_blocks.observe(overlap)
         self.metrics.prompt_blocks.observe(len(hashes))
+        if retained is not None:
+            self.retention.routed(chosen, retained, hashes, overlap, self.clock())
         return chosen, prefill
 
     async def _generate(self, request: web.Request, parse: Callable[[dict], PromptInfo]) -> web.StreamResponse:
@@ -819,7 +847,8 @@ class Router:
         candidates = self.pool.available()
         if not candidates:
             return _error(503, "no worker available", "ServiceUnavailable")
-        worker, prefill = self._choose(prompt, candidates)
+        completion = parse == self.hasher.completion
+        worker, prefill = self._choose(prompt, candidates, raw if completion else None)
         self.metrics.routing_seconds.observe(time.perf_counter() - started)
         return await self._forward(request, raw, prompt, worker, prefill)
 

@@ -1,0 +1,137 @@
+"""Retention live (issue 19): ``kvroute serve --retention`` sends its refreshes to the workers.
+
+A router with retention in front of emulated workers whose caches hold fewer prefixes' worth of
+blocks than the clients cycle through: the refreshes (prefix + 1 token, ``max_tokens`` 1) reach
+the worker's engine, are counted in ``kvroute_retention_*``, and are not client requests
+(neither in the router's request counters nor in a bench's records). A worker that fails them
+has the failures counted, and client requests are untouched."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+import numpy as np
+import pytest
+from aiohttp import web
+
+from kvroute.bench.runner import router_refreshes
+from kvroute.emulator import EmulatorConfig, start_workers
+from kvroute.proxy import RouterConfig, start_router
+
+MODEL = "Qwen/Qwen3-0.6B"
+#: 64 usable blocks of 16 tokens: 4 prefixes of 10 blocks and their requests' own blocks do
+#: not fit, so the LRU would evict a prefix idle for a few requests.
+BLOCKS = 65
+
+
+def metric(text: str, name: str) -> float:
+    """Sum of a metric's samples (all label sets) in a Prometheus text page."""
+    total = 0.0
+    for line in text.splitlines():
+        if line.startswith(name + "{") or line.startswith(name + " "):
+            total += float(line.split()[-1])
+    return total
+
+
+async def _drive(url: str, n: int, prefixes: list[np.ndarray], rng) -> None:
+    async with aiohttp.ClientSession() as s:
+        for i in range(n):
+            prompt = np.concatenate([prefixes[i % len(prefixes)], rng.integers(1000, 30000, 40)])
+            body = {"model": MODEL, "prompt": prompt.tolist(), "max_tokens": 8}
+            async with s.post(f"{url}/v1/completions", json=body) as r:
+                assert r.status == 200, await r.text()
+                await r.read()
+
+
+async def _metrics(url: str) -> str:
+    async with aiohttp.ClientSession() as s, s.get(f"{url}/metrics") as r:
+        return await r.text()
+
+
+async def _settle(router) -> None:
+    """Wait for the refreshes still open."""
+    for _ in range(200):
+        if not router.retention._tasks:
+            return
+        await asyncio.sleep(0.01)
+
+
+@pytest.mark.parametrize("mode", ["on", "off"])
+async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requests(mode):
+    config = EmulatorConfig.for_model(
+        "qwen3-0.6b", timing="instant", max_model_len=1024, num_gpu_blocks_override=BLOCKS
+    )
+    (worker,) = await start_workers(config, 1)
+    rng = np.random.default_rng(0)
+    prefixes = [rng.integers(1000, 30000, 160) for _ in range(4)]
+    try:
+        rc = RouterConfig(workers=[worker.url], policy="kv-aware", retention=mode,
+                          retention_capacity_blocks=BLOCKS - 1, health_interval_s=0)
+        async with start_router(rc) as router:
+            await _drive(router.url, 40, prefixes, rng)
+            if mode == "off":
+                assert router.retention is None
+                text = await _metrics(router.url)
+                assert "kvroute_retention_refreshes" not in text
+                assert worker.worker.engine.stats.requests == 40
+                assert await router_refreshes(router.url) == 0
+                return
+            await _settle(router)
+            text = await _metrics(router.url)
+            sent = metric(text, "kvroute_retention_refreshes_total")
+            assert sent > 0, "4 prefixes of 10 blocks and their requests overflow 64 blocks"
+            assert metric(text, "kvroute_retention_refresh_errors_total") == 0
+            assert metric(text, "kvroute_retention_refresh_prompt_tokens_total") >= sent * 33
+            assert f'kvroute_retention_refreshes_total{{worker="{worker.url}"}}' in text
+            # The router answered 40 client requests; the worker's engine ran them and the
+            # refreshes besides.
+            assert metric(text, "kvroute_router_requests_total") == 40
+            assert worker.worker.engine.stats.requests == 40 + sent
+            assert router.retention.stats()["refreshes"] == sent
+            # What the bench reads as a trial's refreshes; a worker's own /metrics has none.
+            assert await router_refreshes(router.url + "/v1") == sent
+            assert await router_refreshes(worker.url) is None
+    finally:
+        await worker.close()
+
+
+async def test_refresh_failures_are_counted_not_retried_and_clients_are_served():
+    seen = {"refresh": 0, "client": 0}
+
+    async def handler(request: web.Request) -> web.Response:
+        body = await request.json()
+        if body["max_tokens"] == 1:
+            seen["refresh"] += 1
+            return web.Response(status=500, text="no")
+        seen["client"] += 1
+        payload = {"id": "c", "object": "text_completion", "created": 0, "model": MODEL,
+                   "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}],
+                   "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 8,
+                             "total_tokens": len(body["prompt"]) + 8}}
+        return web.Response(text=json.dumps(payload), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    rng = np.random.default_rng(1)
+    prefixes = [rng.integers(1000, 30000, 160) for _ in range(4)]
+    try:
+        rc = RouterConfig(workers=[url], policy="kv-aware", retention="on",
+                          retention_capacity_blocks=BLOCKS - 1, health_interval_s=0,
+                          eject_after_failures=0)
+        async with start_router(rc) as router:
+            await _drive(router.url, 40, prefixes, rng)
+            await _settle(router)
+            text = await _metrics(router.url)
+            sent = metric(text, "kvroute_retention_refreshes_total")
+            assert sent > 0
+            assert metric(text, "kvroute_retention_refresh_errors_total") == sent == seen["refresh"]
+            assert seen["client"] == 40
+    finally:
+        await runner.cleanup()
