@@ -48,7 +48,7 @@ use std::collections::HashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::engine::events::KvCacheEvent;
+use crate::engine::events::{HashEvents, KvCacheEvent};
 use crate::index::KvIndex;
 use crate::placement::{Placed, Placement};
 use crate::policies::WorkerState;
@@ -879,6 +879,14 @@ impl Placement for RetainingPlacement<'_> {
 
     fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
         self.placement.apply_events(worker, events, now);
+    }
+
+    fn wants_hash_events(&self) -> bool {
+        self.placement.wants_hash_events()
+    }
+
+    fn apply_hash_events(&mut self, worker: usize, events: &HashEvents, now: f64) {
+        self.placement.apply_hash_events(worker, events, now);
     }
 
     fn refreshes(&mut self, _now: f64, out: &mut Vec<Refresh>) {
