@@ -177,3 +177,17 @@ document.body.setAttribute("data-layout", JSON.stringify(out));
     subprocess.run([CHROMIUM, *flags, f"--screenshot={shot}", report.as_uri()], capture_output=True,
                    timeout=120, check=True)
     assert shot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_hit_measures_agreement_says_when_refreshes_are_in_the_worker_counters() -> None:
+    from dataclasses import replace
+
+    from kvroute.records import TrialStats
+    from kvroute.report import hit_measures_agreement
+
+    plain = TrialStats(10, 0, 8, 0.8, 0.7, None, None, None, None, None, None, 1.0, 1.0,
+                       metrics_token_hit_rate=0.72)
+    quiet = hit_measures_agreement([Point(6, 24, 8, "router", [plain])])
+    assert "max |Δ| = 0.0200 over 1 trials" in quiet and "refreshes" not in quiet
+    refreshed = hit_measures_agreement([Point(6, 24, 8, "router", [replace(plain, refreshes=5)])])
+    assert "retention refreshes count in the workers' counters only" in refreshed

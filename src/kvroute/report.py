@@ -111,9 +111,11 @@ def hit_measures_agreement(points: list[Point]) -> str:
     ]
     if not diffs:
         return "token hit ratio: per-request measure only (no worker metrics scraped)"
+    refreshed = any(t.refreshes for p in points for t in p.trials)
     return (
         f"token hit ratio, per-request usage vs worker counters: max |Δ| = {max(diffs):.4f} "
         f"over {len(diffs)} trials"
+        + (" (the router's retention refreshes count in the workers' counters only)" if refreshed else "")
     )
 
 
