@@ -313,6 +313,25 @@ struct Worker {
     predicted_order: LruList<(u64, f64)>,
 }
 
+/// Mark worker `w` (its `bit` in `holders`, the masks-table entry of own hash `oh`) as holding
+/// the block on an event's word, retiring a prediction of it (the event now vouches for the
+/// block: the prediction has served its purpose). Returns whether a prediction was retired.
+#[inline]
+fn set_held(holders: &mut Holders, w: &mut Worker, oh: u64, bit: u64) -> bool {
+    holders.held |= bit;
+    w.held += 1;
+    if holders.predicted & bit == 0 {
+        return false;
+    }
+    holders.predicted &= !bit;
+    let slot = w
+        .predicted
+        .remove(&oh)
+        .expect("a predicted bit has its entry");
+    w.predicted_order.remove(slot);
+    true
+}
+
 /// Which worker holds which block, keyed by kvroute's own chained block hashes.
 #[derive(Debug)]
 pub struct KvIndex {
@@ -763,16 +782,8 @@ impl KvIndex {
                 *w.copies.entry(oh).or_insert(0) += 1; // another copy, counted, not touched
                 return;
             }
-            holders.held |= bit;
-            w.held += 1;
             self.blocks += 1;
-            if holders.predicted & bit != 0 {
-                holders.predicted &= !bit;
-                let slot = w
-                    .predicted
-                    .remove(&oh)
-                    .expect("a predicted bit has its entry");
-                w.predicted_order.remove(slot);
+            if set_held(holders, w, oh, bit) {
                 self.predicted -= 1;
             }
             return;
@@ -799,18 +810,8 @@ impl KvIndex {
                 });
             }
         }
-        let holders = self.masks[word].entry(oh).or_default();
-        holders.held |= bit;
-        w.held += 1;
         self.blocks += 1;
-        if holders.predicted & bit != 0 {
-            // The event now vouches for this block: the prediction has served its purpose.
-            holders.predicted &= !bit;
-            let slot = w
-                .predicted
-                .remove(&oh)
-                .expect("a predicted bit has its entry");
-            w.predicted_order.remove(slot);
+        if set_held(self.masks[word].entry(oh).or_default(), w, oh, bit) {
             self.predicted -= 1;
         }
     }
