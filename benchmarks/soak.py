@@ -329,6 +329,7 @@ async def run_worker_death(
                         print(f"  SIGSTOP {paused.url}", file=sys.stderr, flush=True)
                 await asyncio.sleep(down_s)
                 before = applied_events()
+                marks["restarting"] = time.monotonic()  # dead until now: what follows is its second life
                 await victim.restart()
                 marks["restart"] = time.monotonic()
                 if progress:
@@ -348,10 +349,13 @@ async def run_worker_death(
             counts = {}
             for w in fleet:
                 served = await successes(session, w.url)
+                # The victim's second life from its restart's start, not from the kill: it is
+                # dead in between, so an answer the client finished then was served before the
+                # kill (the client's timestamp lags the worker's own count by milliseconds).
                 ok = sum(1 for o in outcomes if o.kind == "ok" and o.worker == w.url
-                         and (w is not victim or o.done > marks["kill"]))
+                         and (w is not victim or o.done > marks["restarting"]))
                 counts[w.url] = (ok, served)
-            first_ok = sum(1 for o in outcomes if o.kind == "ok" and o.worker == name and o.done <= marks["kill"])
+            first_ok = sum(1 for o in outcomes if o.kind == "ok" and o.worker == name and o.done <= marks["restarting"])
             router.pool.sync_event_metrics()  # the engine-restart count below, from the native consumer
             first_event = marks.get("first_event", float("inf"))
             after = [o for o in outcomes if o.kind == "ok" and o.sent >= first_event]
