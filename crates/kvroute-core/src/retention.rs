@@ -1032,31 +1032,31 @@ mod tests {
         assert!(refreshes > 0);
     }
 
-    #[test]
-    fn a_prefix_the_index_lost_is_not_refreshed() {
+    /// Four 10-block prefixes in turn on one 45-block worker (reused from the fifth request
+    /// on), polled after each with the index holding only `held` leading blocks of any.
+    fn four_prefixes_with_index_holding(held: usize) -> (Retention, Vec<Refresh>) {
         let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
         let mut out = Vec::new();
         for i in 0..40u32 {
             let p = i % 4;
             let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
             r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
-            // One block left: less than a refresh is worth (min_prefix_blocks 2).
-            r.poll(0, &idle(), &mut |_| 1, 3, 0.0, &mut out);
+            r.poll(0, &idle(), &mut |_| held, 3, 0.0, &mut out);
         }
+        (r, out)
+    }
+
+    #[test]
+    fn a_prefix_the_index_lost_is_not_refreshed() {
+        // One block left: less than a refresh is worth (min_prefix_blocks 2).
+        let (r, out) = four_prefixes_with_index_holding(1);
         assert!(out.is_empty());
         assert!(r.stats().skipped_evicted > 0);
     }
 
     #[test]
     fn a_prefix_whose_tail_was_evicted_is_refreshed_as_far_as_it_is_held() {
-        let mut r = Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45));
-        let mut out = Vec::new();
-        for i in 0..40u32 {
-            let p = i % 4;
-            let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
-            r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
-            r.poll(0, &idle(), &mut |_| 3, 3, 0.0, &mut out);
-        }
+        let (r, out) = four_prefixes_with_index_holding(3);
         assert!(!out.is_empty());
         for f in &out {
             // The 3 held blocks and one token more: a full hit on what is left, one token
