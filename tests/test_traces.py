@@ -227,6 +227,16 @@ def test_equal_hash_ids_give_equal_tokens_and_engine_blocks_at_any_block_size_di
     assert not np.array_equal(block_tokens(0), block_tokens(0, seed=1))
 
 
+def test_the_simulators_native_prompts_are_the_traces_own_and_refusals_are_counted():
+    from kvroute.trace.simulate import trace_inputs
+
+    trace = _mooncake([(0, 1, 2), (0, 1, 3), (0, 1, 2), (0, 4)], lengths=[1536, 1300, 1100, 600])
+    inputs = trace_inputs(trace, max_model_len=1400)  # the first is refused: 1536 + output > 1400
+    assert inputs.refused == 1 and inputs.indices == [1, 2, 3] and len(inputs.prompts) == 3
+    for i, index in enumerate(inputs.indices):
+        assert inputs.prompts.tokens(i) == trace.prompt_tokens(trace.requests[index]).tolist()
+
+
 def test_replay_scales_arrival_times_and_makes_prompts_on_demand():
     trace = _mooncake([(0,), (1,)], lengths=[100, 600 - 88], times=[1000, 3000], outputs=[4, 5])
     out = list(trace.replay(time_scale=2))

@@ -117,21 +117,11 @@ impl PromptTable {
         self.prompts.len()
     }
 
-    /// Prompt ``i``'s length in tokens.
-    fn prompt_len(&self, i: usize) -> PyResult<usize> {
-        self.get(i).map(|p| p.len())
-    }
-
     /// Prompt ``i``'s token ids (a list; for tests and spot checks).
     fn tokens(&self, i: usize) -> PyResult<Vec<u32>> {
-        self.get(i).map(|p| p.to_vec())
-    }
-}
-
-impl PromptTable {
-    fn get(&self, i: usize) -> PyResult<&Arc<[u32]>> {
         self.prompts
             .get(i)
+            .map(|p| p.to_vec())
             .ok_or_else(|| PyIndexError::new_err(format!("no prompt {i}")))
     }
 }

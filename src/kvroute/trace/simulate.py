@@ -100,8 +100,7 @@ def trace_inputs(trace: Trace, max_model_len: int, time_scale: float = 1.0) -> T
     else:  # a kvroute trace's own token ids (or a text prompt: refused there with its line)
         prompts = _native.PromptTable([trace.prompt_tokens(r) for r in requests])
     output_tokens = np.fromiter((r.output_length for r in requests), dtype=np.uint32, count=len(requests))
-    longest_output = max(1, int(output_tokens.max(initial=1)))
-    output = np.resize(trace.vocab, longest_output).astype(np.uint32)
+    output = np.resize(trace.vocab, int(output_tokens.max(initial=1))).astype(np.uint32)
     return TraceInputs(prompts, [i for i, _ in sent], output_tokens,
                        [r.arrival_s / time_scale for r in requests], len(trace.requests) - len(sent), output)
 
