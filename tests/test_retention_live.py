@@ -135,3 +135,53 @@ async def test_refresh_failures_are_counted_not_retried_and_clients_are_served()
             assert seen["client"] == 40
     finally:
         await runner.cleanup()
+
+
+async def test_refreshes_reach_the_worker_before_the_request_they_are_sent_ahead_of():
+    """Arriving after its request, a refresh finds the prefix already pushed out of the LRU by
+    that request's blocks: each refresh must reach the worker before the client request that
+    was routed when it fired (sequential clients: the worker had then seen the same number of
+    client requests as when the refresh arrives)."""
+    clients = 0
+    arrived: list[int] = []  # per refresh, the client requests the worker had seen before it
+
+    async def handler(request: web.Request) -> web.Response:
+        nonlocal clients
+        body = await request.json()
+        if body["max_tokens"] == 1:
+            arrived.append(clients)
+        else:
+            clients += 1
+        payload = {"id": "c", "object": "text_completion", "created": 0, "model": MODEL,
+                   "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}],
+                   "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1,
+                             "total_tokens": len(body["prompt"]) + 1}}
+        return web.Response(text=json.dumps(payload), content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    rng = np.random.default_rng(2)
+    prefixes = [rng.integers(1000, 30000, 160) for _ in range(4)]
+    try:
+        rc = RouterConfig(workers=[url], policy="kv-aware", retention="on",
+                          retention_capacity_blocks=BLOCKS - 1, health_interval_s=0)
+        async with start_router(rc) as router:
+            fired: list[int] = []
+            fire = router.retention._fire
+
+            def recording_fire(worker, model, prompt):
+                fired.append(clients)
+                fire(worker, model, prompt)
+
+            router.retention._fire = recording_fire
+            await _drive(router.url, 40, prefixes, rng)
+            await _settle(router)
+            assert len(fired) > 0
+            assert sorted(arrived) == sorted(fired)
+    finally:
+        await runner.cleanup()

@@ -490,6 +490,7 @@ class Router:
         self._session = aiohttp.ClientSession(
             connector=connector,
             timeout=aiohttp.ClientTimeout(total=None, sock_connect=config.connect_timeout_s),
+            trace_configs=[self.retention.trace_config] if self.retention is not None else None,
         )
         self.pool = WorkerPool(
             self.index,
@@ -850,6 +851,8 @@ class Router:
         completion = parse == self.hasher.completion
         worker, prefill = self._choose(prompt, candidates, raw if completion else None)
         self.metrics.routing_seconds.observe(time.perf_counter() - started)
+        if self.retention is not None:
+            await self.retention.ahead(worker)
         return await self._forward(request, raw, prompt, worker, prefill)
 
     async def _parse_large(self, raw: bytes, parse: Callable[[dict], PromptInfo]) -> PromptInfo | web.Response:
