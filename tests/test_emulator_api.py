@@ -500,6 +500,7 @@ async def test_zero_max_tokens_is_400(engine_server: EngineServer, rng):
 
 async def test_unknown_model_is_404(engine_server: EngineServer, rng):
     async with engine_server.client() as client:
+        names = ", ".join(m.id for m in (await client.models.list()).data)
         with pytest.raises(openai.NotFoundError) as err:
             await client.completions.create(model="no-such-model", prompt=random_ids(rng, 5), max_tokens=1)
         with pytest.raises(openai.NotFoundError):
@@ -508,6 +509,8 @@ async def test_unknown_model_is_404(engine_server: EngineServer, rng):
             )
     assert err.value.status_code == 404
     assert err.value.body["type"] == "NotFoundError"
+    # vLLM names every served alias (OpenAIServing._check_model).
+    assert err.value.body["message"] == f"The model `no-such-model` does not exist. Valid aliases: {names}."
 
 
 async def test_stream_options_without_stream_is_400(engine_server: EngineServer, rng):

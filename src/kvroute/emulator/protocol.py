@@ -161,7 +161,7 @@ def _check_model(body: dict, ctx: ServingContext) -> str:
     model = _field(body, "model", (str,))
     if model is not None and model not in ctx.served_model_names:
         raise ApiError(
-            f"The model `{model}` does not exist.",
+            f"The model `{model}` does not exist. Valid aliases: {', '.join(ctx.served_model_names)}.",
             HTTPStatus.NOT_FOUND,
             "NotFoundError",
             "model",
