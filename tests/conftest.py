@@ -29,6 +29,7 @@ from pathlib import Path
 
 import pytest
 from aiohttp import web
+from hypothesis import settings
 
 from kvroute.bench.runner import server_cache_config
 from kvroute.experiment import ExperimentPlan
@@ -43,6 +44,11 @@ from kvroute.fleet import (
 from kvroute.tinymodel import TinyModelConfig
 from kvroute.vllm_setup import VllmInstall
 from kvroute.workload import LengthDist, WorkloadSpec
+
+# Property tests check behaviour, not speed: hypothesis's default 200 ms deadline per example
+# fails them on a loaded shared machine (CI's two cores), so no example has a deadline.
+settings.register_profile("kvroute", deadline=None)
+settings.load_profile("kvroute")
 
 #: The tier's scale: KV blocks are 128 tokens × 512 B = 64 KiB on CPU, so 3 MiB is 48 blocks
 #: (47 usable). Prompts of a 1,792-token prefix + 128-token suffix fill 15 blocks, so a worker
