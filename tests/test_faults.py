@@ -321,7 +321,9 @@ async def test_a_stuck_worker_costs_at_most_the_first_byte_timeout_and_returns_w
             # timeout, and the timeouts plus the failing health check took it out.
             assert router.metrics.retries._value.get() >= 1
             assert np.percentile(latencies, 99) < 0.3 + 0.5
-            assert np.median(latencies) < 0.15
+            # Most requests never waited for the timeout (a bound on the router's own latency
+            # would measure the machine's load, not the ejection).
+            assert np.median(latencies) < 0.3
             assert stuck_url not in [w.name for w in router.pool.available()]
             # It comes back healthy on the same port: it rejoins and gets requests again.
             await stuck.__aexit__()
