@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from kvroute._native import ChatTemplate
 from kvroute.errors import UserError
 from kvroute.tinymodel import TinyModelConfig, build_tiny_model
 from kvroute.tokens import (
@@ -25,7 +26,6 @@ from kvroute.tokens import (
     HFTokenizer,
     SyntheticTokenizer,
     Tokenizer,
-    compile_chat_template,
     load_tokenizer,
     safe_vocabulary,
 )
@@ -113,12 +113,10 @@ def test_synthetic_decode_rejects_ids_outside_the_vocabulary() -> None:
         SYNTHETIC.decode([5, 32000])
 
 
-def test_synthetic_chat_template_matches_the_jinja_chatml_template() -> None:
-    template = compile_chat_template(CHATML_TEMPLATE)
+def test_synthetic_chat_template_matches_the_rendered_chatml_template() -> None:
+    template = ChatTemplate(CHATML_TEMPLATE)
     for add_generation_prompt in (True, False):
-        expected = template.render(
-            messages=CONVERSATION, add_generation_prompt=add_generation_prompt
-        )
+        expected = template.render(CONVERSATION, add_generation_prompt)
         assert SYNTHETIC.apply_chat_template(CONVERSATION, add_generation_prompt) == expected
     assert expected == CONVERSATION_CHATML
 
