@@ -204,6 +204,14 @@ def test_hf_template_environment_matches_transformers(tmp_path: Path, tiny_dir: 
     assert rendered == '{"role": "user", "content": "<b>é</b>"}<|im_end|>!'
     with pytest.raises(UserError, match="one message only"):
         tok.apply_chat_template(CONVERSATION)
+    # As in transformers, kwargs override special tokens; the renderer's own variables they
+    # may not replace, and text that is not Unicode (a JSON "\ud800") is refused, not a crash.
+    one = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(one, eos_token="E", flag="").endswith('"x"}E')
+    with pytest.raises(UserError, match="may not set"):
+        tok.apply_chat_template(one, tools=[])
+    with pytest.raises(UserError, match="lone surrogate"):
+        tok.apply_chat_template([{"role": "user", "content": "\ud800"}])
 
 
 def test_hf_named_templates_and_chat_template_jinja_file(tmp_path: Path, tiny_dir: Path) -> None:
