@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as RawTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
+from kvroute._native import ChatTemplate
 from kvroute.errors import UserError
 from kvroute.tinymodel import TinyModelConfig, build_tiny_model
 from kvroute.tokens import (
@@ -25,7 +26,6 @@ from kvroute.tokens import (
     HFTokenizer,
     SyntheticTokenizer,
     Tokenizer,
-    compile_chat_template,
     load_tokenizer,
     safe_vocabulary,
 )
@@ -113,12 +113,10 @@ def test_synthetic_decode_rejects_ids_outside_the_vocabulary() -> None:
         SYNTHETIC.decode([5, 32000])
 
 
-def test_synthetic_chat_template_matches_the_jinja_chatml_template() -> None:
-    template = compile_chat_template(CHATML_TEMPLATE)
+def test_synthetic_chat_template_matches_the_rendered_chatml_template() -> None:
+    template = ChatTemplate(CHATML_TEMPLATE)
     for add_generation_prompt in (True, False):
-        expected = template.render(
-            messages=CONVERSATION, add_generation_prompt=add_generation_prompt
-        )
+        expected = template.render(CONVERSATION, add_generation_prompt)
         assert SYNTHETIC.apply_chat_template(CONVERSATION, add_generation_prompt) == expected
     assert expected == CONVERSATION_CHATML
 
@@ -206,6 +204,14 @@ def test_hf_template_environment_matches_transformers(tmp_path: Path, tiny_dir: 
     assert rendered == '{"role": "user", "content": "<b>é</b>"}<|im_end|>!'
     with pytest.raises(UserError, match="one message only"):
         tok.apply_chat_template(CONVERSATION)
+    # As in transformers, kwargs override special tokens; the renderer's own variables they
+    # may not replace, and text that is not Unicode (a JSON "\ud800") is refused, not a crash.
+    one = [{"role": "user", "content": "x"}]
+    assert tok.apply_chat_template(one, eos_token="E", flag="").endswith('"x"}E')
+    with pytest.raises(UserError, match="may not set"):
+        tok.apply_chat_template(one, tools=[])
+    with pytest.raises(UserError, match="lone surrogate"):
+        tok.apply_chat_template([{"role": "user", "content": "\ud800"}])
 
 
 def test_hf_named_templates_and_chat_template_jinja_file(tmp_path: Path, tiny_dir: Path) -> None:

@@ -7,8 +7,9 @@ implementations:
 
 * :class:`HFTokenizer` loads a local Hugging Face tokenizer directory (``tokenizer.json`` +
   ``tokenizer_config.json``) with the ``tokenizers`` library, offline, and renders chat
-  templates with jinja2 the way ``transformers``' ``apply_chat_template`` does, which is what
-  vLLM calls.
+  templates natively (``kvroute._native.ChatTemplate``, minijinja set up as ``transformers``
+  sets up jinja2 for ``apply_chat_template``, which is what vLLM calls; the native router
+  renders through the same code).
 * :class:`SyntheticTokenizer` is a deterministic word-level tokenizer with no files, for the
   emulator and the simulator when no real tokenizer is given.
 
@@ -30,18 +31,14 @@ import json
 import re
 import weakref
 from collections.abc import Sequence
-from datetime import datetime
 from pathlib import Path
 from typing import Any, Protocol, runtime_checkable
 
-import jinja2
-import jinja2.ext
-import jinja2.nodes
 import numpy as np
 import tokenizers
 import xxhash
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from kvroute._native import ChatTemplate
 from kvroute.errors import UserError
 
 #: Special tokens of the ChatML format used by Qwen (and by kvroute's own tiny model and
@@ -203,59 +200,6 @@ class SyntheticTokenizer:
         return "".join(parts)
 
 
-class _GenerationBlock(jinja2.ext.Extension):
-    """``{% generation %}...{% endgeneration %}``: marks assistant text for training masks in
-    ``transformers``; rendering just emits the body, so templates that use it still load."""
-
-    tags = {"generation"}
-
-    def parse(self, parser: Any) -> jinja2.nodes.Node:
-        lineno = next(parser.stream).lineno
-        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
-        return jinja2.nodes.CallBlock(self.call_method("_render"), [], [], body).set_lineno(lineno)
-
-    @staticmethod
-    def _render(caller: Any) -> str:
-        return caller()
-
-
-def compile_chat_template(source: str) -> jinja2.Template:
-    """Compile a chat template in the environment ``transformers`` uses, so it renders the same
-    text vLLM does: sandboxed, ``trim_blocks``/``lstrip_blocks``, ``raise_exception``,
-    ``strftime_now``, loop controls and a ``tojson`` that does not escape HTML.
-
-    Raises:
-        jinja2.TemplateSyntaxError: when the template does not parse.
-    """
-
-    def raise_exception(message: str) -> None:
-        raise jinja2.exceptions.TemplateError(message)
-
-    def tojson(
-        x: Any,
-        ensure_ascii: bool = False,
-        indent: int | None = None,
-        separators: tuple[str, str] | None = None,
-        sort_keys: bool = False,
-    ) -> str:
-        return json.dumps(
-            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
-        )
-
-    def strftime_now(format: str) -> str:
-        return datetime.now().strftime(format)
-
-    env = ImmutableSandboxedEnvironment(
-        trim_blocks=True,
-        lstrip_blocks=True,
-        extensions=[_GenerationBlock, jinja2.ext.loopcontrols],
-    )
-    env.filters["tojson"] = tojson
-    env.globals["raise_exception"] = raise_exception
-    env.globals["strftime_now"] = strftime_now
-    return env.from_string(source)
-
-
 def _token_content(value: Any) -> str | None:
     """A special token as ``tokenizer_config.json`` writes it: a string, or a serialized
     ``AddedToken`` (``{"content": ...}``), or null."""
@@ -294,7 +238,8 @@ class HFTokenizer:
         eos = self.special_tokens.get("eos_token")
         self.eos_token_id = tokenizer.token_to_id(eos) if eos else None
         self.chat_template = chat_template
-        self._template = compile_chat_template(chat_template) if chat_template else None
+        # Compiled in transformers' environment, natively (see the kvroute_chat crate's docs).
+        self._template = ChatTemplate(chat_template, self.special_tokens) if chat_template else None
 
     @classmethod
     def from_dir(cls, path: str | Path) -> HFTokenizer:
@@ -346,7 +291,7 @@ class HFTokenizer:
             special_tokens["additional_special_tokens"] = [t for t in extra if t is not None]
         try:
             return cls(tokenizer, str(directory.resolve()), template, special_tokens)
-        except jinja2.TemplateSyntaxError as exc:
+        except ValueError as exc:  # ChatTemplate's refusal of a template that does not parse
             raise UserError(f"{directory}: chat template does not parse: {exc}") from None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -381,23 +326,22 @@ class HFTokenizer:
             messages: OpenAI-style messages (``role``, ``content``, ...).
             add_generation_prompt: end with the header of an assistant reply.
             template_kwargs: extra template variables (vLLM's ``chat_template_kwargs``, e.g.
-                ``enable_thinking``).
+                ``enable_thinking``); they override special tokens of the same name, as in
+                ``transformers``.
 
         Raises:
-            UserError: when the tokenizer has no chat template or the template raises.
+            UserError: when the tokenizer has no chat template, the template raises or fails,
+                or a kwarg names ``messages``, ``tools``, ``documents`` or
+                ``add_generation_prompt``.
+            TypeError: for a message value that is not JSON-like.
         """
         if self._template is None:
             raise UserError(f"tokenizer {self.name} has no chat template")
         try:
             return self._template.render(
-                messages=flatten_message_content(messages),
-                tools=None,
-                documents=None,
-                add_generation_prompt=add_generation_prompt,
-                **self.special_tokens,
-                **template_kwargs,
+                flatten_message_content(messages), add_generation_prompt, template_kwargs
             )
-        except jinja2.TemplateError as exc:
+        except ValueError as exc:  # the template raised or failed to render
             raise UserError(f"chat template of {self.name} failed: {exc}") from None
 
 

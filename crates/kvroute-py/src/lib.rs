@@ -8,6 +8,7 @@
 use pyo3::prelude::*;
 
 mod blocks;
+mod chat;
 mod consumer;
 mod engine;
 mod kvevents;
@@ -20,6 +21,7 @@ mod trace;
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     blocks::register(m)?;
+    chat::register(m)?;
     engine::register(m)?;
     routing::register(m)?;
     kvevents::register(m)?;

@@ -1,0 +1,173 @@
+//! `ChatTemplate` for Python: a Hugging Face chat template rendered natively
+//! (`kvroute_chat`), which `kvroute.tokens.HFTokenizer.apply_chat_template` calls, so the
+//! router, the emulator and the benchmark all render chats through the one implementation
+//! the native router uses.
+
+use std::str::FromStr;
+
+use kvroute_chat::{ChatInput, ChatTemplate as Template, DateTime, RenderError, Value};
+use pyo3::exceptions::{PyTypeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
+
+/// Deepest nesting of lists and dicts converted for a template (deeper input is refused
+/// rather than risking the native stack; JSON bodies the router accepts are far shallower).
+const MAX_DEPTH: usize = 256;
+
+/// A chat template compiled in ``transformers``' jinja2 environment, with the tokenizer's
+/// special tokens (see the ``kvroute_chat`` crate docs for every compatibility setting).
+///
+/// Args:
+///     source: the template text (``tokenizer_config.json``'s ``chat_template``).
+///     special_tokens: ``bos_token``, ``eos_token``, ... passed to every render.
+///
+/// Raises:
+///     ValueError: the template does not parse (the message says where).
+#[pyclass(module = "kvroute._native", frozen)]
+pub struct ChatTemplate {
+    inner: Template,
+}
+
+#[pymethods]
+impl ChatTemplate {
+    #[new]
+    #[pyo3(signature = (source, special_tokens = None))]
+    fn new(source: &str, special_tokens: Option<&Bound<'_, PyDict>>) -> PyResult<Self> {
+        let special = match special_tokens {
+            Some(dict) => pairs(dict)?,
+            None => Vec::new(),
+        };
+        let inner = Template::new(source, special).map_err(|e| PyValueError::new_err(e.0))?;
+        Ok(Self { inner })
+    }
+
+    /// Whether the template calls ``strftime_now`` (a render then reads the clock).
+    #[getter]
+    fn uses_clock(&self) -> bool {
+        self.inner.uses_clock()
+    }
+
+    /// The chat rendered to text, as ``apply_chat_template(..., tokenize=False)`` renders it.
+    ///
+    /// Args:
+    ///     messages: OpenAI-style messages (dicts; content already plain text where the
+    ///         template expects a string).
+    ///     add_generation_prompt: end with the header of an assistant reply.
+    ///     kwargs: the request's ``chat_template_kwargs`` (e.g. ``enable_thinking``).
+    ///     now: the local time ``strftime_now`` formats, ISO 8601 without zone
+    ///         (``"2026-12-01T20:05:09"``); the clock's local time when None.
+    ///
+    /// Raises:
+    ///     ValueError: the template raised (``raise_exception``; the message is its text) or
+    ///         failed to render.
+    ///     TypeError: a value that is not JSON-like (str, int, float, bool, None, list, dict).
+    #[pyo3(signature = (messages, add_generation_prompt = true, kwargs = None, now = None))]
+    fn render(
+        &self,
+        py: Python<'_>,
+        messages: &Bound<'_, PyAny>,
+        add_generation_prompt: bool,
+        kwargs: Option<&Bound<'_, PyDict>>,
+        now: Option<&str>,
+    ) -> PyResult<String> {
+        let messages = to_value(messages, 0)?;
+        let kwargs = match kwargs {
+            Some(dict) => pairs(dict)?,
+            None => Vec::new(),
+        };
+        let now = match now {
+            Some(text) => Some(
+                DateTime::from_str(text).map_err(|e| PyValueError::new_err(format!("now: {e}")))?,
+            ),
+            None if self.inner.uses_clock() => Some(jiff::ZonedDateTime::now().datetime()),
+            None => None,
+        };
+        let input = ChatInput {
+            messages,
+            add_generation_prompt,
+            kwargs: &kwargs,
+            now,
+        };
+        py.detach(|| self.inner.render(&input))
+            .map_err(|e| match e {
+                RenderError::Raised(message) | RenderError::Failed(message) => {
+                    PyValueError::new_err(message)
+                }
+            })
+    }
+}
+
+/// A dict's items as (name, value) pairs, in order.
+fn pairs(dict: &Bound<'_, PyDict>) -> PyResult<Vec<(String, Value)>> {
+    let mut out = Vec::with_capacity(dict.len());
+    for (key, value) in dict.iter() {
+        let name: String = key
+            .extract()
+            .map_err(|_| PyTypeError::new_err("template variable names must be strings"))?;
+        out.push((name, to_value(&value, 0)?));
+    }
+    Ok(out)
+}
+
+/// A JSON-like Python value as a template value (dicts keep their order).
+fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
+    if depth > MAX_DEPTH {
+        return Err(PyValueError::new_err(format!(
+            "chat template input nested deeper than {MAX_DEPTH}"
+        )));
+    }
+    if obj.is_none() {
+        return Ok(Value::from(()));
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        // A JSON body may hold a lone surrogate ("\ud800"): not text a template can render.
+        let text = s.to_str().map_err(|_| {
+            PyValueError::new_err("chat template input: a string with a lone surrogate")
+        })?;
+        return Ok(Value::from(text));
+    }
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(Value::from(b.is_true()));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        return match obj.extract::<i64>() {
+            Ok(n) => Ok(Value::from(n)),
+            Err(_) => Ok(Value::from(obj.extract::<i128>().map_err(|_| {
+                PyTypeError::new_err("chat template input: an integer beyond 128 bits")
+            })?)),
+        };
+    }
+    if let Ok(f) = obj.cast::<PyFloat>() {
+        return Ok(Value::from(f.value()));
+    }
+    if let Ok(list) = obj.cast::<PyList>() {
+        let items = list
+            .iter()
+            .map(|item| to_value(&item, depth + 1))
+            .collect::<PyResult<Vec<Value>>>()?;
+        return Ok(Value::from(items));
+    }
+    if let Ok(tuple) = obj.cast::<PyTuple>() {
+        let items = tuple
+            .iter()
+            .map(|item| to_value(&item, depth + 1))
+            .collect::<PyResult<Vec<Value>>>()?;
+        return Ok(Value::from(items));
+    }
+    if let Ok(dict) = obj.cast::<PyDict>() {
+        let mut items = Vec::with_capacity(dict.len());
+        for (key, value) in dict.iter() {
+            items.push((to_value(&key, depth + 1)?, to_value(&value, depth + 1)?));
+        }
+        return Ok(kvroute_chat::ordered_map(items));
+    }
+    Err(PyTypeError::new_err(format!(
+        "chat template input must be JSON-like, not {}",
+        obj.get_type().name()?
+    )))
+}
+
+/// Add `ChatTemplate` to the module.
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<ChatTemplate>()
+}
