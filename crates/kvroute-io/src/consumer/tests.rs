@@ -388,7 +388,11 @@ fn gathering_turns_without_a_poll_take_every_batch_and_notice_a_close() {
     let mut parent = None;
     for seq in 0..60u64 {
         // One block per batch, each chained onto the last, a few per window.
-        engine.send(seq, &stored(100 + 16 * seq as u32, 1, 1000 + seq, parent), true);
+        engine.send(
+            seq,
+            &stored(100 + 16 * seq as u32, 1, 1000 + seq, parent),
+            true,
+        );
         parent = Some(1000 + seq);
         thread::sleep(Duration::from_micros(700));
     }
@@ -401,7 +405,11 @@ fn gathering_turns_without_a_poll_take_every_batch_and_notice_a_close() {
     until("the new engine's batch", || held(&index, 5000, 2) == 2);
     assert_eq!(counts(&consumer).restarts, 1);
     for seq in 1..30u64 {
-        engine.send(seq, &stored(6000 + 32 * seq as u32, 2, 9000 + 2 * seq, None), true);
+        engine.send(
+            seq,
+            &stored(6000 + 32 * seq as u32, 2, 9000 + 2 * seq, None),
+            true,
+        );
         thread::sleep(Duration::from_micros(500));
     }
     let started = Instant::now();
