@@ -597,6 +597,10 @@ impl KvIndex {
             self.remove_hashes(id, &event.block_hashes);
             return;
         }
+        if self.flat {
+            self.remove_flat(id, &event.block_hashes);
+            return;
+        }
         for &eh in &event.block_hashes {
             let w = self.workers[id].as_mut().expect("known worker");
             let oh = match w.engine.entry(eh) {
@@ -614,6 +618,48 @@ impl KvIndex {
             };
             let released = self.release(id, oh, eh);
             debug_assert!(released, "an engine entry has its own entry");
+        }
+    }
+
+    /// Removals of mapped engine hashes in a flat index: [`KvIndex::release`]'s flat case
+    /// for each, the worker and its masks word borrowed once for the event (vLLM sends one
+    /// `BlockRemoved` per evicted block: this is half of all block events).
+    fn remove_flat(&mut self, id: WorkerId, hashes: &[u64]) {
+        let bit = 1u64 << (id % 64);
+        let w = self.workers[id].as_mut().expect("known worker");
+        let masks = &mut self.masks[id / 64];
+        for &eh in hashes {
+            let oh = match w.engine.entry(eh) {
+                Entry::Vacant(_) => {
+                    self.unknown_removals += 1;
+                    continue;
+                }
+                Entry::Occupied(mut e) => {
+                    if e.get().copies > 1 {
+                        e.get_mut().copies -= 1; // another copy of this engine block is stored
+                        continue;
+                    }
+                    e.remove().own
+                }
+            };
+            if !w.copies.is_empty()
+                && let Entry::Occupied(mut extra) = w.copies.entry(oh)
+            {
+                // Another engine hash still vouches for these tokens.
+                if *extra.get() > 1 {
+                    *extra.get_mut() -= 1;
+                } else {
+                    extra.remove();
+                }
+                continue;
+            }
+            debug_assert!(
+                masks.get(&oh).is_some_and(|e| e.held & bit != 0),
+                "an engine entry has its held bit"
+            );
+            drop_bits(masks, oh, bit, 0);
+            w.held -= 1;
+            self.blocks -= 1;
         }
     }
 
@@ -734,6 +780,11 @@ impl KvIndex {
             return;
         }
         w.engine.reserve(n);
+        if self.flat {
+            self.store_flat(id, &event.block_hashes, &own_hashes);
+            self.own_hashes = own_hashes;
+            return;
+        }
         for (&eh, &oh) in event.block_hashes.iter().zip(&own_hashes) {
             let w = self.workers[id].as_mut().expect("known worker");
             match w.engine.entry(eh) {
@@ -749,6 +800,35 @@ impl KvIndex {
         }
         self.own_hashes = own_hashes;
         self.enforce_bound();
+    }
+
+    /// The blocks of a mapped `BlockStored` in a flat index (no bound to enforce): each engine
+    /// hash new to the worker vouches for its own hash ([`KvIndex::hold`]'s flat case), the
+    /// worker and its masks word borrowed once for the event.
+    fn store_flat(&mut self, id: WorkerId, engine_hashes: &[u64], own_hashes: &[u64]) {
+        let bit = 1u64 << (id % 64);
+        let w = self.workers[id].as_mut().expect("known worker");
+        let masks = &mut self.masks[id / 64];
+        for (&eh, &oh) in engine_hashes.iter().zip(own_hashes) {
+            match w.engine.entry(eh) {
+                Entry::Occupied(mut e) => {
+                    e.get_mut().copies += 1; // another copy, counted, not touched
+                    continue;
+                }
+                Entry::Vacant(v) => {
+                    v.insert(EngineEntry { own: oh, copies: 1 });
+                }
+            }
+            let holders = masks.entry(oh).or_default();
+            if holders.held & bit != 0 {
+                *w.copies.entry(oh).or_insert(0) += 1; // another engine hash, same tokens
+                continue;
+            }
+            self.blocks += 1;
+            if set_held(holders, w, oh, bit) {
+                self.predicted -= 1;
+            }
+        }
     }
 
     /// A `BlockStored` of trusted engine hashes (each the own hash) after `parent`.
