@@ -36,10 +36,11 @@ The floor line: a native thread that only sleeps the window and reads one TCP so
 the same rate and payload size (``_native.bench_wake_floor``), nothing decoded or applied. At
 1,500/s a 2 ms window holds ~3.3 batches, and a wake-up costs more than decoding and applying
 them: a bare 2 ms sleep is ~18 µs of CPU on this VM, ~30 µs with the socket read (its TCP ACK
-included), so the floor was 5.9-10.8 µs per batch (4.1 with a 5 ms window, 2.7 with 10 ms).
+included), so the floor was 5.9-11.0 µs per batch (4.0 with a 5 ms window, 1.5-2.7 with 10 ms).
 Below it only fewer wake-ups help, i.e. a longer window (``EVENTS_COALESCE_S``, the router's
-choice). Side by side at load ~5 (2026-12-01): the consumer before the gathering turns without a
-poll 18.5 µs per batch, after 16.4, floor 8.8.
+choice). Side by side (2026-12-01), the consumer before the gathering turns without a poll and
+after: 18.5 -> 16.4 µs per batch at load ~5 (floor 8.8), 16.3 -> 15.3 at load ~2 (floor 11.0);
+after, at load ~2: 9.1 with a 5 ms window (floor 4.0), 6.6 with 10 ms (floor 1.5).
 
     python benchmarks/kv_events_consume.py [--rate 1500] [--batches 6000] [--rounds 2]
 """
