@@ -30,9 +30,17 @@ Measured on the shared 2-core VM (load 3.5-5), this consumer beside the libzmq o
 replaced (the ``zmq`` crate, whose I/O thread woke once per TCP segment), alternating runs:
 at 1,500 batches/s with the 2 ms window, 13.7-14.9 µs CPU per batch against 25.8-34.4
 (pyzmq's reader 69-106); with a 5 ms window 9.1-9.3; at 15,000/s, 4.7 µs against 7.8 (pyzmq
-36). What is left per batch is mostly decoding and applying it (``decode_native`` alone is
-2.6-3.4 µs at this load) and the kernel's work per TCP segment; at 1,500/s each window also
-starts with caches other processes cooled.
+36).
+
+The floor line: a native thread that only sleeps the window and reads one TCP socket fed at
+the same rate and payload size (``_native.bench_wake_floor``), nothing decoded or applied. At
+1,500/s a 2 ms window holds ~3.3 batches, and a wake-up costs more than decoding and applying
+them: a bare 2 ms sleep is ~18 µs of CPU on this VM, ~30 µs with the socket read (its TCP ACK
+included), so the floor was 5.9-11.0 µs per batch (4.0 with a 5 ms window, 1.5-2.7 with 10 ms).
+Below it only fewer wake-ups help, i.e. a longer window (``EVENTS_COALESCE_S``, the router's
+choice). Side by side (2026-12-01), the consumer before the gathering turns without a poll and
+after: 18.5 -> 16.4 µs per batch at load ~5 (floor 8.8), 16.3 -> 15.3 at load ~2 (floor 11.0);
+after, at load ~2: 9.1 with a 5 ms window (floor 4.0), 6.6 with 10 ms (floor 1.5).
 
     python benchmarks/kv_events_consume.py [--rate 1500] [--batches 6000] [--rounds 2]
 """
@@ -51,7 +59,7 @@ import numpy as np
 import uvloop
 import zmq
 
-from kvroute._native import KvEventConsumer, SequenceTracker
+from kvroute._native import KvEventConsumer, SequenceTracker, bench_wake_floor
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import BlockRemoved, BlockStored, EventBatch
 from kvroute.fleet import free_ports
@@ -98,17 +106,16 @@ def publish(port: int, rate: float, batches: int, blocks: int) -> None:
 
 
 def thread_cpu_s() -> dict[str, float]:
-    """CPU seconds of each thread of this process so far, by thread name (Linux /proc)."""
-    tick = os.sysconf("SC_CLK_TCK")
+    """CPU seconds of each thread of this process so far, by thread name (Linux's schedstat,
+    in nanoseconds: /proc's per-thread utime and stime count 10 ms ticks, ±10% here)."""
     out: dict[str, float] = {}
     for tid in os.listdir("/proc/self/task"):
         try:
-            stat = open(f"/proc/self/task/{tid}/stat").read()
-        except OSError:
+            with open(f"/proc/self/task/{tid}/comm") as comm, open(f"/proc/self/task/{tid}/schedstat") as stat:
+                name, ns = comm.read().rstrip("\n"), int(stat.read().split()[0])
+        except (OSError, ValueError, IndexError):
             continue  # a thread that just ended
-        name = stat[stat.index("(") + 1:stat.rindex(")")]
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[name] = out.get(name, 0.0) + (int(fields[11]) + int(fields[12])) / tick
+        out[name] = out.get(name, 0.0) + ns * 1e-9
     return out
 
 
@@ -219,6 +226,11 @@ def main() -> None:
     for way, values in figures.items():
         print(f"  {way:7s} {statistics.median(values):6.1f} µs CPU per batch ({min(values):.1f}-{max(values):.1f})")
     print(f"  native's consumer thread alone {statistics.median(thread_figures):.1f} µs")
+    floor = [bench_wake_floor(args.rate, args.batches, len(payloads(args.blocks, 1)[0]), args.coalesce)
+             for _ in range(args.rounds)]
+    print(f"  floor: a bare native thread sleeping the window and reading one TCP socket "
+          f"{statistics.median(f for f, _ in floor) * 1e6:.1f} µs CPU per batch "
+          f"({statistics.median(n for _, n in floor):.1f} batches per wake-up), nothing decoded or applied")
     native_parts(args.blocks)
 
 

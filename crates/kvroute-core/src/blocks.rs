@@ -20,6 +20,25 @@ pub const DEFAULT_HASH_SEED: u64 = 0x006B_7672_6F75_7465;
 /// vLLM's KV block size on GPU.
 pub const GPU_BLOCK_SIZE: usize = 16;
 
+/// Bytes of one block's tokens hashed from a buffer on the stack (block sizes up to 64
+/// tokens; larger ones use the heap).
+const STACK_BLOCK_BYTES: usize = 256;
+
+/// A `block_size * 4`-byte buffer for one block's tokens: `stack` when it fits, else `heap`.
+fn block_buffer<'a>(
+    block_size: usize,
+    stack: &'a mut [u8; STACK_BLOCK_BYTES],
+    heap: &'a mut Vec<u8>,
+) -> &'a mut [u8] {
+    let len = block_size * 4;
+    if len <= STACK_BLOCK_BYTES {
+        &mut stack[..len]
+    } else {
+        heap.resize(len, 0);
+        heap
+    }
+}
+
 /// Hashes token sequences into chained per-block hashes.
 ///
 /// Two hashers agree only if their block size and seed agree.
@@ -87,16 +106,48 @@ impl BlockHasher {
     pub fn extend_chain(&self, window: &[u32], parent: Option<u64>, out: &mut Vec<u64>) {
         let mut h = parent.unwrap_or(self.seed);
         // A fixed buffer filled in place: no capacity check per token (the index's ingest
-        // spends a third of its time here).
-        let mut buf = vec![0u8; self.block_size * 4];
+        // spends a third of its time here), on the stack for the usual block sizes.
+        let (mut stack, mut heap) = ([0u8; STACK_BLOCK_BYTES], Vec::new());
+        let buf = block_buffer(self.block_size, &mut stack, &mut heap);
         out.reserve(window.len() / self.block_size);
         for block in window.chunks_exact(self.block_size) {
             for (dst, t) in buf.chunks_exact_mut(4).zip(block) {
                 dst.copy_from_slice(&t.to_le_bytes());
             }
-            h = xxh3_64_with_seed(&buf, h);
+            h = xxh3_64_with_seed(buf, h);
             out.push(h);
         }
+    }
+
+    /// [`BlockHasher::extend_chain`] over token ids as KV events carry them (`i64`, see
+    /// `BlockStored::token_ids`), converted as they are hashed instead of into a copy first
+    /// (the index's ingest). False, with `out` left as it was, if an id of `window` is not a
+    /// `u32`: those are not token ids, and nothing can be hashed.
+    pub fn extend_chain_ids(
+        &self,
+        window: &[i64],
+        parent: Option<u64>,
+        out: &mut Vec<u64>,
+    ) -> bool {
+        let before = out.len();
+        let mut h = parent.unwrap_or(self.seed);
+        let (mut stack, mut heap) = ([0u8; STACK_BLOCK_BYTES], Vec::new());
+        let buf = block_buffer(self.block_size, &mut stack, &mut heap);
+        let mut high = 0u64;
+        out.reserve(window.len() / self.block_size);
+        for block in window.chunks_exact(self.block_size) {
+            for (dst, &t) in buf.chunks_exact_mut(4).zip(block) {
+                high |= (t as u64) >> 32;
+                dst.copy_from_slice(&(t as u32).to_le_bytes());
+            }
+            h = xxh3_64_with_seed(buf, h);
+            out.push(h);
+        }
+        if high != 0 {
+            out.truncate(before);
+            return false;
+        }
+        true
     }
 
     /// Extend `hashes` (the chain of the first `hashes.len()` blocks of `tokens`) with the
@@ -118,6 +169,27 @@ impl BlockHasher {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn event_token_ids_hash_as_tokens_do() {
+        for bs in [4, 16, 100] {
+            let h = BlockHasher::new(bs, 7).unwrap();
+            let tokens: Vec<u32> = (0..(3 * bs as u32 + 1)).map(|t| t * 40_503).collect();
+            let ids: Vec<i64> = tokens.iter().map(|&t| i64::from(t)).collect();
+            let mut out = vec![1];
+            assert!(h.extend_chain_ids(&ids, Some(9), &mut out));
+            let mut want = vec![1];
+            h.extend_chain(&tokens, Some(9), &mut want);
+            assert_eq!(out, want);
+            // An id that is not a u32 (here in the last block) hashes nothing.
+            for bad in [-1, 1 << 32] {
+                let mut ids = ids.clone();
+                ids[3 * bs - 1] = bad;
+                assert!(!h.extend_chain_ids(&ids, None, &mut out));
+                assert_eq!(out, want);
+            }
+        }
+    }
 
     #[test]
     fn chains_and_ignores_the_partial_block() {

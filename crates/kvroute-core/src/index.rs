@@ -304,7 +304,8 @@ struct Worker {
     /// Its event-backed entries (empty in a flat index, see `KvIndex::flat`: its held bits
     /// are its entries then, and `copies` counts their extra copies).
     own: HashKeyed<OwnEntry>,
-    /// Flat index only: own hash → stored copies beyond the first (rare: vLLM duplicates).
+    /// Flat index only: own hash → stored copies beyond the first (rare: vLLM duplicates
+    /// of a trusted hash, or several engine hashes naming the same tokens).
     copies: HashKeyed<u32>,
     /// Event-backed entries it has (`own.len()` when not flat).
     held: usize,
@@ -358,14 +359,15 @@ pub struct KvIndex {
     skipped_blocks: u64,
     unknown_removals: u64,
     evicted_blocks: u64,
-    tokens: Vec<u32>,
     own_hashes: Vec<u64>,
     /// The engines hash blocks exactly as this index does (see
     /// [`KvIndex::trust_engine_hashes`]): an engine hash is the own hash.
     engine_hashes_are_own: bool,
-    /// Trusted hashes and no memory bound: an entry needs neither an engine hash nor an LRU
-    /// slot, so a worker's entries are its bits in `masks` alone (one table per store and
-    /// removal instead of two), its duplicates counted apart.
+    /// No memory bound: an entry needs no LRU slot, so a worker's entries are its bits in
+    /// `masks` alone (beside the engine map when hashes are mapped), its duplicates counted
+    /// apart in `Worker::copies`: one table fewer per stored and removed block. With a bound
+    /// each entry needs its LRU slot, found by own hash (a routed prompt touches it), hence
+    /// `Worker::own`.
     flat: bool,
 }
 
@@ -431,10 +433,9 @@ impl KvIndex {
             skipped_blocks: 0,
             unknown_removals: 0,
             evicted_blocks: 0,
-            tokens: Vec::new(),
             own_hashes: Vec::new(),
             engine_hashes_are_own: false,
-            flat: false,
+            flat: bound.is_none(),
         })
     }
 
@@ -453,7 +454,6 @@ impl KvIndex {
             && self.workers.iter().flatten().all(|w| w.engine.is_empty())
         {
             self.engine_hashes_are_own = true;
-            self.flat = self.bound.is_none();
         }
         self.engine_hashes_are_own
     }
@@ -544,10 +544,18 @@ impl KvIndex {
         self.blocks -= w.held;
         let masks = &mut self.masks[word];
         if self.flat && w.held > 0 {
-            masks.retain(|_, e| {
-                e.held &= !bit;
-                e.held != 0 || e.predicted != 0
-            });
+            if self.engine_hashes_are_own {
+                // No per-worker table names them: the word's table is scanned.
+                masks.retain(|_, e| {
+                    e.held &= !bit;
+                    e.held != 0 || e.predicted != 0
+                });
+            } else {
+                // Each held block has an engine hash mapped to it.
+                for e in w.engine.values() {
+                    drop_bits(masks, e.own, bit, 0);
+                }
+            }
         }
         w.held = 0;
         w.copies.clear();
@@ -589,6 +597,10 @@ impl KvIndex {
             self.remove_hashes(id, &event.block_hashes);
             return;
         }
+        if self.flat {
+            self.remove_flat(id, &event.block_hashes);
+            return;
+        }
         for &eh in &event.block_hashes {
             let w = self.workers[id].as_mut().expect("known worker");
             let oh = match w.engine.entry(eh) {
@@ -606,6 +618,48 @@ impl KvIndex {
             };
             let released = self.release(id, oh, eh);
             debug_assert!(released, "an engine entry has its own entry");
+        }
+    }
+
+    /// Removals of mapped engine hashes in a flat index: [`KvIndex::release`]'s flat case
+    /// for each, the worker and its masks word borrowed once for the event (vLLM sends one
+    /// `BlockRemoved` per evicted block: this is half of all block events).
+    fn remove_flat(&mut self, id: WorkerId, hashes: &[u64]) {
+        let bit = 1u64 << (id % 64);
+        let w = self.workers[id].as_mut().expect("known worker");
+        let masks = &mut self.masks[id / 64];
+        for &eh in hashes {
+            let oh = match w.engine.entry(eh) {
+                Entry::Vacant(_) => {
+                    self.unknown_removals += 1;
+                    continue;
+                }
+                Entry::Occupied(mut e) => {
+                    if e.get().copies > 1 {
+                        e.get_mut().copies -= 1; // another copy of this engine block is stored
+                        continue;
+                    }
+                    e.remove().own
+                }
+            };
+            if !w.copies.is_empty()
+                && let Entry::Occupied(mut extra) = w.copies.entry(oh)
+            {
+                // Another engine hash still vouches for these tokens.
+                if *extra.get() > 1 {
+                    *extra.get_mut() -= 1;
+                } else {
+                    extra.remove();
+                }
+                continue;
+            }
+            debug_assert!(
+                masks.get(&oh).is_some_and(|e| e.held & bit != 0),
+                "an engine entry has its held bit"
+            );
+            drop_bits(masks, oh, bit, 0);
+            w.held -= 1;
+            self.blocks -= 1;
         }
     }
 
@@ -707,27 +761,30 @@ impl KvIndex {
                 }
             },
         };
-        // One pass converts and checks (any id outside u32, here or in a trailing partial
-        // block, means these are not token ids: nothing to hash).
-        let mut out_of_range = 0u64;
-        self.tokens.clear();
-        self.tokens
-            .extend(event.token_ids[..n * bs].iter().map(|&t| {
-                out_of_range |= (t as u64) >> 32;
-                t as u32
-            }));
-        for &t in &event.token_ids[n * bs..] {
-            out_of_range |= (t as u64) >> 32;
-        }
-        if out_of_range != 0 {
+        // Any id outside u32, here or in a trailing partial block, means these are not token
+        // ids: nothing to hash. The blocks' ids are checked as they are hashed.
+        let trailing = event.token_ids[n * bs..]
+            .iter()
+            .fold(0u64, |high, &t| high | (t as u64) >> 32);
+        let mut own_hashes = std::mem::take(&mut self.own_hashes);
+        own_hashes.clear();
+        if trailing != 0
+            || !self.hasher.extend_chain_ids(
+                &event.token_ids[..n * bs],
+                parent_own,
+                &mut own_hashes,
+            )
+        {
+            self.own_hashes = own_hashes;
             self.skipped_blocks += n as u64;
             return;
         }
-        let mut own_hashes = std::mem::take(&mut self.own_hashes);
-        own_hashes.clear();
-        self.hasher
-            .extend_chain(&self.tokens[..n * bs], parent_own, &mut own_hashes);
         w.engine.reserve(n);
+        if self.flat {
+            self.store_flat(id, &event.block_hashes, &own_hashes);
+            self.own_hashes = own_hashes;
+            return;
+        }
         for (&eh, &oh) in event.block_hashes.iter().zip(&own_hashes) {
             let w = self.workers[id].as_mut().expect("known worker");
             match w.engine.entry(eh) {
@@ -743,6 +800,35 @@ impl KvIndex {
         }
         self.own_hashes = own_hashes;
         self.enforce_bound();
+    }
+
+    /// The blocks of a mapped `BlockStored` in a flat index (no bound to enforce): each engine
+    /// hash new to the worker vouches for its own hash ([`KvIndex::hold`]'s flat case), the
+    /// worker and its masks word borrowed once for the event.
+    fn store_flat(&mut self, id: WorkerId, engine_hashes: &[u64], own_hashes: &[u64]) {
+        let bit = 1u64 << (id % 64);
+        let w = self.workers[id].as_mut().expect("known worker");
+        let masks = &mut self.masks[id / 64];
+        for (&eh, &oh) in engine_hashes.iter().zip(own_hashes) {
+            match w.engine.entry(eh) {
+                Entry::Occupied(mut e) => {
+                    e.get_mut().copies += 1; // another copy, counted, not touched
+                    continue;
+                }
+                Entry::Vacant(v) => {
+                    v.insert(EngineEntry { own: oh, copies: 1 });
+                }
+            }
+            let holders = masks.entry(oh).or_default();
+            if holders.held & bit != 0 {
+                *w.copies.entry(oh).or_insert(0) += 1; // another engine hash, same tokens
+                continue;
+            }
+            self.blocks += 1;
+            if set_held(holders, w, oh, bit) {
+                self.predicted -= 1;
+            }
+        }
     }
 
     /// A `BlockStored` of trusted engine hashes (each the own hash) after `parent`.

@@ -14,6 +14,7 @@ use kvroute_core::routing::{self, JournalEntry};
 use kvroute_io::{SharedIndex, lock_index};
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
+use pyo3::pybacked::PyBackedStr;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyDict, PyList, PyTuple, PyType};
 
@@ -309,7 +310,13 @@ impl PyKvIndex {
 
     /// Number of leading blocks of the prompt each worker holds, aligned with ``workers``
     /// (distinct names; a worker the index has never heard of holds nothing).
-    fn overlaps(&mut self, block_hashes: Vec<u64>, workers: Vec<String>, now: f64) -> Vec<usize> {
+    fn overlaps(
+        &mut self,
+        block_hashes: Vec<u64>,
+        workers: Vec<PyBackedStr>,
+        now: f64,
+    ) -> Vec<usize> {
+        // Names borrowed from the Python strings: no copy of each per look-up.
         let mut index = self.index();
         let ids: Vec<Option<usize>> = workers.iter().map(|n| index.worker_id(n)).collect();
         let mut out = Vec::with_capacity(ids.len());

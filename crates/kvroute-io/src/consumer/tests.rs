@@ -372,6 +372,51 @@ fn an_engine_that_dies_and_comes_back_on_its_port_is_followed_again() {
     assert!(consumer.close(Duration::from_secs(2)));
 }
 
+/// A steady stream read by gathering turns that skip the poll: every batch reaches the index,
+/// an engine that dies between two windows is noticed by the read (the peer's close) and
+/// followed again, and a close while batches flow is bounded.
+#[test]
+fn gathering_turns_without_a_poll_take_every_batch_and_notice_a_close() {
+    let engine = Engine::new();
+    let port = engine.port;
+    let index = index();
+    let consumer = Consumer::start(Some(index.clone()), Duration::from_millis(3)).unwrap();
+    let mut subscription = engine.subscription();
+    subscription.replay_endpoint = None;
+    consumer.add_worker("w", subscription).unwrap();
+    engine.wait_subscribed();
+    let mut parent = None;
+    for seq in 0..60u64 {
+        // One block per batch, each chained onto the last, a few per window.
+        engine.send(
+            seq,
+            &stored(100 + 16 * seq as u32, 1, 1000 + seq, parent),
+            true,
+        );
+        parent = Some(1000 + seq);
+        thread::sleep(Duration::from_micros(700));
+    }
+    until("all 60 chained blocks", || held(&index, 100, 60) == 60);
+    drop(engine);
+    thread::sleep(Duration::from_millis(300));
+    let engine = Engine::on_port(port);
+    engine.wait_subscribed();
+    engine.send(0, &stored(5000, 2, 9000, None), true);
+    until("the new engine's batch", || held(&index, 5000, 2) == 2);
+    assert_eq!(counts(&consumer).restarts, 1);
+    for seq in 1..30u64 {
+        engine.send(
+            seq,
+            &stored(6000 + 32 * seq as u32, 2, 9000 + 2 * seq, None),
+            true,
+        );
+        thread::sleep(Duration::from_micros(500));
+    }
+    let started = Instant::now();
+    assert!(consumer.close(Duration::from_secs(2)));
+    assert!(started.elapsed() < Duration::from_secs(1));
+}
+
 #[test]
 fn a_peer_that_is_not_zmtp_is_counted_and_its_connection_reset() {
     let listener = TcpListener::bind("127.0.0.1:0").unwrap();
