@@ -50,6 +50,25 @@ async def _metrics(url: str) -> str:
         return await r.text()
 
 
+def _completion(body: dict, tokens: int) -> web.Response:
+    """A worker's answer to a completion body: ``tokens`` generated."""
+    payload = {"id": "c", "object": "text_completion", "created": 0, "model": MODEL,
+               "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}],
+               "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": tokens,
+                         "total_tokens": len(body["prompt"]) + tokens}}
+    return web.Response(text=json.dumps(payload), content_type="application/json")
+
+
+async def _fake_worker(handler) -> tuple[web.AppRunner, str]:
+    """A worker on 127.0.0.1 whose ``/v1/completions`` is ``handler``: its runner and URL."""
+    app = web.Application()
+    app.router.add_post("/v1/completions", handler)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
+
+
 async def _settle(router) -> None:
     """Wait for the refreshes still open."""
     for _ in range(200):
@@ -106,19 +125,9 @@ async def test_refresh_failures_are_counted_not_retried_and_clients_are_served()
             seen["refresh"] += 1
             return web.Response(status=500, text="no")
         seen["client"] += 1
-        payload = {"id": "c", "object": "text_completion", "created": 0, "model": MODEL,
-                   "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}],
-                   "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 8,
-                             "total_tokens": len(body["prompt"]) + 8}}
-        return web.Response(text=json.dumps(payload), content_type="application/json")
+        return _completion(body, 8)
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await _fake_worker(handler)
     rng = np.random.default_rng(1)
     prefixes = [rng.integers(1000, 30000, 160) for _ in range(4)]
     try:
@@ -152,19 +161,9 @@ async def test_refreshes_reach_the_worker_before_the_request_they_are_sent_ahead
             arrived.append(clients)
         else:
             clients += 1
-        payload = {"id": "c", "object": "text_completion", "created": 0, "model": MODEL,
-                   "choices": [{"index": 0, "text": "hi", "finish_reason": "length"}],
-                   "usage": {"prompt_tokens": len(body["prompt"]), "completion_tokens": 1,
-                             "total_tokens": len(body["prompt"]) + 1}}
-        return web.Response(text=json.dumps(payload), content_type="application/json")
+        return _completion(body, 1)
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", handler)
-    runner = web.AppRunner(app)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url = await _fake_worker(handler)
     rng = np.random.default_rng(2)
     prefixes = [rng.integers(1000, 30000, 160) for _ in range(4)]
     try:

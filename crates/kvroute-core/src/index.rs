@@ -603,18 +603,8 @@ impl KvIndex {
         }
         for &eh in &event.block_hashes {
             let w = self.workers[id].as_mut().expect("known worker");
-            let oh = match w.engine.entry(eh) {
-                Entry::Vacant(_) => {
-                    self.unknown_removals += 1;
-                    continue;
-                }
-                Entry::Occupied(mut e) => {
-                    if e.get().copies > 1 {
-                        e.get_mut().copies -= 1; // another copy of this engine block is stored
-                        continue;
-                    }
-                    e.remove().own
-                }
+            let Some(oh) = forget_engine_hash(&mut w.engine, eh, &mut self.unknown_removals) else {
+                continue;
             };
             let released = self.release(id, oh, eh);
             debug_assert!(released, "an engine entry has its own entry");
@@ -629,18 +619,8 @@ impl KvIndex {
         let w = self.workers[id].as_mut().expect("known worker");
         let masks = &mut self.masks[id / 64];
         for &eh in hashes {
-            let oh = match w.engine.entry(eh) {
-                Entry::Vacant(_) => {
-                    self.unknown_removals += 1;
-                    continue;
-                }
-                Entry::Occupied(mut e) => {
-                    if e.get().copies > 1 {
-                        e.get_mut().copies -= 1; // another copy of this engine block is stored
-                        continue;
-                    }
-                    e.remove().own
-                }
+            let Some(oh) = forget_engine_hash(&mut w.engine, eh, &mut self.unknown_removals) else {
+                continue;
             };
             if !w.copies.is_empty()
                 && let Entry::Occupied(mut extra) = w.copies.entry(oh)
@@ -1180,6 +1160,29 @@ fn assign(out: &mut [usize], position: &[u32; 64], mut bits: u64, depth: usize) 
         let b = bits.trailing_zeros() as usize;
         out[position[b] as usize] = depth;
         bits &= bits - 1;
+    }
+}
+
+/// A `BlockRemoved` of engine hash `eh`: the own hash it stood for once its last stored copy
+/// goes (its entry leaves the map), None while another copy is stored or when `eh` is unknown
+/// (counted in `unknown`).
+fn forget_engine_hash(
+    engine: &mut HashKeyed<EngineEntry>,
+    eh: u64,
+    unknown: &mut u64,
+) -> Option<u64> {
+    match engine.entry(eh) {
+        Entry::Vacant(_) => {
+            *unknown += 1;
+            None
+        }
+        Entry::Occupied(mut e) => {
+            if e.get().copies > 1 {
+                e.get_mut().copies -= 1; // another copy of this engine block is stored
+                return None;
+            }
+            Some(e.remove().own)
+        }
     }
 }
 
