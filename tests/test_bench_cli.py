@@ -112,14 +112,10 @@ def test_ctrl_c_saves_what_was_measured_and_exits_130(tmp_path):
              "--out", str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
         )
-        engine = workers.workers[0].worker.engine
-        # Interrupted inside the second trial's window: its K = 2 warmup requests and a few
-        # measured ones in (polled, not slept for: on a loaded machine a fixed sleep lands
-        # anywhere). The first trial (2 + 40 requests) is written by then.
-        deadline = time.monotonic() + 60
-        while engine.stats.requests < (2 + 40) + 2 + 5 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert (out / "records.jsonl").exists()
+        deadline = time.monotonic() + 20
+        while not (out / "records.jsonl").exists() and time.monotonic() < deadline:
+            time.sleep(0.1)  # the first trial is written
+        time.sleep(1.5)  # the second trial's warmup and part of its window
         proc.send_signal(signal.SIGINT)
         output, _ = proc.communicate(timeout=20)
     finally:
