@@ -111,6 +111,9 @@ def test_ctrl_c_saves_what_was_measured_and_exits_130(tmp_path):
              "-K", "2", "-c", "2", "--trials", "3", "--requests", "40", "--output-tokens", "16",
              "--out", str(out)],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            # A suite started in the background by a shell without job control inherits SIGINT
+            # ignored, and so would the bench (Python then installs no KeyboardInterrupt).
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
         deadline = time.monotonic() + 20
         while not (out / "records.jsonl").exists() and time.monotonic() < deadline:
