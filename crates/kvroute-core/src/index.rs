@@ -622,24 +622,8 @@ impl KvIndex {
             let Some(oh) = forget_engine_hash(&mut w.engine, eh, &mut self.unknown_removals) else {
                 continue;
             };
-            if !w.copies.is_empty()
-                && let Entry::Occupied(mut extra) = w.copies.entry(oh)
-            {
-                // Another engine hash still vouches for these tokens.
-                if *extra.get() > 1 {
-                    *extra.get_mut() -= 1;
-                } else {
-                    extra.remove();
-                }
-                continue;
-            }
-            debug_assert!(
-                masks.get(&oh).is_some_and(|e| e.held & bit != 0),
-                "an engine entry has its held bit"
-            );
-            drop_bits(masks, oh, bit, 0);
-            w.held -= 1;
-            self.blocks -= 1;
+            let released = release_flat(masks, w, oh, bit, &mut self.blocks);
+            debug_assert!(released, "an engine entry has its held bit");
         }
     }
 
@@ -659,31 +643,7 @@ impl KvIndex {
         let (word, bit) = (id / 64, 1u64 << (id % 64));
         let w = self.workers[id].as_mut().expect("known worker");
         if self.flat {
-            let Entry::Occupied(mut holders) = self.masks[word].entry(oh) else {
-                return false;
-            };
-            if holders.get().held & bit == 0 {
-                return false;
-            }
-            if !w.copies.is_empty()
-                && let Entry::Occupied(mut extra) = w.copies.entry(oh)
-            {
-                // Another stored copy still vouches for these tokens.
-                if *extra.get() > 1 {
-                    *extra.get_mut() -= 1;
-                } else {
-                    extra.remove();
-                }
-                return true;
-            }
-            let e = holders.get_mut();
-            e.held &= !bit;
-            if e.predicted == 0 && e.held == 0 {
-                holders.remove();
-            }
-            w.held -= 1;
-            self.blocks -= 1;
-            return true;
+            return release_flat(&mut self.masks[word], w, oh, bit, &mut self.blocks);
         }
         let Entry::Occupied(mut own) = w.own.entry(oh) else {
             return false;
@@ -799,15 +759,7 @@ impl KvIndex {
                     v.insert(EngineEntry { own: oh, copies: 1 });
                 }
             }
-            let holders = masks.entry(oh).or_default();
-            if holders.held & bit != 0 {
-                *w.copies.entry(oh).or_insert(0) += 1; // another engine hash, same tokens
-                continue;
-            }
-            self.blocks += 1;
-            if set_held(holders, w, oh, bit) {
-                self.predicted -= 1;
-            }
+            hold_flat(masks, w, oh, bit, &mut self.blocks, &mut self.predicted);
         }
     }
 
@@ -843,15 +795,14 @@ impl KvIndex {
         let bounded = self.bound.is_some();
         let w = self.workers[id].as_mut().expect("known worker");
         if self.flat {
-            let holders = self.masks[word].entry(oh).or_default();
-            if holders.held & bit != 0 {
-                *w.copies.entry(oh).or_insert(0) += 1; // another copy, counted, not touched
-                return;
-            }
-            self.blocks += 1;
-            if set_held(holders, w, oh, bit) {
-                self.predicted -= 1;
-            }
+            hold_flat(
+                &mut self.masks[word],
+                w,
+                oh,
+                bit,
+                &mut self.blocks,
+                &mut self.predicted,
+            );
             return;
         }
         match w.own.entry(oh) {
@@ -1141,6 +1092,67 @@ impl KvIndex {
     pub fn worker_names(&self) -> impl Iterator<Item = &str> {
         self.workers.iter().flatten().map(|w| w.name.as_str())
     }
+}
+
+/// A flat index's entry of own hash `oh` for worker `w` (its `bit` in the word's `masks`),
+/// vouched for once more: its held bit set (and a prediction of it retired), or, already
+/// held, one more copy counted in `Worker::copies`. `blocks` and `predicted` are the index's
+/// totals.
+#[inline]
+fn hold_flat(
+    masks: &mut HashKeyed<Holders>,
+    w: &mut Worker,
+    oh: u64,
+    bit: u64,
+    blocks: &mut usize,
+    predicted: &mut usize,
+) {
+    let holders = masks.entry(oh).or_default();
+    if holders.held & bit != 0 {
+        *w.copies.entry(oh).or_insert(0) += 1; // another copy, counted, not touched
+        return;
+    }
+    *blocks += 1;
+    if set_held(holders, w, oh, bit) {
+        *predicted -= 1;
+    }
+}
+
+/// [`hold_flat`] undone: one copy fewer, or the held bit cleared once none is left (`blocks`
+/// the index's total). False when `w` does not hold `oh`.
+#[inline]
+fn release_flat(
+    masks: &mut HashKeyed<Holders>,
+    w: &mut Worker,
+    oh: u64,
+    bit: u64,
+    blocks: &mut usize,
+) -> bool {
+    let Entry::Occupied(mut holders) = masks.entry(oh) else {
+        return false;
+    };
+    if holders.get().held & bit == 0 {
+        return false;
+    }
+    if !w.copies.is_empty()
+        && let Entry::Occupied(mut extra) = w.copies.entry(oh)
+    {
+        // Another stored copy still vouches for these tokens.
+        if *extra.get() > 1 {
+            *extra.get_mut() -= 1;
+        } else {
+            extra.remove();
+        }
+        return true;
+    }
+    let e = holders.get_mut();
+    e.held &= !bit;
+    if e.predicted == 0 && e.held == 0 {
+        holders.remove();
+    }
+    w.held -= 1;
+    *blocks -= 1;
+    true
 }
 
 /// Clear `held` and `predicted` bits of `h`'s holders, forgetting `h` once it has none.
