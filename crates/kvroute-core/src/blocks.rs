@@ -104,6 +104,19 @@ impl BlockHasher {
     /// blocks whose first block follows the block hashed `parent` (None: the chain's start).
     /// A trailing partial block is ignored.
     pub fn extend_chain(&self, window: &[u32], parent: Option<u64>, out: &mut Vec<u64>) {
+        self.chain_blocks(window, parent, out, |t| t);
+    }
+
+    /// The chain of `window`'s full blocks after `parent`, appended to `out`, each token
+    /// turned into its `u32` by `token`.
+    #[inline]
+    fn chain_blocks<T: Copy>(
+        &self,
+        window: &[T],
+        parent: Option<u64>,
+        out: &mut Vec<u64>,
+        mut token: impl FnMut(T) -> u32,
+    ) {
         let mut h = parent.unwrap_or(self.seed);
         // A fixed buffer filled in place: no capacity check per token (the index's ingest
         // spends a third of its time here), on the stack for the usual block sizes.
@@ -111,8 +124,8 @@ impl BlockHasher {
         let buf = block_buffer(self.block_size, &mut stack, &mut heap);
         out.reserve(window.len() / self.block_size);
         for block in window.chunks_exact(self.block_size) {
-            for (dst, t) in buf.chunks_exact_mut(4).zip(block) {
-                dst.copy_from_slice(&t.to_le_bytes());
+            for (dst, &t) in buf.chunks_exact_mut(4).zip(block) {
+                dst.copy_from_slice(&token(t).to_le_bytes());
             }
             h = xxh3_64_with_seed(buf, h);
             out.push(h);
@@ -130,19 +143,11 @@ impl BlockHasher {
         out: &mut Vec<u64>,
     ) -> bool {
         let before = out.len();
-        let mut h = parent.unwrap_or(self.seed);
-        let (mut stack, mut heap) = ([0u8; STACK_BLOCK_BYTES], Vec::new());
-        let buf = block_buffer(self.block_size, &mut stack, &mut heap);
         let mut high = 0u64;
-        out.reserve(window.len() / self.block_size);
-        for block in window.chunks_exact(self.block_size) {
-            for (dst, &t) in buf.chunks_exact_mut(4).zip(block) {
-                high |= (t as u64) >> 32;
-                dst.copy_from_slice(&(t as u32).to_le_bytes());
-            }
-            h = xxh3_64_with_seed(buf, h);
-            out.push(h);
-        }
+        self.chain_blocks(window, parent, out, |t: i64| {
+            high |= (t as u64) >> 32;
+            t as u32
+        });
         if high != 0 {
             out.truncate(before);
             return false;
