@@ -187,26 +187,9 @@ impl ChatTemplate {
         // jinja2's `sequence` is "has len() and []" (strings and dicts too) and `iterable` is
         // "iter() works" (not None); its Undefined is both. minijinja's differ for strings,
         // dicts and None, which templates test before calling `| length` on tools or content.
-        env.add_test("sequence", |value: &Value| {
-            matches!(
-                value.kind(),
-                ValueKind::Undefined
-                    | ValueKind::String
-                    | ValueKind::Bytes
-                    | ValueKind::Seq
-                    | ValueKind::Map
-            )
-        });
+        env.add_test("sequence", |value: &Value| is_py_sequence(value));
         env.add_test("iterable", |value: &Value| {
-            matches!(
-                value.kind(),
-                ValueKind::Undefined
-                    | ValueKind::String
-                    | ValueKind::Bytes
-                    | ValueKind::Seq
-                    | ValueKind::Map
-                    | ValueKind::Iterable
-            )
+            is_py_sequence(value) || value.kind() == ValueKind::Iterable
         });
         env.add_filter("title", |s: &str| pystr::title_filter(s));
         env.set_formatter(|out, _state, value| {
@@ -421,6 +404,19 @@ fn generation_tag(tag: &str) -> Option<(usize, &str, &str, &str)> {
 /// A map [`Value`] that keeps `pairs` in order, as a Python dict does.
 pub fn ordered_map(pairs: impl IntoIterator<Item = (Value, Value)>) -> Value {
     Value::from_object(pairs.into_iter().collect::<IndexMap<Value, Value>>())
+}
+
+/// jinja2's `sequence` test: the value has `len()` and `[]` (strings, bytes, lists, dicts, and
+/// jinja2's Undefined).
+fn is_py_sequence(value: &Value) -> bool {
+    matches!(
+        value.kind(),
+        ValueKind::Undefined
+            | ValueKind::String
+            | ValueKind::Bytes
+            | ValueKind::Seq
+            | ValueKind::Map
+    )
 }
 
 #[cfg(test)]
