@@ -26,13 +26,14 @@
 //! the gathering window (`coalesce`) before it looks again, so a busy fleet costs one wake-up
 //! per window, not one per batch. That wake-up is the floor of the thread's cost (a bare 2 ms
 //! sleep costs ~18 µs of CPU on the shared VM, see `bench_wake_floor`), so a gathering turn
-//! whose streams are all in traffic skips the poll and reads each connection at once. What libzmq did for the old consumer it does too: connect
-//! without blocking and reconnect, backing off (an engine that dies or restarts is followed
-//! again when it is back; the tracker sees the restart or the gap), bind and accept several
-//! publishers (`bind`), and bound its memory (a message over [`MAX_MESSAGE`] bytes or a
-//! framing error is counted as malformed and its connection reset). Replays never block the
-//! thread either: a replay's connection is polled with the live ones, with a deadline per
-//! awaited message (`replay_timeout`).
+//! whose streams are all in traffic skips the poll and reads each connection at once. What
+//! libzmq did for the old consumer it does too: connect without blocking and reconnect,
+//! backing off (an engine that dies or restarts is followed again when it is back; the
+//! tracker sees the restart or the gap), bind and accept several publishers (`bind`), and
+//! bound its memory (a message over [`MAX_MESSAGE`] bytes or a framing error is counted as
+//! malformed and its connection reset). Replays never block the thread either: a replay's
+//! connection is polled with the live ones, with a deadline per awaited message
+//! (`replay_timeout`).
 //!
 //! Python is woken only for what it must see: the rare conditions above, as [`Notice`]s for its
 //! log (and, in outbox mode, every item, for `kvroute.kvevents.KVEventSubscriber`), through a
