@@ -140,17 +140,10 @@ fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
     if let Ok(f) = obj.cast::<PyFloat>() {
         return Ok(Value::from(f.value()));
     }
-    if let Ok(list) = obj.cast::<PyList>() {
-        let items = list
-            .iter()
-            .map(|item| to_value(&item, depth + 1))
-            .collect::<PyResult<Vec<Value>>>()?;
-        return Ok(Value::from(items));
-    }
-    if let Ok(tuple) = obj.cast::<PyTuple>() {
-        let items = tuple
-            .iter()
-            .map(|item| to_value(&item, depth + 1))
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        let items = obj
+            .try_iter()?
+            .map(|item| to_value(&item?, depth + 1))
             .collect::<PyResult<Vec<Value>>>()?;
         return Ok(Value::from(items));
     }
