@@ -41,8 +41,9 @@
 //! Modes ([`RetentionMode`]): `off` never refreshes; `on` refreshes a retained prefix as soon
 //! as it is in danger; `auto` refreshes only when the worker has slack (no prompt waiting for
 //! its prefill in the router's accounting, so the refresh's one token rides in a decode step
-//! or an idle one) and when the prefix's expected saving outweighs the refresh's cost. Where
-//! everything fits (few prefixes) the danger never comes and nothing is sent.
+//! or an idle one), when the prefix's expected saving outweighs the refresh's cost, and when no
+//! other worker holds as much of it (a copy's loss costs no miss). Where everything fits (few
+//! prefixes) the danger never comes and nothing is sent.
 
 use std::collections::HashMap;
 use std::collections::VecDeque;
@@ -199,6 +200,8 @@ pub struct RetentionStats {
     pub declined_value: u64,
     /// Polls `auto` skipped because the prefixes that fit carry too little of the demand.
     pub declined_coverage: u64,
+    /// Refreshes `auto` did not send because another worker holds as much of the prefix.
+    pub declined_held_elsewhere: u64,
 }
 
 /// A prefix the router saw a worker reuse.
@@ -576,13 +579,25 @@ impl Retention {
         let state = step.state(worker);
         let from = out.len();
         let id = index.as_deref().and_then(|ix| ix.worker_id(&state.name));
-        let mut scratch = Vec::with_capacity(1);
+        // This worker first, then the other live ones.
+        let ids: Vec<Option<_>> = index.as_deref().map_or(Vec::new(), |ix| {
+            std::iter::once(id)
+                .chain(
+                    step.live_slots()
+                        .iter()
+                        .filter(|&&w| w != worker)
+                        .map(|&w| ix.worker_id(&step.state(w).name)),
+                )
+                .collect()
+        });
+        let mut scratch = Vec::with_capacity(ids.len());
         let mut held = |hashes: &[u64]| match (index.as_deref_mut(), id) {
-            (Some(ix), Some(id)) => {
-                ix.overlaps_into(hashes, &[Some(id)], now, &mut scratch);
-                scratch[0]
+            (Some(ix), Some(_)) => {
+                ix.overlaps_into(hashes, &ids, now, &mut scratch);
+                let elsewhere = scratch[1..].iter().copied().max().unwrap_or(0);
+                (scratch[0], elsewhere)
             }
-            _ => 0,
+            _ => (0, 0),
         };
         self.poll(worker, state, &mut held, incoming_blocks, now, out);
         if let (Some(ix), Some(id)) = (index, id) {
@@ -594,12 +609,13 @@ impl Retention {
 
     /// The refreshes to send to `worker` now, appended to `out`. `load` is the routing step's
     /// accounting of the worker; `held_blocks(hashes)` answers how many leading blocks of a
-    /// prefix the index (events and predictions) says the worker still holds.
+    /// prefix the index (events and predictions) says the worker still holds, and the most any
+    /// other live worker holds.
     pub fn poll(
         &mut self,
         worker: usize,
         load: &WorkerState,
-        held_blocks: &mut dyn FnMut(&[u64]) -> usize,
+        held_blocks: &mut dyn FnMut(&[u64]) -> (usize, usize),
         incoming_blocks: usize,
         _now: f64,
         out: &mut Vec<Refresh>,
@@ -714,11 +730,20 @@ impl Retention {
             }
             // The leading blocks the worker still holds: a prefix whose tail was evicted is
             // refreshed as far as it is held (its next use recomputes only the tail).
-            let held = held_blocks(&t.hashes).min(t.blocks);
+            let (held, elsewhere) = held_blocks(&t.hashes);
+            let held = held.min(t.blocks);
             if held < min_blocks {
                 t.gone = true;
                 stats.skipped_evicted += 1;
                 m.take_segment(k);
+                continue;
+            }
+            if mode == RetentionMode::Auto && elsewhere >= held {
+                // Another worker holds as much of it: this one is a copy (placed by a guard's
+                // spill), and its loss costs no miss, since the policy sends the prefix where
+                // it is held. Refreshing copies only kept rarely used duplicates alive and took
+                // room from the prefixes this worker is the one holder of.
+                stats.declined_held_elsewhere += 1;
                 continue;
             }
             if mode == RetentionMode::Auto {
@@ -921,8 +946,8 @@ mod tests {
         WorkerState::new("w")
     }
 
-    fn held_all(_: &[u64]) -> usize {
-        usize::MAX
+    fn held_all(_: &[u64]) -> (usize, usize) {
+        (usize::MAX, 0)
     }
 
     /// Route `n` requests cycling over `prefixes` prefixes of 10 blocks, each with 2 blocks of
@@ -1004,7 +1029,8 @@ mod tests {
                 0
             };
             let mut out = Vec::new();
-            let mut held = |hs: &[u64]| hs.iter().take_while(|h| lru.queue.contains(h)).count();
+            let mut held =
+                |hs: &[u64]| (hs.iter().take_while(|h| lru.queue.contains(h)).count(), 0);
             r.poll(0, &idle(), &mut held, 13 - overlap, 0.0, &mut out);
             for f in &out {
                 lru.request(&f.block_hashes, &[]);
@@ -1041,7 +1067,7 @@ mod tests {
             let p = i % 4;
             let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
             r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
-            r.poll(0, &idle(), &mut |_| held, 3, 0.0, &mut out);
+            r.poll(0, &idle(), &mut |_| (held, 0), 3, 0.0, &mut out);
         }
         (r, out)
     }
@@ -1158,6 +1184,27 @@ mod tests {
         assert!(auto.admits(0, 3, &other_prefix, 13));
         auto.poll(0, &idle(), &mut held_all, 3, 0.0, &mut Vec::new());
         assert!(!auto.admits(0, 3, &other_prefix, 13));
+    }
+
+    #[test]
+    fn auto_leaves_a_copy_to_the_lru_and_on_refreshes_it() {
+        // Four prefixes cycling on 45 blocks are in danger; another worker holds them all.
+        let run = |mode: RetentionMode| {
+            let mut cfg = RetentionConfig::new(mode, BS, 45);
+            cfg.refresh_cost_tokens = 1.0;
+            let mut r = Retention::new(cfg);
+            let mut out = Vec::new();
+            for i in 0..60u32 {
+                let (tokens, hashes) = prompt(i % 4, 10, 2 * BS, i);
+                r.poll(0, &idle(), &mut |h| (h.len(), h.len()), 3, 0.0, &mut out);
+                r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+            }
+            (out.len(), r.stats())
+        };
+        let (sent, stats) = run(RetentionMode::Auto);
+        assert_eq!(sent, 0);
+        assert!(stats.declined_held_elsewhere > 0);
+        assert!(run(RetentionMode::On).0 > 0);
     }
 
     #[test]

@@ -1383,7 +1383,7 @@ impl PyRetention {
     }
 
     /// What it did: ``refreshes``, ``refreshed_blocks``, ``skipped_evicted``, ``partial``,
-    /// ``deferred_busy``, ``deferred_full``, ``declined_value``, ``declined_coverage``.
+    /// ``deferred_busy``, ``deferred_full``, ``declined_value``, ``declined_coverage``, ``declined_held_elsewhere``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -1395,6 +1395,7 @@ impl PyRetention {
         d.set_item("deferred_full", s.deferred_full)?;
         d.set_item("declined_value", s.declined_value)?;
         d.set_item("declined_coverage", s.declined_coverage)?;
+        d.set_item("declined_held_elsewhere", s.declined_held_elsewhere)?;
         Ok(d)
     }
 }
