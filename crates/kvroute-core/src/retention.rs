@@ -32,11 +32,13 @@
 //! engine does) and counts running requests' blocks as freed, so it errs early: a refresh
 //! comes before the eviction, not after.
 //!
-//! Placement counts the pressure too ([`Retention::admits`], used by [`RetainingPlacement`]
-//! and the live router): the newest `in_flight` requests routed to a worker stand for what it
-//! runs (their own blocks, their prefixes once each); a request that would not fit beside them
-//! waits in the engine's queue however cached it is, so while the fleet is not saturated it is
-//! kept off such a worker.
+//! Placement counts the model too ([`Retention::room_for`], used by [`RetainingPlacement`]
+//! and the live router): a prompt cached nowhere (its prefix new, or evicted everywhere) is
+//! sent to a worker whose modelled cache holds the fewest prefix blocks, among those not
+//! loaded above the mean, so that a re-computed prefix lands where it displaces the least.
+//! Left to the policy it goes to the least loaded worker, which may already keep its share
+//! of prefixes: the new copy evicts one of them, whose next request misses and is re-placed
+//! in turn, a cascade that held the reference workload at c = 16 under 0.95.
 //!
 //! Modes ([`RetentionMode`]): `off` never refreshes; `on` refreshes a retained prefix as soon
 //! as it is in danger; `auto` refreshes only when the worker has slack (no prompt waiting for
@@ -133,14 +135,13 @@ pub struct RetentionConfig {
     /// the head (the model only sees the router's side of the engine; this bounds how far it
     /// can drift). 0 turns it off.
     pub refresh_after_requests: u64,
-    /// [`Retention::admits`]: blocks a request may overrun the capacity by (the model counts
-    /// every running request as pinning all its blocks until a later one takes its place,
-    /// so it errs full); `usize::MAX` never keeps a worker from a request.
-    pub admission_slack_blocks: usize,
-    /// [`Retention::admits`] keeps requests off full workers only while the fleet's mean
-    /// requests in flight per worker is at most this: beyond it every worker is short of room,
-    /// and a request moved off its owner misses and pushes out what the other one keeps.
-    pub admission_max_in_flight: f64,
+    /// [`Retention::room_for`]: a prompt cached nowhere may go to a worker running at most
+    /// this many requests more than the fleet's mean.
+    pub room_slack_requests: f64,
+    /// [`Retention::room_for`] places only while the prefix families in recent use (as many
+    /// as were routed to in the last 64 requests a worker, at the mean size of the tracked
+    /// prefixes) fill at most this share of the fleet's blocks.
+    pub room_max_fill: f64,
 }
 
 impl RetentionConfig {
@@ -160,8 +161,8 @@ impl RetentionConfig {
             max_turnovers: 2.0,
             min_reuses: 2,
             refresh_after_requests: 3,
-            admission_slack_blocks: 100,
-            admission_max_in_flight: 3.0,
+            room_slack_requests: 2.0,
+            room_max_fill: 0.9,
         }
     }
 }
@@ -258,9 +259,6 @@ struct WorkerModel {
     /// own new blocks). Requests finish about in the order they came, so the newest
     /// `in_flight` of them are what the worker runs now.
     recent: VecDeque<(Option<u64>, usize, usize)>,
-    /// `auto`: whether the last poll found the retained prefixes worth keeping here (enough
-    /// coverage); only then does placement keep requests off this worker when it is full.
-    keeping: bool,
 }
 
 /// Requests remembered per worker for [`WorkerModel::recent`].
@@ -342,7 +340,73 @@ impl WorkerModel {
 pub struct Retention {
     config: RetentionConfig,
     workers: Vec<WorkerModel>,
+    homes: Homes,
     stats: RetentionStats,
+}
+
+/// Where each prefix family went last: a family is the prompts sharing their first
+/// `min_prefix_blocks` blocks (their chained hash names it), its home the slot the last of
+/// them was routed to. A slot's count is how many families it is the home of, what
+/// [`Retention::room_for`] balances. A family's first prompt counts too: a sequential
+/// warmup (one request per prefix on an idle fleet) is then dealt out evenly, where the
+/// policy's ties would pile several prefixes on one worker for good.
+#[derive(Clone, Debug, Default)]
+struct Homes {
+    /// Family → (its home slot, the routing serial of its last request).
+    families: HashMap<u64, (usize, u64)>,
+    /// Families homed per slot.
+    counts: Vec<usize>,
+    /// Requests routed so far.
+    serial: u64,
+}
+
+/// Families remembered; beyond it the least recently routed half is forgotten (a workload
+/// of unique prompts makes a family per request).
+const MAX_FAMILIES: usize = 8192;
+
+impl Homes {
+    fn count(&self, slot: usize) -> usize {
+        self.counts.get(slot).copied().unwrap_or(0)
+    }
+
+    /// Families routed to within the last `window` requests.
+    fn recent(&self, window: u64) -> usize {
+        let since = self.serial.saturating_sub(window);
+        self.families.values().filter(|e| e.1 > since).count()
+    }
+
+    fn home(&self, family: u64) -> Option<usize> {
+        self.families.get(&family).map(|&(slot, _)| slot)
+    }
+
+    fn routed(&mut self, family: u64, slot: usize) {
+        self.serial += 1;
+        if self.counts.len() <= slot {
+            self.counts.resize(slot + 1, 0);
+        }
+        if let Some((old, _)) = self.families.insert(family, (slot, self.serial)) {
+            self.counts[old] -= 1;
+        }
+        self.counts[slot] += 1;
+        if self.families.len() > MAX_FAMILIES {
+            let mut serials: Vec<u64> = self.families.values().map(|e| e.1).collect();
+            let (_, &mut median, _) = serials.select_nth_unstable(MAX_FAMILIES / 2);
+            let counts = &mut self.counts;
+            self.families.retain(|_, &mut (home, serial)| {
+                if serial < median {
+                    counts[home] -= 1;
+                }
+                serial >= median
+            });
+        }
+    }
+
+    fn forget_slot(&mut self, slot: usize) {
+        self.families.retain(|_, e| e.0 != slot);
+        if let Some(c) = self.counts.get_mut(slot) {
+            *c = 0;
+        }
+    }
 }
 
 impl Retention {
@@ -351,6 +415,7 @@ impl Retention {
         Self {
             config,
             workers: Vec::new(),
+            homes: Homes::default(),
             stats: RetentionStats::default(),
         }
     }
@@ -375,6 +440,7 @@ impl Retention {
         if let Some(m) = self.workers.get_mut(worker) {
             *m = WorkerModel::default();
         }
+        self.homes.forget_slot(worker);
     }
 
     fn model(&mut self, worker: usize) -> &mut WorkerModel {
@@ -400,6 +466,9 @@ impl Retention {
         let capacity = self.config.capacity_blocks;
         let min_blocks = self.config.min_prefix_blocks.max(1);
         let max_tracked = self.config.max_tracked.max(1);
+        if block_hashes.len() >= min_blocks {
+            self.homes.routed(block_hashes[min_blocks - 1], worker);
+        }
         let m = self.model(worker);
         m.requests += 1;
         let overlap = overlap.min(block_hashes.len()).min(prompt.len() / bs);
@@ -518,47 +587,83 @@ impl Retention {
         }
     }
 
-    /// Whether `worker` can admit a request of these block hashes and `total_blocks` blocks
-    /// (prompt and output) beside the `in_flight` requests it runs, by the model: the blocks
-    /// they pin, plus what this one would pin (its prefix too, unless a running request
-    /// already pins it), within the capacity. A request routed where it does not fit waits
-    /// in the engine's queue for a running one to finish, however much of it is cached:
-    /// placement counts this as the worker's LRU pressure. A worker not seen yet admits.
-    pub fn admits(
+    /// Where among `slots` a prompt of these block hashes goes, or None where the policy
+    /// decides: a prompt of at least `min_prefix_blocks` blocks that the index finds cached on
+    /// none of them goes to the slot that is home to the fewest prefix families (its own
+    /// family's home counting it one less), among those running at most
+    /// `room_slack_requests` more than the mean; then the least loaded, then the first (see
+    /// the module docs). The policy is not asked: it would see only part of the fleet, and a
+    /// policy that keeps state per worker (kv-aware's recent shares) forgets the others.
+    pub fn room_for(
         &self,
-        worker: usize,
-        in_flight: i64,
+        step: &RoutingStep,
+        index: Option<&mut KvIndex>,
+        slots: &[usize],
         block_hashes: &[u64],
-        total_blocks: usize,
-    ) -> bool {
-        if self.config.mode == RetentionMode::Off {
-            return true;
+        now: f64,
+    ) -> Option<usize> {
+        let min_blocks = self.config.min_prefix_blocks.max(1);
+        if self.config.mode == RetentionMode::Off
+            || slots.len() < 2
+            || block_hashes.len() < min_blocks
+        {
+            return None;
         }
-        let Some(m) = self.workers.get(worker) else {
-            return true;
-        };
-        if self.config.mode == RetentionMode::Auto && !m.keeping {
-            // Nothing kept here beyond what the LRU keeps anyway: the full worker's wait is
-            // today's, and moving the request would only trade it for a miss.
-            return true;
-        }
-        let (pinned, running) = m.running(in_flight);
-        let shared = m
-            .tracked
+        let index = index?;
+        let ids: Vec<_> = slots
             .iter()
-            .filter(|&(&k, t)| {
-                t.blocks <= block_hashes.len()
-                    && block_hashes[t.blocks - 1] == k
-                    && running.contains(&Some(k))
+            .map(|&w| index.worker_id(&step.state(w).name))
+            .collect();
+        let mut overlaps = Vec::with_capacity(ids.len());
+        index.overlaps_into(&block_hashes[..min_blocks], &ids, now, &mut overlaps);
+        if overlaps.iter().any(|&o| o >= min_blocks) {
+            return None;
+        }
+        // Only while the fleet can keep every family in recent use, with room to spare for the
+        // running requests' own blocks: where it cannot (more prefixes than room), a miss costs
+        // a miss wherever it goes, and sending it past the least loaded worker only costs
+        // latency.
+        let recent = self.homes.recent(slots.len() as u64 * RECENT as u64);
+        let (sum, n) = self
+            .workers
+            .iter()
+            .flat_map(|m| m.tracked.values())
+            .fold((0usize, 0usize), |(s, n), t| (s + t.blocks, n + 1));
+        let fleet = (slots.len() * self.config.capacity_blocks) as f64;
+        // Before any prefix is tracked (a warmup), the prompt's own blocks stand for the size.
+        let size = if n == 0 {
+            block_hashes.len() as f64
+        } else {
+            sum as f64 / n as f64
+        };
+        if recent as f64 * size > self.config.room_max_fill * fleet {
+            return None;
+        }
+        let mean =
+            slots.iter().map(|&w| step.state(w).in_flight).sum::<i64>() as f64 / slots.len() as f64;
+        let limit = mean + self.config.room_slack_requests;
+        // The family's own home counts it one less: a tie sends it back there.
+        let own = self.homes.home(block_hashes[min_blocks - 1]);
+        let light: Vec<(usize, usize)> = slots
+            .iter()
+            .copied()
+            .filter(|&w| step.state(w).in_flight as f64 <= limit)
+            .map(|w| {
+                let homed = self.homes.count(w);
+                (
+                    w,
+                    if own == Some(w) {
+                        homed.saturating_sub(1)
+                    } else {
+                        homed
+                    },
+                )
             })
-            .map(|(_, t)| t.blocks)
-            .max()
-            .unwrap_or(0);
-        pinned + total_blocks.saturating_sub(shared)
-            <= self
-                .config
-                .capacity_blocks
-                .saturating_add(self.config.admission_slack_blocks)
+            .collect();
+        light
+            .into_iter()
+            .min_by_key(|&(w, n)| (n, step.state(w).in_flight))
+            .map(|(w, _)| w)
     }
 
     /// [`Retention::poll`] for a routing step's slot `worker`, the index (if any) answering
@@ -654,7 +759,6 @@ impl Retention {
             used += blocks;
             retained.push((k, interval));
         }
-        m.keeping = !retained.is_empty();
         if retained.is_empty() {
             return;
         }
@@ -668,7 +772,6 @@ impl Retention {
             let kept: f64 = retained.iter().map(|&(_, i)| demand(i)).sum();
             if kept < self.config.min_coverage * total {
                 stats.declined_coverage += 1;
-                m.keeping = false;
                 return;
             }
             // A cold prefix (a copy placed here once) is not worth its blocks, nor one not yet
@@ -842,33 +945,28 @@ impl Placement for RetainingPlacement<'_> {
         let prompt = prompt.as_slice();
         let p = &mut self.placement;
         let bs = self.retention.config().block_size;
-        // Workers whose running requests leave this one room (all, when all do, when fewer
-        // than half do, or when the fleet runs more than `admission_max_in_flight` a worker:
-        // a fleet that full sends the request where it would miss, to a worker short of room
-        // too, and the copy pushes out what that worker keeps).
-        let total = (prompt.len() + output_tokens).div_ceil(bs);
-        let live = p.step.live_slots();
-        let roomy: Vec<usize> = live
-            .iter()
-            .copied()
-            .filter(|&w| {
-                self.retention
-                    .admits(w, p.step.state(w).in_flight, block_hashes, total)
-            })
-            .collect();
-        let in_flight: i64 = live.iter().map(|&w| p.step.state(w).in_flight).sum();
-        let calm =
-            in_flight as f64 <= self.retention.config().admission_max_in_flight * live.len() as f64;
-        let candidates =
-            (calm && 2 * roomy.len() >= live.len() && roomy.len() < live.len()).then_some(roomy);
-        let r = p.step.route(
-            p.index.as_deref_mut(),
-            p.policy,
-            block_hashes,
-            prompt.len(),
-            candidates.as_deref(),
-            now,
-        );
+        let live = p.step.live_slots().to_vec();
+        let r =
+            match self
+                .retention
+                .room_for(p.step, p.index.as_deref_mut(), &live, block_hashes, now)
+            {
+                Some(worker) => p.step.route_to(
+                    p.index.as_deref_mut(),
+                    worker,
+                    block_hashes,
+                    prompt.len(),
+                    now,
+                ),
+                None => p.step.route(
+                    p.index.as_deref_mut(),
+                    p.policy,
+                    block_hashes,
+                    prompt.len(),
+                    None,
+                    now,
+                ),
+            };
         let incoming = (prompt.len() + output_tokens)
             .div_ceil(bs)
             .saturating_sub(r.overlap);
@@ -1153,37 +1251,62 @@ mod tests {
     }
 
     #[test]
-    fn a_worker_whose_running_requests_fill_it_admits_only_what_shares_their_blocks() {
-        let mut cfg = RetentionConfig::new(RetentionMode::On, BS, 45);
-        cfg.admission_slack_blocks = 0;
-        let mut r = Retention::new(cfg);
-        // Each prefix seen twice (tracked), then 3 requests on 3 prefixes: 3 × 13 blocks pinned.
-        for i in 0..11u32 {
-            let p = i % 4;
-            let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
-            r.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+    fn a_prompt_cached_nowhere_goes_where_the_fewest_families_live() {
+        use crate::blocks::{BlockHasher, DEFAULT_HASH_SEED};
+        let hasher = BlockHasher::new(BS, DEFAULT_HASH_SEED).unwrap();
+        let mut index = KvIndex::new(hasher, Some(1e9), None, None).unwrap();
+        let mut step = RoutingStep::new(BS);
+        for i in 0..3 {
+            step.add_worker(&format!("w{i}"));
         }
-        let (_, running_prefix) = prompt(2, 10, 2 * BS, 99);
-        let (_, other_prefix) = prompt(3, 10, 2 * BS, 99);
-        // Prefixes 0, 1, 2 are the newest three: a fourth prefix's 13 blocks do not fit.
-        assert!(!r.admits(0, 3, &other_prefix, 13));
-        // One sharing a running request's prefix pins only its 3 own blocks.
-        assert!(r.admits(0, 3, &running_prefix, 13));
-        // Two running: room for anything; a worker never seen: room too.
-        assert!(r.admits(0, 2, &other_prefix, 13));
-        assert!(r.admits(5, 3, &other_prefix, 13));
-        // `auto` keeps requests off a full worker only once a poll found its prefixes worth
-        // keeping (before that, or where they are not, the wait is what the LRU gives anyway).
-        let mut cfg = RetentionConfig::new(RetentionMode::Auto, BS, 45);
-        cfg.admission_slack_blocks = 0;
-        let mut auto = Retention::new(cfg);
-        for i in 0..11u32 {
-            let (tokens, hashes) = prompt(i % 4, 10, 2 * BS, i);
-            auto.routed(0, &hashes, &tokens, if i < 4 { 0 } else { 10 }, BS, 0.0);
+        let slots = [0, 1, 2];
+        let mut r = Retention::new(RetentionConfig::new(RetentionMode::Auto, BS, 45));
+        let family = |p: u32| hasher.hash_blocks(&prompt(p, 10, BS, p).0, None, 0, None);
+        // A sequential warmup of 6 families is dealt out two a worker, whatever the policy.
+        for p in 0..6u32 {
+            let hashes = family(p);
+            let w = r
+                .room_for(&step, Some(&mut index), &slots, &hashes, 0.0)
+                .expect("cached nowhere");
+            let routed = step.route_to(Some(&mut index), w, &hashes, 44, 0.0);
+            assert_eq!(routed.overlap, 0);
+            step.finished(w);
+            r.routed(w, &hashes, &prompt(p, 10, BS, p).0, 0, BS, 0.0);
         }
-        assert!(auto.admits(0, 3, &other_prefix, 13));
-        auto.poll(0, &idle(), &mut held_all, 3, 0.0, &mut Vec::new());
-        assert!(!auto.admits(0, 3, &other_prefix, 13));
+        assert_eq!(
+            (0..3).map(|w| r.homes.count(w)).collect::<Vec<_>>(),
+            [2, 2, 2]
+        );
+        // Held somewhere (the prediction of that routing): the policy decides.
+        assert_eq!(
+            r.room_for(&step, Some(&mut index), &slots, &family(0), 0.0),
+            None
+        );
+        // Evicted everywhere: back to its own home, which counts it one less.
+        index = KvIndex::new(hasher, Some(1e9), None, None).unwrap();
+        let home = r.homes.home(family(4)[1]).unwrap();
+        assert_eq!(
+            r.room_for(&step, Some(&mut index), &slots, &family(4), 0.0),
+            Some(home)
+        );
+        // Unless that worker runs more than 2 requests above the mean: the next fewest.
+        for _ in 0..4 {
+            step.route_to(None, home, &[], 1, 0.0);
+        }
+        let other = r
+            .room_for(&step, Some(&mut index), &slots, &family(4), 0.0)
+            .unwrap();
+        assert_ne!(other, home);
+        // Off, or a prompt shorter than a tracked prefix: the policy decides.
+        let off = Retention::new(RetentionConfig::new(RetentionMode::Off, BS, 45));
+        assert_eq!(
+            off.room_for(&step, Some(&mut index), &slots, &family(4), 0.0),
+            None
+        );
+        assert_eq!(
+            r.room_for(&step, Some(&mut index), &slots, &family(4)[..1], 0.0),
+            None
+        );
     }
 
     #[test]

@@ -222,19 +222,74 @@ impl RoutingStep {
                     overlap_blocks: None,
                 };
                 let i = policy.choose(&view, &refs);
-                let overlap = match maybe_index {
-                    Some(ix) if !block_hashes.is_empty() => {
-                        self.resolve(ix);
-                        let id = self.slots[cands[i]].index_id;
-                        ix.overlaps_into(block_hashes, &[id], now, &mut self.overlaps);
-                        self.overlaps[0]
-                    }
-                    _ => 0,
-                };
-                (i, overlap)
+                (i, self.overlap_of(maybe_index, cands[i], block_hashes, now))
             }
         };
-        let worker = cands[i];
+        self.commit(
+            index,
+            cands[i],
+            overlap,
+            block_hashes,
+            prompt_tokens,
+            candidates,
+            now,
+        )
+    }
+
+    /// Route one request to `worker`, chosen by the caller rather than the policy (which
+    /// neither sees nor learns of it: retention's placement of a prompt cached nowhere, see
+    /// `Retention::room_for`), with the step's accounting as [`RoutingStep::route`] does it.
+    pub fn route_to(
+        &mut self,
+        mut index: Option<&mut KvIndex>,
+        worker: usize,
+        block_hashes: &[u64],
+        prompt_tokens: usize,
+        now: f64,
+    ) -> Routed {
+        let overlap = self.overlap_of(index.as_deref_mut(), worker, block_hashes, now);
+        self.commit(
+            index,
+            worker,
+            overlap,
+            block_hashes,
+            prompt_tokens,
+            Some(&[worker]),
+            now,
+        )
+    }
+
+    /// The leading blocks of the prompt the index credits `worker` with (0 without one).
+    fn overlap_of(
+        &mut self,
+        index: Option<&mut KvIndex>,
+        worker: usize,
+        block_hashes: &[u64],
+        now: f64,
+    ) -> usize {
+        match index {
+            Some(ix) if !block_hashes.is_empty() => {
+                self.resolve(ix);
+                let id = self.slots[worker].index_id;
+                ix.overlaps_into(block_hashes, &[id], now, &mut self.overlaps);
+                self.overlaps[0]
+            }
+            _ => 0,
+        }
+    }
+
+    /// Count a decision: the prediction in the index, the load, the journal.
+    #[allow(clippy::too_many_arguments)]
+    fn commit(
+        &mut self,
+        index: Option<&mut KvIndex>,
+        worker: usize,
+        overlap: usize,
+        block_hashes: &[u64],
+        prompt_tokens: usize,
+        candidates: Option<&[usize]>,
+        now: f64,
+    ) -> Routed {
         if let Some(ix) = index {
             let id = match self.slots[worker].index_id {
                 Some(id) if self.resolved_epoch == Some(ix.epoch()) => id,

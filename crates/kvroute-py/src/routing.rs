@@ -924,6 +924,30 @@ impl RoutingStep {
         Ok((routed.worker, routed.overlap, routed.prefill_tokens))
     }
 
+    /// Route one request to ``slot``, chosen by the caller (the policy is not asked: see
+    /// ``Retention.room_for``): returns ``(slot, overlap_blocks, prefill_tokens)`` as
+    /// ``route`` does.
+    fn route_to(
+        &mut self,
+        py: Python<'_>,
+        slot: usize,
+        block_hashes: Vec<u64>,
+        prompt_tokens: usize,
+        now: f64,
+    ) -> PyResult<(usize, usize, usize)> {
+        self.check_slot(slot)?;
+        let index_ref = self.index.as_ref().map(|i| i.borrow(py));
+        let mut index = index_ref.as_ref().map(|i| lock_index(&i.inner));
+        let routed = self.inner.route_to(
+            index.as_deref_mut(),
+            slot,
+            &block_hashes,
+            prompt_tokens,
+            now,
+        );
+        Ok((routed.worker, routed.overlap, routed.prefill_tokens))
+    }
+
     /// The request routed to ``slot`` with ``prefill_tokens`` produced its first token.
     fn first_token(&mut self, slot: usize, prefill_tokens: usize) -> PyResult<()> {
         self.check_slot(slot)?;
@@ -1219,7 +1243,7 @@ type RefreshTuple = (Vec<u32>, Vec<u64>, usize);
 ///     capacity_blocks: usable KV blocks per worker (``num_gpu_blocks`` − 1).
 ///     margin_requests, refresh_cost_tokens, value_ratio, min_prefix_blocks, max_tracked,
 ///     reserve_factor, min_coverage, min_reuses, refresh_after_requests,
-///     admission_slack_blocks, admission_max_in_flight: the knobs of ``RetentionConfig`` (defaults
+///     room_slack_requests, room_max_fill: the knobs of ``RetentionConfig`` (defaults
 ///     when None).
 #[pyclass(module = "kvroute._native", name = "Retention")]
 pub struct PyRetention {
@@ -1229,7 +1253,7 @@ pub struct PyRetention {
 #[pymethods]
 impl PyRetention {
     #[new]
-    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None, min_coverage = None, min_reuses = None, refresh_after_requests = None, admission_slack_blocks = None, admission_max_in_flight = None))]
+    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None, min_coverage = None, min_reuses = None, refresh_after_requests = None, room_slack_requests = None, room_max_fill = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         mode: &str,
@@ -1244,8 +1268,8 @@ impl PyRetention {
         min_coverage: Option<f64>,
         min_reuses: Option<u32>,
         refresh_after_requests: Option<u64>,
-        admission_slack_blocks: Option<usize>,
-        admission_max_in_flight: Option<f64>,
+        room_slack_requests: Option<f64>,
+        room_max_fill: Option<f64>,
     ) -> PyResult<Self> {
         let mode: retention::RetentionMode = mode.parse().map_err(PyValueError::new_err)?;
         if block_size == 0 {
@@ -1279,11 +1303,11 @@ impl PyRetention {
         if let Some(v) = refresh_after_requests {
             config.refresh_after_requests = v;
         }
-        if let Some(v) = admission_slack_blocks {
-            config.admission_slack_blocks = v;
+        if let Some(v) = room_slack_requests {
+            config.room_slack_requests = v;
         }
-        if let Some(v) = admission_max_in_flight {
-            config.admission_max_in_flight = v;
+        if let Some(v) = room_max_fill {
+            config.room_max_fill = v;
         }
         Ok(Self {
             inner: retention::Retention::new(config),
@@ -1351,25 +1375,31 @@ impl PyRetention {
             .collect())
     }
 
-    /// Whether ``slot``, running ``in_flight`` requests, has room for a request of these block
-    /// hashes and ``total_blocks`` blocks (prompt and output) by the model (see
-    /// ``Retention::admits``): the router leaves out the workers that do not, unless none do.
-    fn admits(
+    /// Where among ``slots`` a prompt of these block hashes goes, or None where the policy
+    /// decides (``Retention::room_for``): a prompt ``routing``'s index finds cached nowhere
+    /// goes to the worker home to the fewest prefix families; route it with
+    /// ``RoutingStep.route_to``.
+    fn room_for(
         &self,
-        slot: usize,
-        in_flight: i64,
+        py: Python<'_>,
+        routing: &Bound<'_, RoutingStep>,
+        slots: Vec<usize>,
         block_hashes: Vec<u64>,
-        total_blocks: usize,
-    ) -> bool {
-        self.inner
-            .admits(slot, in_flight, &block_hashes, total_blocks)
-    }
-
-    /// ``admission_max_in_flight``: above this mean in flight per worker ``admits`` is not
-    /// asked (see ``RetentionConfig``).
-    #[getter]
-    fn admission_max_in_flight(&self) -> f64 {
-        self.inner.config().admission_max_in_flight
+        now: f64,
+    ) -> PyResult<Option<usize>> {
+        let step = routing.borrow();
+        for &slot in &slots {
+            step.check_slot(slot)?;
+        }
+        let index_ref = step.index.as_ref().map(|i| i.borrow(py));
+        let mut index = index_ref.as_ref().map(|i| lock_index(&i.inner));
+        Ok(self.inner.room_for(
+            &step.inner,
+            index.as_deref_mut(),
+            &slots,
+            &block_hashes,
+            now,
+        ))
     }
 
     /// Forget what it knew of ``slot`` (the worker left or reset its cache).

@@ -711,8 +711,12 @@ class Router:
         pool = self.pool
         slots = pool.available_slots() if candidates is pool.available() else [w.slot for w in candidates]
         retained = self.retention.read(raw) if raw is not None and self.retention is not None else None
-        offered = slots if retained is None else self.retention.roomy(slots, hashes, retained)
-        slot, overlap, prefill = self.routing.route(hashes, prompt.num_tokens, self.clock(), offered)
+        now = self.clock()
+        room = None if retained is None else self.retention.room_for(slots, hashes, now)
+        if room is None:
+            slot, overlap, prefill = self.routing.route(hashes, prompt.num_tokens, now, slots)
+        else:
+            slot, overlap, prefill = self.routing.route_to(room, hashes, prompt.num_tokens, now)
         chosen = candidates[slots.index(slot)]
         chosen.decisions.inc()
         self.metrics.overlap_blocks.observe(overlap)

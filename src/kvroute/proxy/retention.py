@@ -159,19 +159,11 @@ class LiveRetention:
         model = fields.model if isinstance(fields.model, str) else None
         return _Request(ids, out, model)
 
-    def roomy(self, slots: list[int], block_hashes: list[int], request: _Request) -> list[int]:
-        """The ``slots`` whose running requests leave this one room by the model (all of them
-        when all do, fewer than half do, or the fleet runs more than
-        ``admission_max_in_flight`` a worker, as ``RetainingPlacement``): a request sent where it
-        does not fit waits in the engine's queue however much of it is cached (the worker's
-        LRU pressure)."""
-        total = -(-(len(request.ids) + request.output_tokens) // self.block_size)
-        routing = self.routing
-        busy = sum(routing.state(s).in_flight for s in slots)
-        if busy > self.native.admission_max_in_flight * len(slots):
-            return slots
-        fits = [s for s in slots if self.native.admits(s, routing.state(s).in_flight, block_hashes, total)]
-        return fits if len(slots) <= 2 * len(fits) < 2 * len(slots) else slots
+    def room_for(self, slots: list[int], block_hashes: list[int], now: float) -> int | None:
+        """The slot among ``slots`` a prompt cached nowhere goes to (the one home to the
+        fewest prefix families, as ``RetainingPlacement``), or None where the policy decides;
+        route it with ``RoutingStep.route_to``."""
+        return self.native.room_for(self.routing, slots, block_hashes, now)
 
     def routed(self, worker, request: _Request, block_hashes: list[int], overlap: int, now: float) -> None:
         """The routing step sent ``request`` to ``worker`` (a pool ``Worker``), crediting
