@@ -93,17 +93,25 @@ impl BlockMeta {
 
 /// The prefix cache's table: block hash → the oldest block holding it.
 ///
-/// Open addressing with linear probing over `(hash, block)` slots, deleted by backward
-/// shift (no tombstones). A pool caches at most one hash per block, so the table never holds
-/// more than `num_blocks` entries and is sized once, at most a third full: no rehash ever,
-/// and probe runs stay short. A miss's eviction (remove) and caching (insert) of ~150 hashes
-/// were the pool's main cost; measured on the 64-worker simulation (`examples/sim_speed.rs`,
-/// interleaved runs on a loaded machine), a table at most 2/3 full gained nothing over the
-/// general-purpose map, one at most 1/3 full took ~15% off the whole simulation, and a
-/// sparser one lost it again to cache misses.
+/// Open addressing with linear probing, deleted by backward shift (no tombstones). A slot is
+/// 8 bytes: the block, and 32 bits of its hash's fingerprint (the high half of the hash times
+/// an odd constant, which also gives the slot a hash probes first). The full hash is the
+/// block's own (`BlockMeta::hash`, set while the block is in the table), so a fingerprint
+/// match is confirmed there: the answer stays exact while the table is half the size of one
+/// of `(hash, block)` pairs. Over 64 workers those tables no longer fit the core's L2, and
+/// each of the ~300 table operations of a miss waited on its slot's load (`perf annotate`);
+/// halved, tables and block records fit together.
+///
+/// A pool caches at most one hash per block, so the table never holds more than `num_blocks`
+/// entries and is sized once, at most a third full: no rehash ever, and probe runs stay
+/// short. (Measured on the 64-worker simulation, `examples/sim_speed.rs`: a table at most
+/// 2/3 full gained nothing over the general-purpose map, one at most 1/3 full took ~15% off
+/// the whole simulation, and a sparser one lost it again to cache misses.)
 #[derive(Clone, Debug)]
 struct HashTable {
-    slots: Vec<(u64, BlockId)>,
+    /// (fingerprint, block); `block == NIL` is an empty slot.
+    slots: Vec<(u32, BlockId)>,
+    /// `fingerprint >> shift` is the first slot probed.
     shift: u32,
     len: usize,
 }
@@ -113,16 +121,23 @@ impl HashTable {
         let capacity = (entries * 3).max(8).next_power_of_two();
         Self {
             slots: vec![(0, NIL); capacity],
-            shift: 64 - capacity.trailing_zeros(),
+            shift: 32 - capacity.trailing_zeros(),
             len: 0,
         }
     }
 
-    /// The slot a hash probes first (multiply-shift: the high bits of the product, so small
-    /// test hashes spread too).
+    /// The hash's fingerprint (multiply-shift: the high bits of the product, so small test
+    /// hashes spread too). Multiplying by an odd constant is a bijection, so distinct hashes
+    /// share a fingerprint only by chance (2⁻³²), and then their blocks' hashes tell them apart.
     #[inline]
-    fn home(&self, h: u64) -> usize {
-        (h.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> self.shift) as usize
+    fn fingerprint(h: u64) -> u32 {
+        (h.wrapping_mul(0x9E37_79B9_7F4A_7C15) >> 32) as u32
+    }
+
+    /// The slot a fingerprint probes first.
+    #[inline]
+    fn home(&self, fp: u32) -> usize {
+        (fp >> self.shift) as usize
     }
 
     #[inline]
@@ -130,76 +145,84 @@ impl HashTable {
         self.slots.len() - 1
     }
 
-    /// The slot holding `h`, if any.
+    /// The block holding `h` per the table (`meta`: the pool's block records).
     #[inline]
-    fn find(&self, h: u64) -> Option<usize> {
+    fn get(&self, h: u64, meta: &[BlockMeta]) -> Option<BlockId> {
+        let fp = Self::fingerprint(h);
         let mask = self.mask();
-        let mut i = self.home(h);
+        let mut i = self.home(fp);
         loop {
-            let (k, b) = self.slots[i];
+            let (f, b) = self.slots[i];
             if b == NIL {
                 return None;
             }
-            if k == h {
-                return Some(i);
+            if f == fp && meta[b as usize].hash == h {
+                return Some(b);
             }
             i = (i + 1) & mask;
         }
     }
 
+    /// The slot of `block`'s entry, which is in the table under `h`.
     #[inline]
-    fn get(&self, h: u64) -> Option<BlockId> {
-        self.find(h).map(|i| self.slots[i].1)
+    fn slot_of(&self, h: u64, block: BlockId) -> usize {
+        let mask = self.mask();
+        let mut i = self.home(Self::fingerprint(h));
+        while self.slots[i].1 != block {
+            debug_assert!(self.slots[i].1 != NIL, "the block is in the table");
+            i = (i + 1) & mask;
+        }
+        i
     }
 
-    /// Insert `h → b` unless `h` is present; returns the present block then.
+    /// Insert `h → b` unless `h` is present; returns the present block then. `meta[b].hash`
+    /// must be `h` already.
     #[inline]
-    fn insert_if_absent(&mut self, h: u64, b: BlockId) -> Option<BlockId> {
+    fn insert_if_absent(&mut self, h: u64, b: BlockId, meta: &[BlockMeta]) -> Option<BlockId> {
+        let fp = Self::fingerprint(h);
         let mask = self.mask();
-        let mut i = self.home(h);
+        let mut i = self.home(fp);
         loop {
-            let (k, old) = self.slots[i];
+            let (f, old) = self.slots[i];
             if old == NIL {
                 debug_assert!(
                     self.len < self.slots.len() - 1,
                     "the table is sized for every block"
                 );
-                self.slots[i] = (h, b);
+                self.slots[i] = (fp, b);
                 self.len += 1;
                 return None;
             }
-            if k == h {
+            if f == fp && meta[old as usize].hash == h {
                 return Some(old);
             }
             i = (i + 1) & mask;
         }
     }
 
-    /// Point present `h` at `b`.
-    fn replace(&mut self, h: u64, b: BlockId) {
-        let i = self.find(h).expect("a present hash");
-        self.slots[i].1 = b;
+    /// Point the entry of `h`, now `old`'s, at `new` (whose hash is `h` too).
+    fn replace(&mut self, h: u64, old: BlockId, new: BlockId) {
+        let i = self.slot_of(h, old);
+        self.slots[i].1 = new;
     }
 
-    /// Remove `h` (if present), shifting back the entries of its probe run that would no
-    /// longer be reachable.
+    /// Remove `block`'s entry (it holds `h`), shifting back the entries of its probe run that
+    /// would no longer be reachable.
     #[inline]
-    fn remove(&mut self, h: u64) {
-        let Some(mut hole) = self.find(h) else {
-            return;
-        };
+    fn remove(&mut self, h: u64, block: BlockId) {
+        let mut hole = self.slot_of(h, block);
         let mask = self.mask();
         let mut j = hole;
         loop {
             j = (j + 1) & mask;
-            let (k, b) = self.slots[j];
+            let (f, b) = self.slots[j];
             if b == NIL {
                 break;
             }
             // Entry j stays unless the hole lies cyclically between its home and j.
-            let home = self.home(k);
+            let home = self.home(f);
             if (j.wrapping_sub(home) & mask) >= (j.wrapping_sub(hole) & mask) {
-                self.slots[hole] = (k, b);
+                self.slots[hole] = (f, b);
                 hole = j;
             }
         }
@@ -212,11 +235,9 @@ impl HashTable {
         self.len = 0;
     }
 
-    fn keys(&self) -> impl Iterator<Item = u64> + '_ {
-        self.slots
-            .iter()
-            .filter(|&&(_, b)| b != NIL)
-            .map(|&(k, _)| k)
+    /// The blocks in the table (one per cached hash).
+    fn blocks(&self) -> impl Iterator<Item = BlockId> + '_ {
+        self.slots.iter().map(|&(_, b)| b).filter(|&b| b != NIL)
     }
 }
 
@@ -413,12 +434,12 @@ impl BlockPool {
 
     /// The oldest block holding `block_hash`, if any.
     pub fn get_cached_block(&self, block_hash: u64) -> Option<BlockId> {
-        self.cached.get(block_hash)
+        self.cached.get(block_hash, &self.meta)
     }
 
     /// Every holder of `block_hash`, oldest first.
     pub fn holders(&self, block_hash: u64) -> Vec<BlockId> {
-        let mut out: Vec<BlockId> = self.cached.get(block_hash).into_iter().collect();
+        let mut out: Vec<BlockId> = self.get_cached_block(block_hash).into_iter().collect();
         if let Some(more) = self.more_holders.get(&block_hash) {
             out.extend(more.iter().copied());
         }
@@ -427,7 +448,7 @@ impl BlockPool {
 
     /// Cached hashes (each once, however many blocks hold it), in no particular order.
     pub fn cached_hashes(&self) -> impl Iterator<Item = u64> + '_ {
-        self.cached.keys()
+        self.cached.blocks().map(|b| self.meta[b as usize].hash)
     }
 
     /// The free queue from head (evicted first) to tail.
@@ -445,7 +466,7 @@ impl BlockPool {
             return hit;
         }
         for &h in &block_hashes[..max_blocks.min(block_hashes.len())] {
-            match self.cached.get(h) {
+            match self.cached.get(h, &self.meta) {
                 Some(b) => hit.push(b),
                 None => break,
             }
@@ -470,7 +491,7 @@ impl BlockPool {
         if !self.enable_caching || limit == 0 {
             return Vec::new();
         }
-        if self.cached.get(block_hashes[0]).is_none() {
+        if self.cached.get(block_hashes[0], &self.meta).is_none() {
             // The usual miss: nothing to remember, nothing to look up further.
             self.hit_memo.remove(&block_hashes[0]);
             return Vec::new();
@@ -490,7 +511,7 @@ impl BlockPool {
         }
         memo.truncate(n);
         while n < limit {
-            match self.cached.get(block_hashes[n]) {
+            match self.cached.get(block_hashes[n], &self.meta) {
                 Some(b) => memo.push((b, self.meta[b as usize].generation)),
                 None => break,
             }
@@ -584,16 +605,16 @@ impl BlockPool {
     fn forget_holder(&mut self, block: BlockId, block_hash: u64) {
         if self.more_holders.is_empty() {
             // The usual case: every cached hash has exactly one holder.
-            self.cached.remove(block_hash);
+            self.cached.remove(block_hash, block);
             return;
         }
         let Some(more) = self.more_holders.get_mut(&block_hash) else {
-            self.cached.remove(block_hash);
+            self.cached.remove(block_hash, block);
             return;
         };
-        if self.cached.get(block_hash) == Some(block) {
+        if self.cached.get(block_hash, &self.meta) == Some(block) {
             let next = more.pop_front().expect("younger holders are never empty");
-            self.cached.replace(block_hash, next);
+            self.cached.replace(block_hash, block, next);
         } else if let Some(i) = more.iter().position(|&b| b == block) {
             more.remove(i);
         }
@@ -623,7 +644,7 @@ impl BlockPool {
             let (b, h) = (blocks[i], block_hashes[i]);
             self.meta[b as usize].hash = h;
             self.flags[b as usize] |= HAS_HASH;
-            if self.cached.insert_if_absent(h, b).is_some() {
+            if self.cached.insert_if_absent(h, b, &self.meta).is_some() {
                 self.more_holders.entry(h).or_default().push_back(b);
             }
         }
@@ -1092,6 +1113,76 @@ mod tests {
                     }
                 }
             }
+        }
+    }
+    #[test]
+    fn lookups_answer_the_oldest_holder_through_many_evictions() {
+        // Many evictions of fresh and repeated hashes (every table slot reused many times
+        // over, younger holders taking over): after each step every hash answers its oldest
+        // holder, and only held hashes are listed as cached.
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut rnd = |m: u64| {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x % m
+        };
+        let num_blocks = 12;
+        let mut pool = BlockPool::new(num_blocks, BS, true, false);
+        let mut cached_at: HashMap<BlockId, u64> = HashMap::new();
+        let mut running: Vec<Vec<BlockId>> = vec![];
+        let mut seen: Vec<u64> = vec![];
+        let mut clock = 0u64;
+        for round in 0..20_000u64 {
+            if running.len() == 3 || (rnd(3) == 0 && !running.is_empty()) {
+                let blocks = running.remove(0);
+                pool.free_blocks(blocks.into_iter().rev());
+            }
+            let need = 1 + rnd(3) as usize;
+            if need > pool.num_free_blocks() {
+                continue;
+            }
+            let blocks = pool.get_new_blocks(need).unwrap();
+            // A few hashes recur (duplicates, re-cached after eviction), most are fresh.
+            let hashes: Vec<u64> = (0..need)
+                .map(|i| {
+                    if rnd(4) == 0 {
+                        rnd(6)
+                    } else {
+                        1000 + 4 * round + i as u64
+                    }
+                })
+                .collect();
+            pool.cache_full_blocks(&blocks, &hashes, 0, need, seq(&[]));
+            for &b in &blocks {
+                clock += 1;
+                cached_at.insert(b, clock);
+            }
+            seen.extend(&hashes);
+            running.push(blocks);
+            let held: Vec<(BlockId, u64)> = (1..num_blocks as BlockId)
+                .filter_map(|b| pool.block_hash(b).map(|h| (b, h)))
+                .collect();
+            for &h in seen.iter().rev().take(64).chain(&[0, 1, 2, 3, 4, 5]) {
+                let mut holders: Vec<BlockId> = held
+                    .iter()
+                    .filter(|&&(_, k)| k == h)
+                    .map(|&(b, _)| b)
+                    .collect();
+                holders.sort_by_key(|b| cached_at[b]);
+                assert_eq!(
+                    pool.get_cached_block(h),
+                    holders.first().copied(),
+                    "hash {h}"
+                );
+                assert_eq!(pool.holders(h).len(), holders.len());
+            }
+            let mut listed: Vec<u64> = pool.cached_hashes().collect();
+            let mut expected: Vec<u64> = held.iter().map(|&(_, h)| h).collect();
+            listed.sort_unstable();
+            expected.sort_unstable();
+            expected.dedup();
+            assert_eq!(listed, expected);
         }
     }
 }
