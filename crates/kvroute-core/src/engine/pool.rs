@@ -1185,4 +1185,49 @@ mod tests {
             assert_eq!(listed, expected);
         }
     }
+    #[test]
+    fn the_free_queue_keeps_its_order_through_hits_and_frees_anywhere() {
+        // Hits taken from anywhere in a long queue, freed blocks rejoining at either end
+        // (with or without a hash), misses taken from the head: the queue always reads as a
+        // plain list would.
+        let n = 400;
+        let mut pool = BlockPool::new(n + 1, BS, true, false);
+        let blocks = pool.get_new_blocks(n).unwrap();
+        let hashes: Vec<u64> = (0..n as u64).map(|h| h + 7).collect();
+        pool.cache_full_blocks(&blocks, &hashes, 0, n, seq(&[]));
+        pool.free_blocks(blocks.iter().rev().copied());
+        let mut model: Vec<BlockId> = blocks.iter().rev().copied().collect();
+        let mut x = 12345u64;
+        let mut held: Vec<BlockId> = vec![];
+        for round in 0..3000 {
+            x = x
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            if !model.is_empty() && (x >> 33) % 3 != 0 {
+                // A hit on a free block anywhere in the queue.
+                let b = model.remove((x >> 40) as usize % model.len());
+                pool.touch(&[b]);
+                held.push(b);
+            } else if !held.is_empty() {
+                let b = held.swap_remove((x >> 40) as usize % held.len());
+                pool.free_blocks([b]);
+                if pool.block_hash(b).is_some() {
+                    model.push(b);
+                } else {
+                    model.insert(0, b);
+                }
+            }
+            if round % 97 == 0 && !model.is_empty() {
+                let k = 1 + (x >> 50) as usize % model.len().min(5);
+                let taken = pool.get_new_blocks(k).unwrap();
+                assert_eq!(taken, model.drain(..k).collect::<Vec<_>>());
+                // Taken and freed again, hashes gone: back at the head, in order.
+                pool.free_blocks(taken.iter().copied());
+                model.splice(0..0, taken);
+            }
+            let queue: Vec<BlockId> = pool.free_queue().map(|(b, _)| b).collect();
+            assert_eq!(queue, model);
+            assert_eq!(pool.num_free_blocks(), model.len());
+        }
+    }
 }
