@@ -97,16 +97,17 @@ impl BlockMeta {
 /// 8 bytes: the block, and 32 bits of its hash's fingerprint (the high half of the hash times
 /// an odd constant, which also gives the slot a hash probes first). The full hash is the
 /// block's own (`BlockMeta::hash`, set while the block is in the table), so a fingerprint
-/// match is confirmed there: the answer stays exact while the table is half the size of one
-/// of `(hash, block)` pairs. Over 64 workers those tables no longer fit the core's L2, and
-/// each of the ~300 table operations of a miss waited on its slot's load (`perf annotate`);
-/// halved, tables and block records fit together.
+/// match is confirmed there: the answer stays exact with half the bytes per slot of a table
+/// of `(hash, block)` pairs.
 ///
 /// A pool caches at most one hash per block, so the table never holds more than `num_blocks`
-/// entries and is sized once, at most a third full: no rehash ever, and probe runs stay
-/// short. (Measured on the 64-worker simulation, `examples/sim_speed.rs`: a table at most
-/// 2/3 full gained nothing over the general-purpose map, one at most 1/3 full took ~15% off
-/// the whole simulation, and a sparser one lost it again to cache misses.)
+/// entries and is sized once: no rehash ever. A miss evicts ~150 hashes and caches ~150
+/// others, and those table operations were most of a 64-worker simulation's time, paid in
+/// probe runs (a longer run is more slots read and more mispredicted exits) more than in
+/// bytes: measured on it (`examples/sim_speed.rs`, alternating runs on one loaded core), 16-
+/// byte slots at most 1/3 full had taken ~15% off the general-purpose map (2/3 full gained
+/// nothing); 8-byte slots in the same bytes, at most 1/6 full, took ~15% more; at most 1/12
+/// full, nothing more; at most 2/3 full, they lost 25%.
 #[derive(Clone, Debug)]
 struct HashTable {
     /// (fingerprint, block); `block == NIL` is an empty slot.
@@ -118,7 +119,8 @@ struct HashTable {
 
 impl HashTable {
     fn with_room_for(entries: usize) -> Self {
-        let capacity = (entries * 3).max(8).next_power_of_two();
+        // Six slots per block: at most 1/6 full (see above).
+        let capacity = (entries * 6).max(8).next_power_of_two();
         Self {
             slots: vec![(0, NIL); capacity],
             shift: 32 - capacity.trailing_zeros(),
