@@ -369,10 +369,15 @@ impl Homes {
         self.counts.get(slot).copied().unwrap_or(0)
     }
 
-    /// Families routed to within the last `window` requests.
-    fn recent(&self, window: u64) -> usize {
+    /// Whether more than `limit` families were routed to within the last `window` requests
+    /// (it stops counting there: a workload of unique prompts fills the table).
+    fn recent_exceed(&self, window: u64, limit: usize) -> bool {
         let since = self.serial.saturating_sub(window);
-        self.families.values().filter(|e| e.1 > since).count()
+        self.families
+            .values()
+            .filter(|e| e.1 > since)
+            .nth(limit)
+            .is_some()
     }
 
     fn home(&self, family: u64) -> Option<usize> {
@@ -623,7 +628,6 @@ impl Retention {
         // running requests' own blocks: where it cannot (more prefixes than room), a miss costs
         // a miss wherever it goes, and sending it past the least loaded worker only costs
         // latency.
-        let recent = self.homes.recent(slots.len() as u64 * RECENT as u64);
         let (sum, n) = self
             .workers
             .iter()
@@ -636,7 +640,11 @@ impl Retention {
         } else {
             sum as f64 / n as f64
         };
-        if recent as f64 * size > self.config.room_max_fill * fleet {
+        let fit = (self.config.room_max_fill * fleet / size.max(1.0)) as usize;
+        if self
+            .homes
+            .recent_exceed(slots.len() as u64 * RECENT as u64, fit)
+        {
             return None;
         }
         let mean =

@@ -1413,7 +1413,8 @@ impl PyRetention {
     }
 
     /// What it did: ``refreshes``, ``refreshed_blocks``, ``skipped_evicted``, ``partial``,
-    /// ``deferred_busy``, ``deferred_full``, ``declined_value``, ``declined_coverage``, ``declined_held_elsewhere``.
+    /// ``deferred_busy``, ``deferred_full``, ``declined_value``, ``declined_coverage``,
+    /// ``declined_held_elsewhere``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
