@@ -34,8 +34,9 @@
 //!
 //! Placement counts the model too ([`Retention::room_for`], used by [`RetainingPlacement`]
 //! and the live router): a prompt cached nowhere (its prefix new, or evicted everywhere) is
-//! sent to a worker whose modelled cache holds the fewest prefix blocks, among those not
-//! loaded above the mean, so that a re-computed prefix lands where it displaces the least.
+//! sent to the worker that is home to the fewest prefix families, among those running at most
+//! `room_slack_requests` above the mean, so that a re-computed prefix lands where it displaces
+//! the least.
 //! Left to the policy it goes to the least loaded worker, which may already keep its share
 //! of prefixes: the new copy evicts one of them, whose next request misses and is re-placed
 //! in turn, a cascade that held the reference workload at c = 16 under 0.95.
@@ -253,8 +254,6 @@ struct WorkerModel {
     requests: u64,
     /// Smoothed new blocks per request (its own suffix and output).
     new_blocks: f64,
-    /// Smoothed blocks per request (prompt and output: what a running request pins).
-    request_blocks: f64,
     /// The last requests routed here, newest last: (tracked prefix, its blocks, the request's
     /// own new blocks). Requests finish about in the order they came, so the newest
     /// `in_flight` of them are what the worker runs now.
@@ -484,11 +483,6 @@ impl Retention {
         } else {
             (1.0 - SMOOTHING) * m.new_blocks + SMOOTHING * new_blocks as f64
         };
-        m.request_blocks = if m.requests == 1 {
-            total as f64
-        } else {
-            (1.0 - SMOOTHING) * m.request_blocks + SMOOTHING * total as f64
-        };
         let mut key = (overlap >= min_blocks).then(|| block_hashes[overlap - 1]);
         if let Some(k) = key
             && !m.tracked.contains_key(&k)
@@ -652,26 +646,19 @@ impl Retention {
         let limit = mean + self.config.room_slack_requests;
         // The family's own home counts it one less: a tie sends it back there.
         let own = self.homes.home(block_hashes[min_blocks - 1]);
-        let light: Vec<(usize, usize)> = slots
+        slots
             .iter()
             .copied()
             .filter(|&w| step.state(w).in_flight as f64 <= limit)
-            .map(|w| {
+            .min_by_key(|&w| {
                 let homed = self.homes.count(w);
-                (
-                    w,
-                    if own == Some(w) {
-                        homed.saturating_sub(1)
-                    } else {
-                        homed
-                    },
-                )
+                let homed = if own == Some(w) {
+                    homed.saturating_sub(1)
+                } else {
+                    homed
+                };
+                (homed, step.state(w).in_flight)
             })
-            .collect();
-        light
-            .into_iter()
-            .min_by_key(|&(w, n)| (n, step.state(w).in_flight))
-            .map(|(w, _)| w)
     }
 
     /// [`Retention::poll`] for a routing step's slot `worker`, the index (if any) answering
@@ -692,13 +679,14 @@ impl Retention {
         let state = step.state(worker);
         let from = out.len();
         let id = index.as_deref().and_then(|ix| ix.worker_id(&state.name));
-        // This worker first, then the other live ones.
+        // This worker first, then (for `auto`'s copy test) the other live ones.
+        let others = self.config.mode == RetentionMode::Auto;
         let ids: Vec<Option<_>> = index.as_deref().map_or(Vec::new(), |ix| {
             std::iter::once(id)
                 .chain(
                     step.live_slots()
                         .iter()
-                        .filter(|&&w| w != worker)
+                        .filter(|&&w| others && w != worker)
                         .map(|&w| ix.worker_id(&step.state(w).name)),
                 )
                 .collect()
@@ -723,7 +711,8 @@ impl Retention {
     /// The refreshes to send to `worker` now, appended to `out`. `load` is the routing step's
     /// accounting of the worker; `held_blocks(hashes)` answers how many leading blocks of a
     /// prefix the index (events and predictions) says the worker still holds, and the most any
-    /// other live worker holds.
+    /// other live worker holds (read by `auto` only; [`Retention::poll_step`] asks the index
+    /// for it only then).
     pub fn poll(
         &mut self,
         worker: usize,
@@ -953,11 +942,11 @@ impl Placement for RetainingPlacement<'_> {
         let prompt = prompt.as_slice();
         let p = &mut self.placement;
         let bs = self.retention.config().block_size;
-        let live = p.step.live_slots().to_vec();
+        let live = p.step.live_slots();
         let r =
             match self
                 .retention
-                .room_for(p.step, p.index.as_deref_mut(), &live, block_hashes, now)
+                .room_for(p.step, p.index.as_deref_mut(), live, block_hashes, now)
             {
                 Some(worker) => p.step.route_to(
                     p.index.as_deref_mut(),
