@@ -278,11 +278,9 @@ async def run_worker_death(
         ) as session:
             await asyncio.sleep(0.3)  # SUB sockets connect
             name = victim.url
-            events_applied = router.metrics.events.labels(name)
 
             def applied_events() -> float:
-                router.pool.sync_event_metrics()  # the native consumer's counts, as /metrics copies them
-                return events_applied._value.get()
+                return router.metric("kvroute_router_kv_events_total", worker=name)
             outcomes: list[Outcome] = []
             marks: dict[str, float] = {}
             next_index = 0
@@ -356,7 +354,6 @@ async def run_worker_death(
                          and (w is not victim or o.done > marks["restarting"]))
                 counts[w.url] = (ok, served)
             first_ok = sum(1 for o in outcomes if o.kind == "ok" and o.worker == name and o.done <= marks["restarting"])
-            router.pool.sync_event_metrics()  # the engine-restart count below, from the native consumer
             first_event = marks.get("first_event", float("inf"))
             after = [o for o in outcomes if o.kind == "ok" and o.sent >= first_event]
             on_victim = [o for o in after if o.worker == name]
@@ -370,11 +367,11 @@ async def run_worker_death(
                 outcomes=Counter(o.kind for o in outcomes),
                 bad_details=[o.detail for o in outcomes if o.kind == "bad"][:5],
                 seconds=seconds,
-                retries=int(router.metrics.retries._value.get()),
+                retries=int(router.metric("kvroute_router_retries_total")),
                 victim=name,
                 counts=counts,
                 victim_first_life=(first_ok, marks["scraped"]),
-                engine_restarts=int(router.metrics.engine_restarts.labels(name)._value.get()),
+                engine_restarts=int(router.metric("kvroute_router_engine_restarts_total", worker=name)),
                 victim_index_blocks=router.index.worker_blocks(name),
                 restart_to_first_event_s=first_event - marks["restart"] if "first_event" in marks else None,
                 first_event_to_kv_hit_s=max(hits[0] - first_event, 0.0) if hits else None,

@@ -23,6 +23,8 @@ from kvroute.proxy import (
 )
 from kvroute.proxy.discovery import normalize_worker_url
 
+pytestmark = pytest.mark.usefixtures("data_plane")
+
 
 @pytest.mark.parametrize(
     "text, url",
@@ -118,12 +120,12 @@ async def test_router_follows_dns_membership():
 
             assert {await served_by() for _ in range(3)} == {a.url}
             addresses["now"] = ["127.0.0.1", "127.0.0.2"]
-            while len(router.pool.workers) < 2:
+            while len(router.worker_statuses()) < 2:
                 await asyncio.sleep(0.01)
             assert {await served_by() for _ in range(4)} == {a.url, b.url}
             router.index.record_routed(a.url, [11, 12], time.monotonic())
             addresses["now"] = ["127.0.0.2"]
-            while a.url in router.pool.workers:
+            while a.url in router.worker_statuses():
                 await asyncio.sleep(0.01)
             assert {await served_by() for _ in range(3)} == {b.url}
             assert router.index.worker_blocks(a.url) == 0
@@ -149,7 +151,7 @@ async def test_not_ready_endpoints_get_no_new_requests():
         async with start_router(RouterConfig(discovery=discovery, policy="round-robin")) as router, \
                 aiohttp.ClientSession() as s:
             discovery.lists.put_nowait([Endpoint(a.url, "pod-a", ready=False), Endpoint(b.url, "pod-b")])
-            while len(router.pool.available()) != 1:
+            while len(router.available_workers()) != 1:
                 await asyncio.sleep(0.01)
             for _ in range(3):
                 async with s.post(f"{router.url}/v1/completions", json={"prompt": [1, 2], "max_tokens": 1}) as r:

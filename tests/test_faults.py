@@ -16,6 +16,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import numpy as np
+import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
@@ -31,6 +32,8 @@ from kvroute.proxy import (
     RouterConfig,
     start_router,
 )
+
+pytestmark = pytest.mark.usefixtures("data_plane")
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 _spec = importlib.util.spec_from_file_location("soak_bench", _PATH)
@@ -168,10 +171,8 @@ def overlap(router, tokens: list[int], worker: str) -> int:
 
 
 def counter(router, metric: str, worker: str) -> float:
-    """A router metric's value for ``worker``, the KV event counts copied from the native
-    consumer first (as a ``/metrics`` scrape does)."""
-    router.pool.sync_event_metrics()
-    return getattr(router.metrics, metric).labels(worker)._value.get()
+    """The router's ``kvroute_router_<metric>_total`` for ``worker``, as ``/metrics`` shows it."""
+    return router.metric(f"kvroute_router_{metric}_total", worker=worker)
 
 
 A = list(range(100, 100 + 2 * BS))
@@ -194,9 +195,9 @@ async def test_dropped_messages_are_replayed_and_both_wire_shapes_mix():
                 await publisher.publish(2, batch(stored(B, 2000), shape="array"))
                 await until(lambda: overlap(router, B, url) == 3)
                 assert overlap(router, A + A_MORE, url) == 4  # the replayed batch chained onto seq 0
-                assert counter(router, "event_gaps", url) == 1
-                assert counter(router, "replay_failures", url) == 0
-                assert counter(router, "events", url) == 3
+                assert counter(router, "kv_event_gaps", url) == 1
+                assert counter(router, "kv_event_replay_failures", url) == 0
+                assert counter(router, "kv_events", url) == 3
     finally:
         publisher.close()
 
@@ -214,7 +215,7 @@ async def test_replay_endpoint_down_drops_the_workers_entries_and_predictions_br
                 await publisher.publish(0, batch(stored(A, 1000)))
                 await until(lambda: overlap(router, A, url) == 2)
                 await publisher.publish(2, batch(stored(B, 2000)))  # seq 1 lost for good
-                await until(lambda: counter(router, "replay_failures", url) == 1)
+                await until(lambda: counter(router, "kv_event_replay_failures", url) == 1)
                 await until(lambda: overlap(router, B, url) == 3)
                 # What the worker held before the lost batch is unknown now: dropped.
                 assert overlap(router, A, url) == 0
@@ -246,8 +247,8 @@ async def test_malformed_payloads_and_unknown_event_types_are_counted_and_skippe
                 good[1].append({"type": "CacheResized", "blocks": 99})
                 await publisher.publish(3, msgspec.msgpack.encode(good))
                 await until(lambda: overlap(router, B, url) == 3)
-                assert counter(router, "events_malformed", url) == 3
-                assert counter(router, "events_unknown", url) == 2
+                assert counter(router, "kv_events_malformed", url) == 3
+                assert counter(router, "kv_events_unknown", url) == 2
                 # Malformed batches may have stored or removed anything: the worker was reset.
                 assert overlap(router, A, url) == 0
                 # The subscriber is still running and the router still serves.
@@ -314,21 +315,21 @@ async def test_a_stuck_worker_costs_at_most_the_first_byte_timeout_and_returns_w
             latencies = np.array([r[0] for r in results])
             print(f"\nstuck worker, round-robin, first-byte timeout 0.3 s: latency p50 "
                   f"{np.median(latencies) * 1e3:.0f} ms, p99 {np.percentile(latencies, 99) * 1e3:.0f} ms, "
-                  f"max {latencies.max() * 1e3:.0f} ms, retries {router.metrics.retries._value.get():.0f}")
+                  f"max {latencies.max() * 1e3:.0f} ms, retries {router.metric('kvroute_router_retries_total'):.0f}")
             assert all(status == 200 for _, status, _ in results)
             assert stuck_url not in {w for _, _, w in results}
             # Only requests first sent to the stuck worker waited, never much past the
             # timeout, and the timeouts plus the failing health check took it out.
-            assert router.metrics.retries._value.get() >= 1
+            assert router.metric("kvroute_router_retries_total") >= 1
             assert np.percentile(latencies, 99) < 0.3 + 0.5
             # Most requests never waited for the timeout (a bound on the router's own latency
             # would measure the machine's load, not the ejection).
             assert np.median(latencies) < 0.3
-            assert stuck_url not in [w.name for w in router.pool.available()]
+            assert stuck_url not in router.available_workers()
             # It comes back healthy on the same port: it rejoins and gets requests again.
             await stuck.__aexit__()
             (revived,) = await start_workers(config, 1, base_port=stuck.port)
-            await until(lambda: stuck_url in [w.name for w in router.pool.available()])
+            await until(lambda: stuck_url in router.available_workers())
             served = {(await timed(1000 + i))[2] for i in range(6)}
             assert stuck_url in served
     finally:
@@ -364,7 +365,7 @@ async def test_hanging_generations_eject_a_worker_whose_health_check_passes():
             ejected_at = time.monotonic()
 
             def names() -> list[str]:
-                return [w.name for w in router.pool.available()]
+                return router.available_workers()
 
             await asyncio.sleep(0.5)  # ten passing health checks later: still out
             assert wedged not in names()

@@ -28,6 +28,8 @@ from kvroute.errors import UserError
 from kvroute.proxy.discovery import Endpoint
 from kvroute.proxy.k8s import EndpointSliceDiscovery, endpoints_from_slices
 
+pytestmark = pytest.mark.usefixtures("data_plane")
+
 NS = "llm"
 SERVICE = "kv-kvroute-workers-headless"
 PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"
@@ -430,7 +432,7 @@ async def test_router_drops_a_workers_index_entries_when_its_pod_leaves(api):
             leaving["endpoints"][0]["conditions"] = {"ready": False, "serving": True, "terminating": True}
             stream.put_nowait(event("MODIFIED", leaving))
             for _ in range(100):
-                if not router.pool.workers[served].endpoint.ready:
+                if not router.worker_statuses()[served].ready:
                     break
                 await asyncio.sleep(0.02)
             async with aiohttp.ClientSession() as session:
@@ -442,10 +444,10 @@ async def test_router_drops_a_workers_index_entries_when_its_pod_leaves(api):
 
             stream.put_nowait(event("DELETED", leaving))
             for _ in range(100):
-                if served not in router.pool.workers:
+                if served not in router.worker_statuses():
                     break
                 await asyncio.sleep(0.02)
-            assert set(router.pool.workers) == {names[1 - gone]}
+            assert set(router.worker_statuses()) == {names[1 - gone]}
             assert router.index.worker_blocks(served) == 0
             assert router.index.stats().workers == 1  # only the remaining worker is indexed
     finally:

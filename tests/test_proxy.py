@@ -17,6 +17,8 @@ from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.fleet import free_ports
 from kvroute.proxy import WORKER_HEADER, RouterConfig, start_router
 
+pytestmark = pytest.mark.usefixtures("data_plane")
+
 MODEL = "Qwen/Qwen3-0.6B"
 
 
@@ -115,7 +117,7 @@ async def test_load_accounting_returns_to_zero(workers):
             c.completions.create(model=MODEL, prompt=list(range(i, i + 40)), max_tokens=3, stream=s)
             for i, s in zip(range(6), [True, False] * 3)
         ))
-        states = [w.state for w in router.pool.workers.values()]
+        states = router.worker_statuses().values()
         assert sum(s.in_flight for s in states) == 0
         assert sum(s.in_flight_tokens for s in states) == 0
         assert router.in_flight == 0
@@ -131,9 +133,9 @@ async def test_refused_connection_is_retried_on_another_worker(workers):
             model=MODEL, prompt=list(range(50)), max_tokens=2
         )
         assert raw.headers[WORKER_HEADER] == live
-        assert router.metrics.retries._value.get() == 1
-        assert not router.pool.workers[dead].healthy
-        assert [w.name for w in router.pool.available()] == [live]
+        assert router.metric("kvroute_router_retries_total") == 1
+        assert not router.worker_statuses()[dead].healthy
+        assert router.available_workers() == [live]
 
 
 async def test_no_worker_accepting_is_a_502_and_none_available_a_503():
@@ -193,7 +195,7 @@ async def test_worker_dying_mid_body_is_a_502_json():
                 assert r.status == 502
                 assert r.headers[WORKER_HEADER] == url
                 assert "failed while answering" in (await r.json())["error"]["message"]
-        assert router.metrics.retries._value.get() == 0
+        assert router.metric("kvroute_router_retries_total") == 0
 
 
 def slow_stream_worker(chunks: int, delay: float):
@@ -305,14 +307,14 @@ async def test_failed_health_check_takes_a_worker_out_and_drops_its_index_entrie
         assert router.index.worker_blocks(url) == 3
         states["ok"] = False
         for _ in range(100):
-            if not router.pool.available():
+            if not router.available_workers():
                 break
             await asyncio.sleep(0.02)
-        assert not router.pool.available()
+        assert not router.available_workers()
         assert router.index.worker_blocks(url) == 0
         states["ok"] = True
         for _ in range(100):
-            if router.pool.available():
+            if router.available_workers():
                 break
             await asyncio.sleep(0.02)
-        assert router.pool.available()
+        assert router.available_workers()

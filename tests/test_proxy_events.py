@@ -22,6 +22,8 @@ from kvroute.proxy import WORKER_HEADER, EventsSettings, EventsSource, RouterCon
 from kvroute.proxy.metrics import RouterMetrics
 from kvroute.proxy.pool import WorkerPool
 
+pytestmark = pytest.mark.usefixtures("data_plane")
+
 BS = 16
 EVENTS = json.dumps({
     "enable_kv_cache_events": True, "publisher": "zmq",
@@ -62,14 +64,13 @@ async def test_kv_aware_sends_a_repeated_prefix_where_the_events_put_it():
             prefix = list(range(1000, 1000 + 10 * BS))
             hashes = BlockHasher(BS).hash_blocks(prefix)
             owner = await complete(s, router.url, prefix + [7, 8, 9])
-            names = list(router.pool.workers)
+            names = list(router.worker_statuses())
             await until(lambda: router.index.overlaps(hashes, names, time.monotonic())[names.index(owner)] == 10)
             for i in range(5):
                 assert await complete(s, router.url, prefix + [20 + i] * 5) == owner
             # A prompt sharing nothing is free to go elsewhere (the emptiest cache wins ties).
             assert await complete(s, router.url, list(range(5000, 5000 + 4 * BS))) != owner
-            router.pool.sync_event_metrics()
-            assert router.metrics.events.labels(owner)._value.get() > 0
+            assert router.metric("kvroute_router_kv_events_total", worker=owner) > 0
     finally:
         await asyncio.gather(*(w.close() for w in workers))
 
@@ -90,7 +91,7 @@ async def test_a_router_started_beside_idle_workers_knows_their_caches_at_once()
                 workers=[w.url for w in workers], events=events_for(workers), predicted_ttl_s=0.0
             )
             async with start_router(router_config) as router:
-                names = list(router.pool.workers)
+                names = list(router.worker_statuses())
                 await until(lambda: router.index.overlaps(hashes, names, time.monotonic()) == [0, 0, 10])
                 assert await complete(s, router.url, prefix + [20] * 5) == workers[2].url
     finally:

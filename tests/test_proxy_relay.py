@@ -9,9 +9,12 @@ import json
 from collections.abc import AsyncIterator
 
 import aiohttp
+import pytest
 from aiohttp import web
 
 from kvroute.proxy import WORKER_HEADER, RouterConfig, start_router
+
+pytestmark = pytest.mark.usefixtures("data_plane")
 
 
 async def _ok(request: web.Request) -> web.Response:
@@ -114,7 +117,7 @@ async def test_a_client_leaving_mid_stream_is_counted_not_logged_as_an_error(cap
             assert b'"n": 0' in await reader.readuntil(b"\n\n")
             writer.close()  # gone after the first event
             await asyncio.wait_for(worker_cut.wait(), 5)
-            assert router.metrics.client_disconnects.labels(name)._value.get() == 1
+            assert router.metric("kvroute_router_client_disconnects_total", worker=name) == 1
     # (Only the router's and aiohttp's own records: an earlier test's client may be collected
     # here and log its own complaint.)
     errors = [r for r in caplog.records if r.levelname == "ERROR" and r.name.startswith(("aiohttp", "kvroute"))]
@@ -143,8 +146,8 @@ async def test_a_worker_silent_mid_stream_ends_it_with_an_error_event_and_a_stri
         waited = asyncio.get_running_loop().time() - started
         release.set()
         name = response.headers[WORKER_HEADER]
-        assert router.metrics.upstream_errors.labels(name, "stream")._value.get() == 1
-        assert router.pool.workers[name].consecutive_failures == 1
+        assert router.metric("kvroute_router_upstream_errors_total", worker=name, kind="stream") == 1
+        assert router.worker_statuses()[name].consecutive_failures == 1
     assert text.startswith('data: {"n": 0}\n\n')
     error = json.loads(text.split("\n\n")[1].removeprefix("data: "))["error"]
     assert "silent for 0.3s" in error["message"] and error["type"] == "UpstreamError"

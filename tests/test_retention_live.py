@@ -20,6 +20,9 @@ from kvroute.bench.runner import router_refreshes
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.proxy import RouterConfig, start_router
 
+pytestmark = [pytest.mark.usefixtures("data_plane"),
+              pytest.mark.aiohttp_only("retention runs in the aiohttp router only")]
+
 MODEL = "Qwen/Qwen3-0.6B"
 #: 64 usable blocks of 16 tokens: 4 prefixes of 10 blocks and their requests' own blocks do
 #: not fit, so the LRU would evict a prefix idle for a few requests.

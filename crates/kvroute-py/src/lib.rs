@@ -13,6 +13,7 @@ mod consumer;
 mod engine;
 mod kvevents;
 mod routing;
+mod serve;
 mod sim;
 mod tokenize;
 mod tokens;
@@ -24,6 +25,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     chat::register(m)?;
     engine::register(m)?;
     routing::register(m)?;
+    serve::register(m)?;
     kvevents::register(m)?;
     consumer::register(m)?;
     sim::register(m)?;

@@ -222,6 +222,15 @@ impl PyKvIndex {
     fn index(&self) -> std::sync::MutexGuard<'_, index::KvIndex> {
         lock_index(&self.inner)
     }
+
+    /// A Python face of an index another owner shares (the native router's).
+    pub fn from_shared(py: Python<'_>, inner: SharedIndex) -> PyResult<Self> {
+        let hasher = lock_index(&inner).hasher();
+        Ok(Self {
+            inner,
+            hasher: Py::new(py, BlockHasher { inner: hasher })?,
+        })
+    }
 }
 
 #[pymethods]

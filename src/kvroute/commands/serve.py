@@ -32,6 +32,7 @@ from kvroute.proxy.app import (
 )
 from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
 from kvroute.proxy.edge import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
+from kvroute.proxy.native import DATA_PLANES, NativeRouterRunner, check_supported
 from kvroute.proxy.prompts import DEFAULT_PROMPT_CACHE_BYTES
 from kvroute.routing.policies import POLICIES
 from kvroute.units import parse_bytes
@@ -113,6 +114,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     listen = parser.add_argument_group("listening")
     listen.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     listen.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: %(default)s)")
+    listen.add_argument("--data-plane", choices=DATA_PLANES, default="aiohttp",
+                        help="aiohttp: the Python router (every feature); native: the HTTP path in Rust "
+                             "(tokio + hyper, all cores, no interpreter per request), without KV events, "
+                             "retention or chat-template rendering yet (default: %(default)s)")
+    listen.add_argument("--threads", type=int, default=None, metavar="N",
+                        help="--data-plane native: threads serving requests (default: one per core)")
 
     workers = parser.add_argument_group("workers (one source)")
     workers.add_argument("--worker", action="append", default=[], metavar="URL",
@@ -306,6 +313,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise UserError("--eject-after and --eject-base must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key must not be empty")
+    if args.data_plane == "native":
+        threads = args.threads if args.threads is not None else (os.cpu_count() or 1)
+        if threads < 1:
+            raise UserError(f"--threads must be >= 1, got {threads}")
+    elif args.threads is not None:
+        raise UserError("--threads is for --data-plane native (the aiohttp router runs on one core)")
+    else:
+        threads = 1
     return RouterConfig(
         workers=args.worker,
         discovery=discovery,
@@ -340,7 +355,32 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         worker_api_key=args.worker_api_key,
         retention=args.retention,
         retention_capacity_blocks=args.retention_capacity_blocks,
+        data_plane=args.data_plane,
+        threads=threads,
     )
+
+
+async def _serve_native(config: RouterConfig) -> None:
+    """The native data plane until SIGINT/SIGTERM; then drain."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(signum, stop.set)
+    raise_fd_limit()  # before start: the connection limit is derived from it
+    router = NativeRouterRunner(config, config.threads)
+    try:
+        await router.start()
+        print(f"kvroute serve: listening on {router.url}, policy {config.policy}, native data plane "
+              f"({config.threads} threads)", flush=True)
+        print(f"kvroute serve: max body {router.max_body_bytes} bytes ({router.max_body_source}), "
+              f"max {router.max_connections} connections", file=sys.stderr, flush=True)
+        await stop.wait()
+        print(f"kvroute serve: draining {router.in_flight} in-flight requests", file=sys.stderr, flush=True)
+        await router.drain()
+    finally:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            loop.remove_signal_handler(signum)
+        await router.close()
 
 
 async def _serve(config: RouterConfig) -> None:
@@ -379,6 +419,10 @@ async def _serve(config: RouterConfig) -> None:
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="kvroute serve: %(levelname)s %(message)s")
     config = config_from_args(args)
-    aio.run(_serve(config))
+    if config.data_plane == "native":
+        check_supported(config)
+        aio.run(_serve_native(config))
+    else:
+        aio.run(_serve(config))
     print("kvroute serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -51,7 +51,7 @@ import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import aiohttp
 import msgspec
@@ -74,10 +74,14 @@ from kvroute.proxy.prompts import (
     parse_large_ids,
 )
 from kvroute.proxy.retention import LiveRetention
+from kvroute.proxy.status import WorkerStatus, metric_value
 from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
 from kvroute.routing.policies import make_policy, policy_parameters
 from kvroute.tokens import load_tokenizer
+
+if TYPE_CHECKING:
+    from kvroute.proxy.native import NativeRouterRunner
 
 logger = logging.getLogger(__name__)
 
@@ -213,6 +217,9 @@ class RouterConfig:
             evict (:mod:`kvroute.proxy.retention`).
         retention_capacity_blocks: each worker's usable KV blocks for the retention's model;
             None: ``predicted_capacity_blocks`` (or its default) less the null block.
+        data_plane: ``aiohttp`` (this module's router) or ``native`` (:mod:`kvroute.proxy.native`)
+            for :func:`start_router`; None: :data:`DEFAULT_DATA_PLANE`.
+        threads: the native data plane's serving threads.
     """
 
     workers: Sequence[str] = ()
@@ -252,6 +259,8 @@ class RouterConfig:
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     retention: str = "off"
     retention_capacity_blocks: int | None = None
+    data_plane: str | None = None
+    threads: int = 1
 
 
 def tokenizer_max_length(directory: str | None) -> int | None:
@@ -643,6 +652,13 @@ class Router:
         return web.Response(status=200)
 
     async def metrics_route(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.metrics_text(), headers={"Content-Type": self.metrics.content_type})
+
+    # --- inspection (the same on the native data plane: kvroute.proxy.native) -----------------
+
+    def metrics_text(self) -> str:
+        """The text ``GET /metrics`` answers (the event consumer's and the caches' figures
+        brought up to date first)."""
         self.pool.sync_event_metrics()
         stats = self.index.stats()
         self.metrics.index_blocks.set(stats.blocks)
@@ -658,7 +674,25 @@ class Router:
         self.metrics.untokenized_prompts.set(untokenized)
         self.metrics.prompt_cache_bytes.set(nbytes)
         self.metrics.prompt_cache_evictions.set(evictions)
-        return web.Response(body=self.metrics.render(), headers={"Content-Type": self.metrics.content_type})
+        return self.metrics.render().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample's value in :meth:`metrics_text` (0 when absent)."""
+        return metric_value(self.metrics_text(), name, **labels)
+
+    def worker_statuses(self) -> dict[str, WorkerStatus]:
+        """Every worker of the pool by name, as the router sees it now."""
+        return {
+            w.name: WorkerStatus(
+                w.name, w.endpoint.ready, w.healthy, w.available,
+                w.state.in_flight, w.state.in_flight_tokens, w.consecutive_failures,
+            )
+            for w in self.pool.workers.values()
+        }
+
+    def available_workers(self) -> list[str]:
+        """Names of the workers that may take a new request, in the pool's order."""
+        return [w.name for w in self.pool.available()]
 
     async def models(self, request: web.Request) -> web.StreamResponse:
         """``/v1/models`` of any available worker (they serve the same model)."""
@@ -1093,20 +1127,33 @@ class _Load:
             self._done = True
 
 
+#: The data plane :func:`start_router` uses when ``RouterConfig.data_plane`` is None (the test
+#: suite's ``--data-plane`` option sets it, to run every router test on either).
+DEFAULT_DATA_PLANE = "aiohttp"
+
+
 class _StartedRouter:
     """``start_router``'s result: ``async with`` it, or ``await`` it and ``close()`` later."""
 
     def __init__(self, config: RouterConfig) -> None:
-        self._router = Router(config)
+        plane = config.data_plane or DEFAULT_DATA_PLANE
+        if plane == "native":
+            from kvroute.proxy.native import NativeRouterRunner  # imports this module
+
+            self._router = NativeRouterRunner(config, config.threads)
+        elif plane == "aiohttp":
+            self._router = Router(config)
+        else:
+            raise ValueError(f"unknown data plane {plane!r} (aiohttp or native)")
 
     def __await__(self):
         return self._start().__await__()
 
-    async def _start(self) -> Router:
+    async def _start(self) -> Router | NativeRouterRunner:
         await self._router.start()
         return self._router
 
-    async def __aenter__(self) -> Router:
+    async def __aenter__(self) -> Router | NativeRouterRunner:
         return await self._start()
 
     async def __aexit__(self, *exc_info: object) -> None:
@@ -1118,6 +1165,9 @@ def start_router(config: RouterConfig) -> _StartedRouter:
 
     ``async with start_router(RouterConfig(workers=[...])) as router:`` serves on
     ``router.url`` until the block ends; ``router = await start_router(config)`` serves until
-    ``await router.close()``.
+    ``await router.close()``. ``config.data_plane`` picks the router: a :class:`Router` or a
+    :class:`kvroute.proxy.native.NativeRouterRunner`, which share ``url``, ``drain``,
+    ``close``, ``index``, ``metric``, ``metrics_text``, ``worker_statuses`` and
+    ``available_workers``.
     """
     return _StartedRouter(config)

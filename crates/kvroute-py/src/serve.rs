@@ -1,0 +1,299 @@
+//! `NativeRouter` for Python: the native data plane (`kvroute_serve`) that `kvroute serve
+//! --data-plane native` starts. Python parses the command line and hands the values over;
+//! everything per request runs on the server's own threads, without the GIL.
+
+use std::path::PathBuf;
+use std::sync::Mutex;
+use std::time::Duration;
+
+use kvroute_serve::{EventSource, PolicySpec, ServeConfig, Server, WorkerSpec};
+use pyo3::exceptions::{PyRuntimeError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyList};
+
+fn seconds(value: f64, name: &str) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(value)
+        .map_err(|_| PyValueError::new_err(format!("{name} must be >= 0 seconds, got {value}")))
+}
+
+fn positive(value: Option<f64>, name: &str) -> PyResult<Option<Duration>> {
+    match value {
+        Some(v) if v <= 0.0 => Err(PyValueError::new_err(format!(
+            "{name} must be positive (or None for no limit), got {v}"
+        ))),
+        Some(v) => seconds(v, name).map(Some),
+        None => Ok(None),
+    }
+}
+
+/// `policy`'s options from a dict of ``name: value`` (None turns a guard off).
+fn policy_spec(
+    name: &str,
+    options: Option<&Bound<'_, PyDict>>,
+    seed: Option<u64>,
+) -> PyResult<PolicySpec> {
+    let mut spec = PolicySpec::named(name);
+    spec.seed = seed;
+    let Some(options) = options else {
+        return Ok(spec);
+    };
+    for (key, value) in options.iter() {
+        let key: String = key.extract()?;
+        let number: Option<f64> = value.extract()?;
+        let need = || {
+            number
+                .ok_or_else(|| PyValueError::new_err(format!("policy option {key} needs a number")))
+        };
+        match (name, key.as_str()) {
+            ("kv-aware", "overlap_weight") => spec.kv_aware.overlap_weight = need()?,
+            ("kv-aware", "request_weight") => spec.kv_aware.request_weight = need()?,
+            ("kv-aware", "load_factor") => spec.kv_aware.load_factor = number,
+            ("kv-aware", "share_factor") => spec.kv_aware.share_factor = number,
+            ("kv-aware", "share_window") => spec.kv_aware.share_window = need()?,
+            ("kv-aware", "share_weight") => spec.kv_aware.share_weight = need()?,
+            ("prefix-hash", "load_factor") => spec.prefix_hash.load_factor = number,
+            ("prefix-hash", "key_blocks") => spec.prefix_hash.key_blocks = need()? as usize,
+            // The router's own block size is the policy's.
+            (_, "block_size") => {}
+            _ => {
+                return Err(PyValueError::new_err(format!(
+                    "policy {name} takes no option {key}"
+                )));
+            }
+        }
+    }
+    Ok(spec)
+}
+
+/// Worker specs from URLs or ``(url, name, events_endpoint | None, replay_endpoint | None,
+/// ready)`` tuples.
+fn worker_specs(workers: &Bound<'_, PyAny>) -> PyResult<Vec<WorkerSpec>> {
+    let mut out = Vec::new();
+    for item in workers.try_iter()? {
+        let item = item?;
+        if let Ok(url) = item.extract::<String>() {
+            out.push(WorkerSpec::url(url));
+            continue;
+        }
+        let (url, name, endpoint, replay_endpoint, ready): (
+            String,
+            String,
+            Option<String>,
+            Option<String>,
+            bool,
+        ) = item.extract()?;
+        out.push(WorkerSpec {
+            url,
+            name,
+            events: endpoint.map(|endpoint| EventSource {
+                endpoint,
+                replay_endpoint,
+            }),
+            ready,
+        });
+    }
+    Ok(out)
+}
+
+/// The native router, serving from the moment it is made (see ``kvroute.proxy.native``).
+///
+/// Raises:
+///     ValueError: a bad configuration, or the address cannot be bound (the message says which).
+#[pyclass(module = "kvroute._native", frozen)]
+pub struct NativeRouter {
+    server: Mutex<Option<Server>>,
+    host: String,
+    port: u16,
+}
+
+impl NativeRouter {
+    fn with<T>(&self, f: impl FnOnce(&Server) -> T) -> PyResult<T> {
+        let guard = self.server.lock().unwrap_or_else(|p| p.into_inner());
+        guard
+            .as_ref()
+            .map(f)
+            .ok_or_else(|| PyRuntimeError::new_err("the router is closed"))
+    }
+}
+
+#[pymethods]
+impl NativeRouter {
+    #[new]
+    #[pyo3(signature = (
+        workers, *, host = "127.0.0.1".to_owned(), port = 0, threads = 1, policy = "kv-aware".to_owned(),
+        policy_options = None, seed = None, block_size = 16, hash_seed = 0, tokenizer = None,
+        prompt_cache_bytes = 64 << 20, predicted_ttl_s = None, predicted_capacity_blocks = Some(585),
+        max_body_bytes = 64 << 20, max_json_depth = 64, offload_bytes = 256 * 1024, header_timeout_s = 10.0, keepalive_timeout_s = 75.0, body_timeout_s = 60.0,
+        max_connections = 4096, connect_timeout_s = 2.0, first_byte_timeout_s = Some(600.0),
+        stream_idle_timeout_s = Some(300.0), max_attempts = 3, health_interval_s = 2.0,
+        health_timeout_s = 1.0, eject_after_failures = 3, eject_base_s = 5.0, api_key = None,
+        metrics_public = false, worker_api_key = None, forward_authorization = false,
+        events_topic = String::new()
+    ))]
+    #[allow(clippy::too_many_arguments)]
+    fn new(
+        py: Python<'_>,
+        workers: &Bound<'_, PyAny>,
+        host: String,
+        port: u16,
+        threads: usize,
+        policy: String,
+        policy_options: Option<&Bound<'_, PyDict>>,
+        seed: Option<u64>,
+        block_size: usize,
+        hash_seed: u64,
+        tokenizer: Option<PathBuf>,
+        prompt_cache_bytes: usize,
+        predicted_ttl_s: Option<f64>,
+        predicted_capacity_blocks: Option<usize>,
+        max_body_bytes: usize,
+        max_json_depth: usize,
+        offload_bytes: usize,
+        header_timeout_s: f64,
+        keepalive_timeout_s: f64,
+        body_timeout_s: f64,
+        max_connections: usize,
+        connect_timeout_s: f64,
+        first_byte_timeout_s: Option<f64>,
+        stream_idle_timeout_s: Option<f64>,
+        max_attempts: usize,
+        health_interval_s: f64,
+        health_timeout_s: f64,
+        eject_after_failures: u32,
+        eject_base_s: f64,
+        api_key: Option<String>,
+        metrics_public: bool,
+        worker_api_key: Option<String>,
+        forward_authorization: bool,
+        events_topic: String,
+    ) -> PyResult<Self> {
+        let config = ServeConfig {
+            host: host.clone(),
+            port,
+            threads,
+            workers: worker_specs(workers)?,
+            events_topic,
+            policy: policy_spec(&policy, policy_options, seed)?,
+            block_size,
+            hash_seed,
+            tokenizer,
+            prompt_cache_bytes,
+            predicted_ttl_s,
+            predicted_capacity_blocks,
+            max_body_bytes,
+            max_json_depth,
+            offload_bytes,
+            header_timeout: positive(Some(header_timeout_s), "header_timeout_s")?
+                .unwrap_or_default(),
+            keepalive_timeout: positive(Some(keepalive_timeout_s), "keepalive_timeout_s")?
+                .unwrap_or_default(),
+            body_timeout: positive(Some(body_timeout_s), "body_timeout_s")?.unwrap_or_default(),
+            max_connections,
+            connect_timeout: positive(Some(connect_timeout_s), "connect_timeout_s")?
+                .unwrap_or_default(),
+            first_byte_timeout: positive(first_byte_timeout_s, "first_byte_timeout_s")?,
+            stream_idle_timeout: positive(stream_idle_timeout_s, "stream_idle_timeout_s")?,
+            max_attempts,
+            health_interval: if health_interval_s > 0.0 {
+                Some(seconds(health_interval_s, "health_interval_s")?)
+            } else {
+                None
+            },
+            health_timeout: positive(Some(health_timeout_s), "health_timeout_s")?
+                .unwrap_or_default(),
+            eject_after_failures,
+            eject_base: seconds(eject_base_s, "eject_base_s")?,
+            api_key,
+            metrics_public,
+            worker_api_key,
+            forward_authorization,
+            drain_timeout: Duration::from_secs(30),
+        };
+        let server = py
+            .detach(|| Server::start(config))
+            .map_err(|e| PyValueError::new_err(e.0))?;
+        let port = server.local_addr().port();
+        Ok(Self {
+            server: Mutex::new(Some(server)),
+            host,
+            port,
+        })
+    }
+
+    /// The address it listens on.
+    #[getter]
+    fn host(&self) -> &str {
+        &self.host
+    }
+
+    /// The port it listens on (the one bound when asked for port 0).
+    #[getter]
+    fn port(&self) -> u16 {
+        self.port
+    }
+
+    /// Replace the worker list (a discovery source's complete list): URLs, or
+    /// ``(url, name, events_endpoint | None, replay_endpoint | None, ready)`` tuples.
+    fn set_workers(&self, workers: &Bound<'_, PyAny>) -> PyResult<()> {
+        let specs = worker_specs(workers)?;
+        self.with(|s| s.set_workers(&specs))?
+            .map_err(|e| PyValueError::new_err(e.0))
+    }
+
+    /// The text ``GET /metrics`` answers.
+    fn metrics_text(&self) -> PyResult<String> {
+        self.with(Server::metrics_text)
+    }
+
+    /// The index the routing step reads (a ``KvIndex`` sharing the router's).
+    #[getter]
+    fn index(&self, py: Python<'_>) -> PyResult<crate::routing::PyKvIndex> {
+        let shared = self.with(Server::index)?;
+        crate::routing::PyKvIndex::from_shared(py, shared)
+    }
+
+    /// Every worker's state: a list of dicts with ``name``, ``url``, ``ready``, ``healthy``, ``available``,
+    /// ``in_flight``, ``in_flight_tokens``, ``ejections`` and ``consecutive_failures``.
+    fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
+        let out = PyList::empty(py);
+        for w in self.with(Server::workers)? {
+            let d = PyDict::new(py);
+            d.set_item("name", w.name)?;
+            d.set_item("url", w.url)?;
+            d.set_item("ready", w.ready)?;
+            d.set_item("healthy", w.healthy)?;
+            d.set_item("available", w.available)?;
+            d.set_item("in_flight", w.in_flight)?;
+            d.set_item("in_flight_tokens", w.in_flight_tokens)?;
+            d.set_item("ejections", w.ejections)?;
+            d.set_item("consecutive_failures", w.consecutive_failures)?;
+            out.append(d)?;
+        }
+        Ok(out)
+    }
+
+    /// Requests in flight.
+    #[getter]
+    fn in_flight(&self) -> PyResult<usize> {
+        self.with(Server::in_flight)
+    }
+
+    /// Refuse new requests and wait up to ``timeout_s`` for those in flight; True when they
+    /// all finished.
+    fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
+        let timeout = seconds(timeout_s, "timeout_s")?;
+        py.detach(|| self.with(|s| s.drain(timeout)))
+    }
+
+    /// Stop serving (idempotent).
+    fn close(&self, py: Python<'_>) {
+        let server = self.server.lock().unwrap_or_else(|p| p.into_inner()).take();
+        if let Some(server) = server {
+            py.detach(|| server.shutdown());
+        }
+    }
+}
+
+pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_class::<NativeRouter>()
+}

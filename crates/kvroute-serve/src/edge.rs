@@ -1,0 +1,171 @@
+//! The client-facing edge: what one client may send or hold before routing sees its request.
+//!
+//! - a body limit checked against `Content-Length` before anything is read (413), and again
+//!   while a chunked body arrives;
+//! - a body timeout from the end of the head (408);
+//! - `Content-Encoding` other than `identity` refused (415): a 60 KB deflate body would
+//!   otherwise expand to 60 MB past every limit;
+//! - the API key, compared in constant time.
+//!
+//! The head's own timeout and the connection limit are the server's ([`crate::server`]):
+//! hyper's `header_read_timeout`, and a count of open connections past which a new one is
+//! answered 503 and closed instead of left to exhaust the file descriptors.
+
+use std::convert::Infallible;
+use std::time::Duration;
+
+use bytes::Bytes;
+use http_body_util::combinators::BoxBody;
+use http_body_util::{BodyExt, Full, Limited};
+use hyper::body::Incoming;
+use hyper::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
+use hyper::{Request, Response, StatusCode};
+
+use crate::metrics::Metrics;
+
+/// What the router answers with: whole bodies and relayed streams alike.
+pub type Body = BoxBody<Bytes, Infallible>;
+
+/// A whole body.
+pub fn full(bytes: impl Into<Bytes>) -> Body {
+    Full::new(bytes.into()).boxed()
+}
+
+/// The body of an OpenAI-style error.
+pub fn error_json(status: StatusCode, message: &str, err_type: &str, param: Option<&str>) -> Bytes {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": err_type, "param": param, "code": status.as_u16()}
+    });
+    Bytes::from(body.to_string())
+}
+
+/// An OpenAI-style error response.
+pub fn error(
+    status: StatusCode,
+    message: &str,
+    err_type: &str,
+    param: Option<&str>,
+) -> Response<Body> {
+    let mut response = Response::new(full(error_json(status, message, err_type, param)));
+    *response.status_mut() = status;
+    response
+        .headers_mut()
+        .insert(CONTENT_TYPE, HeaderValue::from_static("application/json"));
+    response
+}
+
+/// Why a body was not read: the response to send instead.
+pub fn too_large(limit: usize) -> Response<Body> {
+    error(
+        StatusCode::PAYLOAD_TOO_LARGE,
+        &format!("request body larger than {limit} bytes (--max-body-bytes)"),
+        "BadRequestError",
+        None,
+    )
+}
+
+/// The whole request body, or the response that refuses it (counted in `metrics`).
+pub async fn read_body(
+    request: Request<Incoming>,
+    limit: usize,
+    timeout: Duration,
+    metrics: &Metrics,
+) -> Result<Bytes, Response<Body>> {
+    let headers = request.headers();
+    if let Some(encoding) = headers.get(CONTENT_ENCODING)
+        && !encoding.as_bytes().eq_ignore_ascii_case(b"identity")
+    {
+        metrics.rejected("content_encoding");
+        return Err(error(
+            StatusCode::UNSUPPORTED_MEDIA_TYPE,
+            "compressed request bodies are not accepted (send it uncompressed)",
+            "BadRequestError",
+            None,
+        ));
+    }
+    let declared = headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok());
+    if declared.is_some_and(|n| n > limit as u64) {
+        metrics.rejected("body_too_large");
+        return Err(too_large(limit));
+    }
+    let body = Limited::new(request.into_body(), limit);
+    match tokio::time::timeout(timeout, body.collect()).await {
+        Err(_) => {
+            metrics.client_timeout("body");
+            Err(error(
+                StatusCode::REQUEST_TIMEOUT,
+                "request body not received in time (--body-timeout)",
+                "RequestTimeout",
+                None,
+            ))
+        }
+        Ok(Err(e)) if e.is::<http_body_util::LengthLimitError>() => {
+            metrics.rejected("body_too_large");
+            Err(too_large(limit))
+        }
+        Ok(Err(_)) => Err(error(
+            StatusCode::BAD_REQUEST,
+            "request body could not be read",
+            "BadRequestError",
+            None,
+        )),
+        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+    }
+}
+
+/// Whether `header` (an `Authorization` value) carries the bearer `key`: the scheme
+/// case-insensitive (RFC 7235), the token without surrounding whitespace, compared in constant
+/// time in the key's length.
+pub fn bearer_matches(header: Option<&HeaderValue>, key: &[u8]) -> bool {
+    let Some(given) = header.map(HeaderValue::as_bytes) else {
+        return false;
+    };
+    let Some((scheme, token)) = given.split_at_checked(6) else {
+        return false;
+    };
+    if !scheme.eq_ignore_ascii_case(b"bearer")
+        || !token.first().is_some_and(u8::is_ascii_whitespace)
+    {
+        return false;
+    }
+    let token = token.trim_ascii();
+    if token.len() != key.len() {
+        return false;
+    }
+    token.iter().zip(key).fold(0u8, |acc, (a, b)| acc | (a ^ b)) == 0
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_bearer_token_must_match_exactly() {
+        let key = b"s3cret";
+        let v = |s: &'static str| HeaderValue::from_static(s);
+        assert!(bearer_matches(Some(&v("Bearer s3cret")), key));
+        assert!(bearer_matches(Some(&v("bearer  s3cret ")), key));
+        assert!(!bearer_matches(Some(&v("Bearers3cret")), key));
+        assert!(!bearer_matches(Some(&v("Bearer s3cre")), key));
+        assert!(!bearer_matches(Some(&v("Bearer s3cretx")), key));
+        assert!(!bearer_matches(Some(&v("Basic s3cret")), key));
+        assert!(!bearer_matches(None, key));
+    }
+
+    #[test]
+    fn errors_are_openai_shaped() {
+        let body = error_json(
+            StatusCode::BAD_REQUEST,
+            "bad \"x\"",
+            "BadRequestError",
+            Some("prompt"),
+        );
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["error"]["message"], "bad \"x\"");
+        assert_eq!(v["error"]["param"], "prompt");
+        assert_eq!(v["error"]["code"], 400);
+    }
+}

@@ -1,0 +1,39 @@
+//! kvroute's native data plane: the OpenAI-compatible HTTP router of `kvroute serve
+//! --data-plane native`, on tokio and hyper.
+//!
+//! Why: the aiohttp router spends ~1.5 ms of one core per request on HTTP alone (parsing,
+//! relaying 64 streamed chunks through the interpreter), twice what sglang-router's Rust front
+//! spends, and an interpreter loop is where one client's 50 MB body stalls every other client.
+//! Here every request runs on a multi-threaded runtime, and the Python face only parses the
+//! command line, builds a [`ServeConfig`] and starts a [`Server`] (as sglang-router's launcher
+//! does).
+//!
+//! Per generation request (`/v1/completions`, `/v1/chat/completions`):
+//!
+//! 1. the edge ([`edge`]): a connection limit answered with 503, a request-head timeout, a body
+//!    limit checked before the body is read (413), a body timeout (408), no request-body
+//!    decompression (415), the API key;
+//! 2. the prompt ([`prompt`]): token ids as given, or text through the engines' tokenizer,
+//!    hashed into the engines' chained block hashes (`kvroute_core::blocks`);
+//! 3. the routing step ([`fleet`]): `kvroute_core`'s index look-up, policy, prediction and load
+//!    accounting, among the workers that are healthy and not ejected;
+//! 4. the relay ([`relay`]): the client's bytes forwarded unchanged to the chosen worker's
+//!    route, the answer relayed frame by frame with the `x-kvroute-worker` header; a worker that
+//!    does not answer (refused connection, first-byte timeout) is retried on another one, only
+//!    before the first byte; one that dies or goes silent mid-stream ends the client's stream
+//!    with an SSE error event.
+//!
+//! Pure decisions live apart from the I/O: [`prompt`] (body → prompt), [`fleet`] (membership,
+//! health, ejection and routing, fed outcomes and times), [`metrics`] (counters and their text).
+
+pub mod config;
+pub mod connections;
+pub mod edge;
+pub mod fleet;
+pub mod metrics;
+pub mod prompt;
+pub mod relay;
+pub mod server;
+
+pub use config::{ConfigError, EventSource, PolicySpec, ServeConfig, WorkerSpec};
+pub use server::{Server, WorkerView};

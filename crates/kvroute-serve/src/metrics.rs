@@ -1,0 +1,420 @@
+//! The router's counters and their Prometheus text, under the aiohttp router's metric names
+//! (dashboards and `kvroute bench` read them either way).
+//!
+//! Labels come only from fixed sets (routes, statuses, kinds, reasons) or the configured
+//! workers: a client can never mint a label value.
+
+use std::collections::BTreeMap;
+use std::fmt::Write as _;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+use kvroute_io::consumer::CounterSnapshot;
+
+use crate::fleet::Fleet;
+
+/// Labelled counters: one value per label tuple.
+#[derive(Default)]
+struct Family(Mutex<BTreeMap<Vec<String>, u64>>);
+
+impl Family {
+    fn inc(&self, labels: &[&str]) {
+        let key: Vec<String> = labels.iter().map(|&l| l.to_owned()).collect();
+        let mut map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        *map.entry(key).or_insert(0) += 1;
+    }
+
+    fn write(&self, out: &mut String, name: &str, help: &str, label_names: &[&str]) {
+        let _ = writeln!(
+            out,
+            "# HELP {name}_total {help}\n# TYPE {name}_total counter"
+        );
+        let map = self.0.lock().unwrap_or_else(|p| p.into_inner());
+        for (values, n) in map.iter() {
+            let labels: Vec<String> = label_names
+                .iter()
+                .zip(values)
+                .map(|(k, v)| format!("{k}=\"{}\"", escape(v)))
+                .collect();
+            let _ = writeln!(out, "{name}_total{{{}}} {:?}", labels.join(","), *n as f64);
+        }
+    }
+}
+
+/// A label value as the text format needs it.
+fn escape(value: &str) -> String {
+    value
+        .replace('\\', "\\\\")
+        .replace('"', "\\\"")
+        .replace('\n', "\\n")
+}
+
+/// A histogram with fixed bucket bounds (Prometheus' cumulative text form).
+struct Histogram {
+    bounds: &'static [f64],
+    /// Per bucket (not cumulative), then the count above the last bound, the sum and count.
+    state: Mutex<(Vec<u64>, f64, u64)>,
+}
+
+impl Histogram {
+    fn new(bounds: &'static [f64]) -> Self {
+        Self {
+            bounds,
+            state: Mutex::new((vec![0; bounds.len() + 1], 0.0, 0)),
+        }
+    }
+
+    fn observe(&self, value: f64) {
+        let i = self.bounds.partition_point(|&b| b < value);
+        let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        s.0[i] += 1;
+        s.1 += value;
+        s.2 += 1;
+    }
+
+    fn write(&self, out: &mut String, name: &str, help: &str) {
+        let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
+        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
+        let mut cumulative = 0;
+        for (bound, n) in self.bounds.iter().zip(&s.0) {
+            cumulative += n;
+            let _ = writeln!(
+                out,
+                "{name}_bucket{{le=\"{bound:?}\"}} {:?}",
+                cumulative as f64
+            );
+        }
+        let _ = writeln!(out, "{name}_bucket{{le=\"+Inf\"}} {:?}", s.2 as f64);
+        let _ = writeln!(out, "{name}_count {:?}\n{name}_sum {:?}", s.2 as f64, s.1);
+    }
+}
+
+/// Blocks of overlap and of prompts: 0 .. 1024.
+const BLOCK_BUCKETS: [f64; 12] = [
+    0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0,
+];
+/// Routing work in seconds: 10 µs .. 100 ms.
+const SECONDS_BUCKETS: [f64; 12] = [
+    1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
+];
+
+/// Every counter the native router keeps.
+pub struct Metrics {
+    overlap_blocks: Histogram,
+    prompt_blocks: Histogram,
+    routing_seconds: Histogram,
+    requests: Family,
+    decisions: Family,
+    upstream_errors: Family,
+    client_disconnects: Family,
+    client_timeouts: Family,
+    rejected: Family,
+    pub retries: AtomicU64,
+    pub connections_refused: AtomicU64,
+    pub connections: AtomicI64,
+    pub untokenized: AtomicU64,
+    pub offloaded: AtomicU64,
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self {
+            overlap_blocks: Histogram::new(&BLOCK_BUCKETS),
+            prompt_blocks: Histogram::new(&BLOCK_BUCKETS),
+            routing_seconds: Histogram::new(&SECONDS_BUCKETS),
+            requests: Family::default(),
+            decisions: Family::default(),
+            upstream_errors: Family::default(),
+            client_disconnects: Family::default(),
+            client_timeouts: Family::default(),
+            rejected: Family::default(),
+            retries: AtomicU64::new(0),
+            connections_refused: AtomicU64::new(0),
+            connections: AtomicI64::new(0),
+            untokenized: AtomicU64::new(0),
+            offloaded: AtomicU64::new(0),
+        }
+    }
+}
+
+impl Metrics {
+    /// One routing decision's figures: the chosen worker's overlap and the prompt's blocks.
+    pub fn routed(&self, overlap_blocks: usize, prompt_blocks: usize) {
+        self.overlap_blocks.observe(overlap_blocks as f64);
+        self.prompt_blocks.observe(prompt_blocks as f64);
+    }
+
+    /// The router's own work on a request before forwarding it (parse, tokenize, hash,
+    /// index, choose), in seconds.
+    pub fn routing_took(&self, seconds: f64) {
+        self.routing_seconds.observe(seconds);
+    }
+
+    /// A request answered on `route` (a fixed route name) with `status`.
+    pub fn request(&self, route: &str, status: u16) {
+        self.requests.inc(&[route, &status.to_string()]);
+    }
+
+    /// A routing decision by `policy` for `worker`.
+    pub fn decision(&self, policy: &str, worker: &str) {
+        self.decisions.inc(&[policy, worker]);
+    }
+
+    /// A failure talking to `worker`: `connect` or `first_byte_timeout` (before the first
+    /// byte, retried), `body` or `stream` (after it).
+    pub fn upstream_error(&self, worker: &str, kind: &str) {
+        self.upstream_errors.inc(&[worker, kind]);
+    }
+
+    /// A client left before the answer from `worker` was written to it.
+    pub fn client_disconnect(&self, worker: &str) {
+        self.client_disconnects.inc(&[worker]);
+    }
+
+    /// A client connection or request closed for being too slow (`header`, `body`).
+    pub fn client_timeout(&self, kind: &str) {
+        self.client_timeouts.inc(&[kind]);
+    }
+
+    /// A request refused before routing (`body_too_large`, `content_encoding`,
+    /// `json_too_deep`).
+    pub fn rejected(&self, reason: &str) {
+        self.rejected.inc(&[reason]);
+    }
+
+    /// The text of `/metrics`, with the KV-event consumer's counters per followed worker.
+    pub fn render(&self, fleet: &Fleet, now: f64, events: &[(String, CounterSnapshot)]) -> String {
+        let mut out = String::with_capacity(4096);
+        type Pick = fn(&CounterSnapshot) -> u64;
+        let event_counters: [(&str, &str, Pick); 6] = [
+            (
+                "kvroute_router_kv_events",
+                "KV cache events applied to the index",
+                |c| c.events,
+            ),
+            (
+                "kvroute_router_kv_events_malformed",
+                "KV event batches that could not be decoded",
+                |c| c.malformed,
+            ),
+            (
+                "kvroute_router_kv_events_unknown",
+                "KV events of a type this router does not know (skipped; the rest of the batch applied)",
+                |c| c.unknown_events,
+            ),
+            (
+                "kvroute_router_kv_event_gaps",
+                "Sequence gaps seen on a worker's event stream",
+                |c| c.gaps,
+            ),
+            (
+                "kvroute_router_kv_event_replay_failures",
+                "Gaps that replay could not fill (the worker's index entries were dropped)",
+                |c| c.replay_failures,
+            ),
+            (
+                "kvroute_router_engine_restarts",
+                "Event sequence restarts (new engine process)",
+                |c| c.restarts,
+            ),
+        ];
+        for (name, help, pick) in event_counters {
+            let _ = writeln!(
+                out,
+                "# HELP {name}_total {help}\n# TYPE {name}_total counter"
+            );
+            for (worker, counters) in events {
+                let _ = writeln!(
+                    out,
+                    "{name}_total{{worker=\"{}\"}} {:?}",
+                    escape(worker),
+                    pick(counters) as f64
+                );
+            }
+        }
+        self.requests.write(
+            &mut out,
+            "kvroute_router_requests",
+            "Requests answered, by route and status",
+            &["route", "status"],
+        );
+        self.decisions.write(
+            &mut out,
+            "kvroute_router_decisions",
+            "Routing decisions",
+            &["policy", "worker"],
+        );
+        self.upstream_errors.write(
+            &mut out,
+            "kvroute_router_upstream_errors",
+            "Failures talking to a worker (connect, first_byte_timeout: before the first byte, retried; body, stream: after it)",
+            &["worker", "kind"],
+        );
+        self.client_disconnects.write(
+            &mut out,
+            "kvroute_router_client_disconnects",
+            "Streams whose client left before the router had written all of them",
+            &["worker"],
+        );
+        self.client_timeouts.write(
+            &mut out,
+            "kvroute_router_client_timeouts",
+            "Client connections or requests closed for being too slow: header, body",
+            &["kind"],
+        );
+        self.rejected.write(
+            &mut out,
+            "kvroute_router_rejected_requests",
+            "Requests refused before routing: body_too_large (413), content_encoding (415), json_too_deep (400)",
+            &["reason"],
+        );
+        self.overlap_blocks.write(
+            &mut out,
+            "kvroute_router_overlap_blocks",
+            "Leading prompt blocks the chosen worker already held (index view) per decision",
+        );
+        self.prompt_blocks.write(
+            &mut out,
+            "kvroute_router_prompt_blocks",
+            "Full blocks of each routed prompt",
+        );
+        self.routing_seconds.write(
+            &mut out,
+            "kvroute_router_routing_seconds",
+            "Router work per request before forwarding: parse, tokenize, hash, index, choose",
+        );
+        let scalar = |out: &mut String, name: &str, kind: &str, help: &str, value: String| {
+            let suffix = if kind == "counter" { "_total" } else { "" };
+            let _ = writeln!(
+                out,
+                "# HELP {name}{suffix} {help}\n# TYPE {name}{suffix} {kind}\n{name}{suffix} {value}"
+            );
+        };
+        let load = |v: &AtomicU64| format!("{:?}", v.load(Ordering::Relaxed) as f64);
+        scalar(
+            &mut out,
+            "kvroute_router_retries",
+            "counter",
+            "Requests sent again to another worker before any response byte",
+            load(&self.retries),
+        );
+        scalar(
+            &mut out,
+            "kvroute_router_connections_refused",
+            "counter",
+            "Client connections answered 503 and closed at --max-connections",
+            load(&self.connections_refused),
+        );
+        scalar(
+            &mut out,
+            "kvroute_router_client_connections",
+            "gauge",
+            "Open client connections",
+            format!("{:?}", self.connections.load(Ordering::Relaxed) as f64),
+        );
+        scalar(
+            &mut out,
+            "kvroute_router_offloaded_requests",
+            "counter",
+            "Requests whose parsing, tokenization and hashing ran on a blocking thread (bodies over --offload-bytes)",
+            load(&self.offloaded),
+        );
+        scalar(
+            &mut out,
+            "kvroute_router_untokenized_prompts",
+            "gauge",
+            "Prompts routed without tokenizing (no prefix match; cumulative)",
+            load(&self.untokenized),
+        );
+        scalar(
+            &mut out,
+            "kvroute_router_workers_available",
+            "gauge",
+            "Workers healthy and not ejected",
+            format!("{:?}", fleet.available_count(now) as f64),
+        );
+        let (blocks, predicted, evicted) = fleet.index_figures();
+        scalar(
+            &mut out,
+            "kvroute_router_index_blocks",
+            "gauge",
+            "Event-backed (worker, block) entries in the index",
+            format!("{:?}", blocks as f64),
+        );
+        scalar(
+            &mut out,
+            "kvroute_router_index_predicted_entries",
+            "gauge",
+            "Predicted (routed, not yet confirmed) entries",
+            format!("{:?}", predicted as f64),
+        );
+        scalar(
+            &mut out,
+            "kvroute_router_index_evicted_blocks",
+            "gauge",
+            "Index entries dropped by its memory bound (cumulative)",
+            format!("{:?}", evicted as f64),
+        );
+        let _ = writeln!(
+            out,
+            "# HELP kvroute_router_ejections_total Workers taken out after consecutive failed requests (outlier ejection)\n# TYPE kvroute_router_ejections_total counter"
+        );
+        for m in fleet.members() {
+            let _ = writeln!(
+                out,
+                "kvroute_router_ejections_total{{worker=\"{}\"}} {:?}",
+                escape(&m.name),
+                m.ejected_total as f64
+            );
+        }
+        let _ = writeln!(
+            out,
+            "# HELP kvroute_router_health_check_failures_total Failed /health checks\n# TYPE kvroute_router_health_check_failures_total counter"
+        );
+        for m in fleet.members() {
+            let _ = writeln!(
+                out,
+                "kvroute_router_health_check_failures_total{{worker=\"{}\"}} {:?}",
+                escape(&m.name),
+                m.health_failures as f64
+            );
+        }
+        out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::config::ServeConfig;
+
+    #[test]
+    fn counters_render_under_the_routers_names() {
+        let m = Metrics::default();
+        m.request("/v1/completions", 200);
+        m.request("/v1/completions", 200);
+        m.rejected("body_too_large");
+        m.upstream_error("http://a:1", "connect");
+        m.routed(3, 5);
+        m.routed(0, 5);
+        let config = ServeConfig {
+            workers: vec![crate::config::WorkerSpec::url("http://a:1")],
+            ..ServeConfig::default()
+        };
+        let text = m.render(&Fleet::new(&config).unwrap().0, 0.0, &[]);
+        assert!(text.contains(
+            "kvroute_router_requests_total{route=\"/v1/completions\",status=\"200\"} 2.0"
+        ));
+        assert!(
+            text.contains("kvroute_router_rejected_requests_total{reason=\"body_too_large\"} 1.0")
+        );
+        assert!(text.contains(
+            "kvroute_router_upstream_errors_total{worker=\"http://a:1\",kind=\"connect\"} 1.0"
+        ));
+        assert!(text.contains("kvroute_router_workers_available 1.0"));
+        assert!(text.contains("kvroute_router_overlap_blocks_bucket{le=\"0.0\"} 1.0"));
+        assert!(text.contains("kvroute_router_overlap_blocks_bucket{le=\"4.0\"} 2.0"));
+        assert!(text.contains("kvroute_router_overlap_blocks_count 2.0"));
+        assert!(text.contains("kvroute_router_prompt_blocks_sum 10.0"));
+    }
+}

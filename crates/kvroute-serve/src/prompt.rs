@@ -1,0 +1,366 @@
+//! From a request body to what routing needs: the prompt's length and its full blocks' chained
+//! hashes, as the engine will see them (pure: no I/O).
+//!
+//! - A completion prompt given as token ids is used as given (exact, and the cheapest). A batch
+//!   (a list of prompts) is routed by its first prompt, which vLLM serves first.
+//! - A completion prompt given as text is encoded with `add_special_tokens`, as vLLM encodes
+//!   it, through the engines' tokenizer (`kvroute_tokenize::TextChunker`: each text piece is
+//!   tokenized once). Without a tokenizer the prompt is routed untokenized (by load alone).
+//! - Chat messages are checked (a non-empty list of objects with a role) and routed
+//!   untokenized: this data plane does not render chat templates yet.
+//!
+//! The body is parsed once with `serde_json` (nesting past its recursion limit is an error, not
+//! a stack overflow) and its depth checked against the router's own limit before any field is
+//! read.
+
+use std::path::Path;
+use std::sync::Mutex;
+
+use kvroute_core::blocks::BlockHasher;
+use kvroute_tokenize::{ChunkerConfig, TextChunker};
+use serde_json::Value;
+use tokenizers::Tokenizer;
+
+use crate::config::ConfigError;
+
+/// The two generation routes.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Route {
+    /// `POST /v1/completions`.
+    Completions,
+    /// `POST /v1/chat/completions`.
+    Chat,
+}
+
+impl Route {
+    /// The route's path: what is forwarded to a worker, never the client's spelling of it.
+    pub fn path(self) -> &'static str {
+        match self {
+            Route::Completions => "/v1/completions",
+            Route::Chat => "/v1/chat/completions",
+        }
+    }
+}
+
+/// A body the router cannot route as it stands (the client's mistake: a 400).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BadRequest {
+    pub message: String,
+    /// The offending field, for the OpenAI error's `param`.
+    pub param: Option<&'static str>,
+}
+
+fn bad(message: impl Into<String>, param: Option<&'static str>) -> BadRequest {
+    BadRequest {
+        message: message.into(),
+        param,
+    }
+}
+
+/// What routing needs from one request.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Prompt {
+    /// Prompt tokens (0 when untokenized and unknown).
+    pub tokens: usize,
+    /// Chained hashes of its full blocks (empty when untokenized).
+    pub block_hashes: Vec<u64>,
+    /// Routed without a prefix match (no tokenizer, chat, or longer than any engine takes).
+    pub untokenized: bool,
+}
+
+/// Depth of the deepest list or object in `value` (a scalar is depth 0), walking without
+/// recursion.
+fn depth(value: &Value) -> usize {
+    let mut deepest = 0;
+    let mut stack = vec![(value, 0usize)];
+    while let Some((v, d)) = stack.pop() {
+        let children: Box<dyn Iterator<Item = &Value>> = match v {
+            Value::Array(a) => Box::new(a.iter()),
+            Value::Object(o) => Box::new(o.values()),
+            _ => continue,
+        };
+        deepest = deepest.max(d + 1);
+        stack.extend(children.map(|c| (c, d + 1)));
+    }
+    deepest
+}
+
+/// Turns bodies into [`Prompt`]s: the block hasher, and the tokenizer when there is one.
+pub struct Prompts {
+    hasher: BlockHasher,
+    /// The engines' tokenizer, in pieces; a lock because its caches are shared by all threads
+    /// (an encode of a new 2,000-token prompt holds it ~1 ms, a cached one ~50 µs).
+    chunker: Option<Mutex<Encoder>>,
+    max_json_depth: usize,
+    /// Longest prompt (in tokens, or text bytes) worth tokenizing and hashing.
+    max_prompt_tokens: usize,
+    max_text_bytes: usize,
+}
+
+/// The tokenizer in pieces where its pipeline allows, whole otherwise.
+enum Encoder {
+    Pieces(Box<TextChunker>),
+    Whole(Box<Tokenizer>),
+}
+
+/// Longest token-id prompt hashed (more ids than any engine accepts are routed untokenized).
+pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
+/// Longest prompt text tokenized (~1M tokens).
+pub const MAX_TEXT_BYTES: usize = 4 << 20;
+
+impl Prompts {
+    /// Prompts hashed with `hasher`, text encoded with the tokenizer in `tokenizer_dir`.
+    pub fn new(
+        hasher: BlockHasher,
+        tokenizer_dir: Option<&Path>,
+        cache_bytes: usize,
+        max_json_depth: usize,
+    ) -> Result<Self, ConfigError> {
+        let chunker = match tokenizer_dir {
+            None => None,
+            Some(dir) => {
+                let file = dir.join("tokenizer.json");
+                let tokenizer = Tokenizer::from_file(&file).map_err(|e| {
+                    ConfigError(format!("cannot load the tokenizer {}: {e}", file.display()))
+                })?;
+                let config = ChunkerConfig {
+                    piece_cache_bytes: cache_bytes / 2,
+                    word_cache_bytes: cache_bytes / 8,
+                    ..ChunkerConfig::default()
+                };
+                Some(Mutex::new(
+                    match TextChunker::new(tokenizer.clone(), config) {
+                        Ok(c) => Encoder::Pieces(Box::new(c)),
+                        Err(_) => Encoder::Whole(Box::new(tokenizer)),
+                    },
+                ))
+            }
+        };
+        Ok(Self {
+            hasher,
+            chunker,
+            max_json_depth,
+            max_prompt_tokens: MAX_PROMPT_TOKENS,
+            max_text_bytes: MAX_TEXT_BYTES,
+        })
+    }
+
+    /// The prompt of `body` for `route`.
+    pub fn parse(&self, route: Route, body: &[u8]) -> Result<Prompt, BadRequest> {
+        let value: Value = serde_json::from_slice(body).map_err(|e| {
+            if e.to_string().contains("recursion limit") {
+                bad(
+                    format!("JSON nested deeper than {} levels", self.max_json_depth),
+                    None,
+                )
+            } else {
+                bad(format!("body is not valid JSON: {e}"), None)
+            }
+        })?;
+        if depth(&value) > self.max_json_depth {
+            return Err(bad(
+                format!("JSON nested deeper than {} levels", self.max_json_depth),
+                None,
+            ));
+        }
+        let Value::Object(fields) = &value else {
+            return Err(bad("body must be a JSON object", None));
+        };
+        let untokenized = |tokens: usize| Prompt {
+            tokens,
+            block_hashes: Vec::new(),
+            untokenized: true,
+        };
+        match route {
+            Route::Chat => {
+                let Some(Value::Array(messages)) = fields.get("messages") else {
+                    return Err(bad("messages: expected a non-empty list", Some("messages")));
+                };
+                if messages.is_empty() {
+                    return Err(bad("messages: expected a non-empty list", Some("messages")));
+                }
+                for (i, m) in messages.iter().enumerate() {
+                    if !matches!(m.get("role"), Some(Value::String(_))) {
+                        return Err(bad(
+                            format!("messages.{i}: expected an object with a role"),
+                            Some("messages"),
+                        ));
+                    }
+                }
+                Ok(untokenized(0))
+            }
+            Route::Completions => {
+                let mut prompt = fields.get("prompt");
+                if let Some(Value::Array(items)) = prompt
+                    && matches!(items.first(), Some(Value::String(_) | Value::Array(_)))
+                {
+                    prompt = items.first(); // a batch: routed by its first prompt
+                }
+                match prompt {
+                    Some(Value::String(text)) => Ok(self.text(text)),
+                    Some(Value::Array(items)) if !items.is_empty() => {
+                        if items.len() > self.max_prompt_tokens {
+                            return Ok(untokenized(items.len()));
+                        }
+                        let ids: Option<Vec<u32>> = items
+                            .iter()
+                            .map(|v| v.as_u64().and_then(|n| u32::try_from(n).ok()))
+                            .collect();
+                        let ids = ids.ok_or_else(|| {
+                            bad(
+                                "prompt: token ids must be integers in [0, 2^32)",
+                                Some("prompt"),
+                            )
+                        })?;
+                        Ok(Prompt {
+                            tokens: ids.len(),
+                            block_hashes: self.hasher.hash_blocks(&ids, None, 0, None),
+                            untokenized: false,
+                        })
+                    }
+                    _ => Err(bad(
+                        "prompt: expected a string, a list of token ids, or a list of those",
+                        Some("prompt"),
+                    )),
+                }
+            }
+        }
+    }
+
+    /// A completion prompt given as text.
+    fn text(&self, text: &str) -> Prompt {
+        let untokenized = Prompt {
+            tokens: 0,
+            block_hashes: Vec::new(),
+            untokenized: true,
+        };
+        let Some(encoder) = &self.chunker else {
+            return untokenized;
+        };
+        if text.len() > self.max_text_bytes {
+            return untokenized;
+        }
+        // A poisoned lock means another request panicked mid-encode; the caches stay usable.
+        let mut encoder = encoder.lock().unwrap_or_else(|p| p.into_inner());
+        let ids = match &mut *encoder {
+            Encoder::Pieces(c) => c.encode(text, true),
+            Encoder::Whole(t) => t
+                .encode_fast(text, true)
+                .map(|e| e.get_ids().to_vec())
+                .map_err(|e| kvroute_tokenize::NotChunkable(e.to_string())),
+        };
+        drop(encoder);
+        match ids {
+            Ok(ids) => Prompt {
+                tokens: ids.len(),
+                block_hashes: self.hasher.hash_blocks(&ids, None, 0, None),
+                untokenized: false,
+            },
+            Err(_) => untokenized,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn prompts() -> Prompts {
+        Prompts::new(BlockHasher::new(4, 0).unwrap(), None, 1 << 20, 8).unwrap()
+    }
+
+    #[test]
+    fn token_ids_are_hashed_as_the_core_hashes_them() {
+        let p = prompts()
+            .parse(
+                Route::Completions,
+                br#"{"prompt": [1,2,3,4,5,6,7,8,9], "stream": true}"#,
+            )
+            .unwrap();
+        let hasher = BlockHasher::new(4, 0).unwrap();
+        assert_eq!(p.tokens, 9);
+        assert_eq!(
+            p.block_hashes,
+            hasher.hash_blocks(&[1, 2, 3, 4, 5, 6, 7, 8, 9], None, 0, None)
+        );
+        assert_eq!(p.block_hashes.len(), 2);
+    }
+
+    #[test]
+    fn a_batch_is_routed_by_its_first_prompt() {
+        let p = prompts()
+            .parse(Route::Completions, br#"{"prompt": [[1,2,3,4], [5]]}"#)
+            .unwrap();
+        assert_eq!(p.tokens, 4);
+        assert_eq!(p.block_hashes.len(), 1);
+    }
+
+    #[test]
+    fn client_mistakes_are_bad_requests_with_their_field() {
+        let p = prompts();
+        for (route, body, param) in [
+            (Route::Completions, &b"{"[..], None),
+            (Route::Completions, b"[1]", None),
+            (Route::Completions, br#"{"prompt": 3}"#, Some("prompt")),
+            (
+                Route::Completions,
+                br#"{"prompt": [1, -1]}"#,
+                Some("prompt"),
+            ),
+            (
+                Route::Completions,
+                br#"{"prompt": [1, 4294967296]}"#,
+                Some("prompt"),
+            ),
+            (Route::Completions, br#"{"prompt": [1.5]}"#, Some("prompt")),
+            (Route::Chat, br#"{"messages": []}"#, Some("messages")),
+            (
+                Route::Chat,
+                br#"{"messages": [{"content": "x"}]}"#,
+                Some("messages"),
+            ),
+        ] {
+            let err = p.parse(route, body).unwrap_err();
+            assert_eq!(err.param, param, "{}", String::from_utf8_lossy(body));
+        }
+    }
+
+    #[test]
+    fn deep_nesting_is_refused_whatever_the_depth() {
+        let p = prompts();
+        let nested = |n: usize| {
+            format!(
+                r#"{{"prompt": [1], "x": {}{}}}"#,
+                "[".repeat(n),
+                "]".repeat(n)
+            )
+        };
+        assert!(p.parse(Route::Completions, nested(6).as_bytes()).is_ok());
+        for n in [8, 200, 100_000] {
+            let err = p
+                .parse(Route::Completions, nested(n).as_bytes())
+                .unwrap_err();
+            assert!(
+                err.message.contains("nested deeper"),
+                "{n}: {}",
+                err.message
+            );
+        }
+    }
+
+    #[test]
+    fn text_without_a_tokenizer_and_chats_route_untokenized() {
+        let p = prompts();
+        let t = p
+            .parse(Route::Completions, br#"{"prompt": "hello"}"#)
+            .unwrap();
+        assert!(t.untokenized && t.block_hashes.is_empty());
+        let c = p
+            .parse(
+                Route::Chat,
+                br#"{"messages": [{"role": "user", "content": "hi"}]}"#,
+            )
+            .unwrap();
+        assert!(c.untokenized);
+    }
+}

@@ -1,0 +1,307 @@
+//! Talking to the workers: one forwarded request, and its answer relayed to the client.
+//!
+//! The upstream URL is always a configured worker's base URL plus the matched route's own path
+//! (never the client's path, a header or a body field); redirects are never followed (hyper's
+//! client does not); only a fixed list of request headers is forwarded.
+//!
+//! A streamed answer is relayed frame by frame through a small channel (its capacity is the
+//! back-pressure: a slow client slows its worker, not the router's memory), each frame awaited
+//! at most `stream_idle_timeout`. When the worker dies or goes silent mid-stream the client
+//! gets an SSE error event and the end of the stream (no `[DONE]`): never a silently truncated
+//! answer. When the client leaves, the channel closes, the upstream body is dropped with its
+//! connection, and vLLM aborts the request.
+
+use std::convert::Infallible;
+use std::pin::Pin;
+use std::task::{Context, Poll};
+use std::time::Duration;
+
+use bytes::{Bytes, BytesMut};
+use http_body_util::{BodyExt, Full};
+use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
+use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
+use hyper_util::client::legacy::Client;
+use hyper_util::client::legacy::connect::HttpConnector;
+use tokio::sync::mpsc;
+
+/// The client to the workers (pooled keep-alive connections).
+pub type Upstream = Client<HttpConnector, Full<Bytes>>;
+
+/// A client with this connect timeout.
+pub fn upstream(connect_timeout: Duration) -> Upstream {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_nodelay(true);
+    Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector)
+}
+
+/// Request headers passed on to workers: everything else is hop-by-hop or the router's own.
+pub const FORWARDED_HEADERS: [HeaderName; 4] = [
+    header::CONTENT_TYPE,
+    HeaderName::from_static("x-request-id"),
+    HeaderName::from_static("traceparent"),
+    HeaderName::from_static("tracestate"),
+];
+
+/// Response headers never relayed: hop-by-hop ones, the length (the router frames the answer
+/// itself) and cookies a worker sets.
+const DROPPED_RESPONSE_HEADERS: [HeaderName; 7] = [
+    header::CONNECTION,
+    header::TRANSFER_ENCODING,
+    header::CONTENT_LENGTH,
+    header::SET_COOKIE,
+    header::TE,
+    header::TRAILER,
+    header::UPGRADE,
+];
+
+/// The headers of the forwarded request: the allowed ones of the client's (values with CR, LF
+/// or NUL cannot exist in a parsed `HeaderValue`), then `authorization` if given.
+pub fn forwarded_headers(client: &HeaderMap, authorization: Option<&HeaderValue>) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(FORWARDED_HEADERS.len() + 1);
+    for name in &FORWARDED_HEADERS {
+        if let Some(v) = client.get(name) {
+            out.insert(name.clone(), v.clone());
+        }
+    }
+    if let Some(auth) = authorization {
+        out.insert(header::AUTHORIZATION, auth.clone());
+    }
+    out
+}
+
+/// The worker's response headers the client gets.
+pub fn relayed_headers(worker: &HeaderMap) -> HeaderMap {
+    let mut out = HeaderMap::with_capacity(worker.len());
+    for (name, value) in worker {
+        if !DROPPED_RESPONSE_HEADERS.contains(name) {
+            out.append(name.clone(), value.clone());
+        }
+    }
+    out
+}
+
+/// The SSE event that ends a stream the worker broke.
+pub fn sse_error(message: &str) -> Bytes {
+    let body = serde_json::json!({
+        "error": {"message": message, "type": "UpstreamError", "param": null, "code": 502}
+    });
+    Bytes::from(format!("data: {body}\n\n"))
+}
+
+/// How a relayed answer ended.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Ending {
+    /// The worker sent all of it.
+    Complete,
+    /// The worker's connection failed mid-answer.
+    Died,
+    /// The worker sent nothing for the idle timeout.
+    Silent,
+    /// The client left first.
+    ClientLeft,
+}
+
+impl Ending {
+    /// What went wrong, for an error message (`idle`: the stream idle timeout).
+    pub fn problem(self, idle: Option<Duration>) -> String {
+        match self {
+            Ending::Complete => "none".into(),
+            Ending::Died => "its connection failed".into(),
+            Ending::Silent => format!("silent for {}s", idle.unwrap_or_default().as_secs_f64()),
+            Ending::ClientLeft => "the client left".into(),
+        }
+    }
+}
+
+/// A response body fed by a channel (what [`pump`] writes into).
+pub struct ChannelBody {
+    rx: mpsc::Receiver<Bytes>,
+}
+
+impl HttpBody for ChannelBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        self.rx.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+/// Frames queued between a worker and a slow client.
+const RELAY_FRAMES: usize = 8;
+
+/// A channel body and its sending end.
+pub fn channel() -> (mpsc::Sender<Bytes>, ChannelBody) {
+    let (tx, rx) = mpsc::channel(RELAY_FRAMES);
+    (tx, ChannelBody { rx })
+}
+
+/// The next data frame of `body`, waiting at most `idle` (None: without limit). `Ok(None)` at
+/// the end of the body; `Err` with why it broke.
+async fn next_data(body: &mut Incoming, idle: Option<Duration>) -> Result<Option<Bytes>, Ending> {
+    loop {
+        let frame = match idle {
+            Some(t) => tokio::time::timeout(t, body.frame())
+                .await
+                .map_err(|_| Ending::Silent)?,
+            None => body.frame().await,
+        };
+        match frame {
+            None => return Ok(None),
+            Some(Err(_)) => return Err(Ending::Died),
+            Some(Ok(f)) => {
+                if let Ok(data) = f.into_data() {
+                    return Ok(Some(data));
+                }
+                // Trailers carry nothing the client needs.
+            }
+        }
+    }
+}
+
+/// Where the complete events of `data` end: after its last blank line (`\n\n` or
+/// `\r\n\r\n`), 0 when it holds none.
+pub fn events_end(data: &[u8]) -> usize {
+    let lf = data
+        .windows(2)
+        .rposition(|w| w == b"\n\n")
+        .map_or(0, |i| i + 2);
+    let crlf = data
+        .windows(4)
+        .rposition(|w| w == b"\r\n\r\n")
+        .map_or(0, |i| i + 4);
+    lf.max(crlf)
+}
+
+/// Relay the event stream `body` into `tx` until it ends, whole events at a time (a worker
+/// dying mid-event never leaves the client half an event to choke on); on a broken or silent
+/// worker, send the SSE error event last. `first_data` runs at the first bytes (vLLM sends the
+/// head before the prefill, so they, not the head, mark the end of the prefill).
+pub async fn pump(
+    mut body: Incoming,
+    tx: mpsc::Sender<Bytes>,
+    idle: Option<Duration>,
+    worker: &str,
+    first_data: impl FnOnce(),
+) -> Ending {
+    let mut first_data = Some(first_data);
+    let mut pending = BytesMut::new();
+    loop {
+        let ending = match next_data(&mut body, idle).await {
+            Ok(Some(data)) => {
+                if let Some(f) = first_data.take() {
+                    f();
+                }
+                let whole = if pending.is_empty() && data.ends_with(b"\n\n") {
+                    data // the usual chunk: whole events, no copy
+                } else {
+                    pending.extend_from_slice(&data);
+                    let cut = events_end(&pending);
+                    if cut == 0 {
+                        continue;
+                    }
+                    pending.split_to(cut).freeze()
+                };
+                if tx.send(whole).await.is_err() {
+                    return Ending::ClientLeft;
+                }
+                continue;
+            }
+            Ok(None) => {
+                // A worker that ended without a final blank line: its last bytes still go.
+                if !pending.is_empty() && tx.send(pending.freeze()).await.is_err() {
+                    return Ending::ClientLeft;
+                }
+                return Ending::Complete;
+            }
+            Err(e) => e,
+        };
+        let message = format!(
+            "worker {worker} failed mid-stream: {}",
+            ending.problem(idle)
+        );
+        // The client may be gone too; the worker's failure is what is reported.
+        let _ = tx.send(sse_error(&message)).await;
+        return ending;
+    }
+}
+
+/// The whole of `body` (at most `limit` bytes), each frame awaited at most `idle`.
+pub async fn collect(
+    mut body: Incoming,
+    idle: Option<Duration>,
+    limit: usize,
+) -> Result<Bytes, Ending> {
+    let mut out = BytesMut::new();
+    while let Some(data) = next_data(&mut body, idle).await? {
+        if out.len() + data.len() > limit {
+            return Err(Ending::Died);
+        }
+        out.extend_from_slice(&data);
+    }
+    Ok(out.freeze())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn only_the_allowed_request_headers_go_to_a_worker() {
+        let mut client = HeaderMap::new();
+        client.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("application/json"),
+        );
+        client.insert(
+            header::AUTHORIZATION,
+            HeaderValue::from_static("Bearer client"),
+        );
+        client.insert(header::COOKIE, HeaderValue::from_static("a=b"));
+        client.insert("x-request-id", HeaderValue::from_static("r1"));
+        let out = forwarded_headers(&client, None);
+        assert_eq!(out.len(), 2);
+        assert!(out.get(header::AUTHORIZATION).is_none());
+        let key = HeaderValue::from_static("Bearer worker");
+        let out = forwarded_headers(&client, Some(&key));
+        assert_eq!(out[header::AUTHORIZATION], "Bearer worker");
+    }
+
+    #[test]
+    fn cookies_and_hop_by_hop_headers_stay_with_the_worker() {
+        let mut worker = HeaderMap::new();
+        worker.insert(header::SET_COOKIE, HeaderValue::from_static("s=1"));
+        worker.insert(header::CONTENT_LENGTH, HeaderValue::from_static("5"));
+        worker.insert(
+            header::CONTENT_TYPE,
+            HeaderValue::from_static("text/event-stream"),
+        );
+        let out = relayed_headers(&worker);
+        assert_eq!(out.len(), 1);
+        assert_eq!(out[header::CONTENT_TYPE], "text/event-stream");
+    }
+
+    #[test]
+    fn events_end_after_the_last_blank_line() {
+        assert_eq!(events_end(b"data: a\n\ndata: b"), 9);
+        assert_eq!(events_end(b"data: a\r\n\r\ndata: b\n\n"), 20);
+        assert_eq!(events_end(b"data: half"), 0);
+    }
+
+    #[test]
+    fn the_error_event_is_one_sse_data_line() {
+        let e = sse_error("gone");
+        let text = std::str::from_utf8(&e).unwrap();
+        assert!(text.starts_with("data: {") && text.ends_with("}\n\n"));
+        let v: serde_json::Value = serde_json::from_str(&text[6..]).unwrap();
+        assert_eq!(v["error"]["message"], "gone");
+    }
+}

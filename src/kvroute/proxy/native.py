@@ -1,0 +1,215 @@
+"""The native data plane (``kvroute serve --data-plane native``): the router's HTTP path in
+Rust (``crates/kvroute-serve``: tokio and hyper), started from a :class:`RouterConfig`.
+
+Every request is served on the native server's own threads, without the interpreter: the
+edge limits, parsing the body, hashing the prompt, the routing step (the same
+``kvroute_core`` step as the aiohttp router and the simulator), forwarding, relaying the answer
+frame by frame, retries before the first byte, health checks and outlier ejection. Python
+only turns the configuration into the server's arguments and, for a discovery source (worker
+file, DNS, Kubernetes), follows it and hands each complete list over.
+
+The workers' KV events are followed by the native consumer (``kvroute-io``) on a thread of
+its own, applied to the index the routing step reads. What it does not do yet: retention
+(refused with one line by :func:`check_supported`), and chat prompts and text prompts without
+``--tokenizer`` are routed by load alone (no chat template rendering, no built-in synthetic
+tokenizer).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvroute._native import NativeRouter
+from kvroute.errors import UserError
+from kvroute.kvevents import EventsSettings
+from kvroute.proxy.app import (
+    DEFAULT_MAX_BODY_BYTES,
+    DEFAULT_PREDICTED_CAPACITY_BLOCKS,
+    EVENTS_PREDICTED_TTL_S,
+    RouterConfig,
+    _longest_token_bytes,
+    derived_max_body_bytes,
+    tokenizer_max_length,
+)
+from kvroute.proxy.discovery import Endpoint, StaticDiscovery
+from kvroute.proxy.edge import default_max_connections
+from kvroute.proxy.status import WorkerStatus, metric_value
+from kvroute.routing.index import KvIndex
+from kvroute.tokens import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+#: The data planes ``kvroute serve --data-plane`` offers.
+DATA_PLANES = ("aiohttp", "native")
+
+
+def check_supported(config: RouterConfig) -> None:
+    """Raise :class:`UserError` for what the native data plane cannot do yet."""
+    if config.retention != "off":
+        raise UserError("--data-plane native has no retention yet: use --data-plane aiohttp "
+                        "for --retention on/auto")
+
+
+def _max_body_bytes(config: RouterConfig) -> tuple[int, str]:
+    """The body limit and where it came from (as the aiohttp router derives it)."""
+    if config.max_body_bytes is not None:
+        return config.max_body_bytes, "--max-body-bytes"
+    max_length = tokenizer_max_length(config.tokenizer)
+    if max_length and config.tokenizer:
+        longest = _longest_token_bytes(load_tokenizer(config.tokenizer))
+        if longest:
+            return (derived_max_body_bytes(max_length, longest),
+                    f"derived: {max_length} tokens x max(3 x {longest}, 12) bytes + 1 MiB")
+    return DEFAULT_MAX_BODY_BYTES, "default: the tokenizer states no maximum length"
+
+
+def worker_specs(config: RouterConfig, endpoints: Sequence[Endpoint]) -> list[tuple]:
+    """``(url, name, events endpoint, replay endpoint, ready)`` per endpoint, as
+    ``NativeRouter`` takes them."""
+    events = config.events or EventsSettings()
+    specs = []
+    for e in endpoints:
+        source = events.source_for(e) if events.enabled else None
+        specs.append((e.url, e.name, source.endpoint if source else None,
+                      source.replay_endpoint if source else None, e.ready))
+    return specs
+
+
+def native_arguments(config: RouterConfig, threads: int) -> dict[str, Any]:
+    """``NativeRouter``'s keyword arguments for ``config`` (the workers apart)."""
+    check_supported(config)
+    max_body, _ = _max_body_bytes(config)
+    events = config.events or EventsSettings()
+    # As the aiohttp router: with events, predictions only bridge until they arrive.
+    if events.enabled:
+        ttl = EVENTS_PREDICTED_TTL_S if config.predicted_ttl_s is None else config.predicted_ttl_s
+        capacity = config.predicted_capacity_blocks
+    else:
+        ttl = config.predicted_ttl_s
+        capacity = config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
+    return dict(
+        host=config.host, port=config.port, threads=threads, policy=config.policy,
+        policy_options=dict(config.policy_options) or None, seed=config.seed,
+        block_size=config.block_size, hash_seed=config.hash_seed, tokenizer=config.tokenizer,
+        prompt_cache_bytes=config.prompt_cache_bytes, predicted_ttl_s=ttl,
+        predicted_capacity_blocks=capacity, events_topic=events.topic,
+        max_body_bytes=max_body, max_json_depth=config.max_json_depth,
+        offload_bytes=config.offload_bytes, header_timeout_s=config.header_timeout_s,
+        keepalive_timeout_s=config.keepalive_timeout_s,
+        body_timeout_s=config.body_timeout_s,
+        max_connections=config.max_connections or default_max_connections(),
+        connect_timeout_s=config.connect_timeout_s,
+        first_byte_timeout_s=config.first_byte_timeout_s,
+        stream_idle_timeout_s=config.stream_idle_timeout_s, max_attempts=config.max_attempts,
+        health_interval_s=config.health_interval_s, health_timeout_s=config.health_timeout_s,
+        eject_after_failures=config.eject_after_failures, eject_base_s=config.eject_base_s,
+        api_key=config.api_key, metrics_public=config.metrics_public,
+        worker_api_key=config.worker_api_key, forward_authorization=config.forward_authorization,
+    )
+
+
+class NativeRouterRunner:
+    """A running native router and, when ``config.discovery`` is a source that changes, the
+    task that follows it.
+
+    Attributes:
+        url: ``http://host:port`` it listens on.
+        native: the ``kvroute._native.NativeRouter``.
+        max_body_bytes / max_body_source: the body limit and where it came from.
+    """
+
+    def __init__(self, config: RouterConfig, threads: int = 1) -> None:
+        self.config = config
+        self.max_body_bytes, self.max_body_source = _max_body_bytes(config)
+        arguments = native_arguments(config, threads)
+        discovery = config.discovery or StaticDiscovery(config.workers)  # validates the URLs
+        if isinstance(discovery, StaticDiscovery):
+            workers, self._discovery = worker_specs(config, discovery.endpoints), None
+        else:
+            workers, self._discovery = [], discovery
+        try:
+            self.native = NativeRouter(workers, **arguments)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        self._follow_task: asyncio.Task | None = None
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        self.url = f"http://{host}:{self.native.port}"
+        self.max_connections = arguments["max_connections"]
+
+    async def start(self) -> None:
+        """Follow the discovery source (if any) until its first list is in."""
+        if self._discovery is None:
+            return
+        first = asyncio.Event()
+        self._follow_task = asyncio.ensure_future(self._follow(first))
+        await first.wait()
+
+    async def _follow(self, first: asyncio.Event) -> None:
+        try:
+            async for endpoints in self._discovery.watch():
+                self.native.set_workers(worker_specs(self.config, endpoints))
+                first.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("worker discovery stopped; keeping the last worker list")
+        finally:
+            first.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self.native.in_flight
+
+    # --- inspection (as kvroute.proxy.app.Router's) --------------------------------------------
+
+    @property
+    def index(self) -> KvIndex:
+        """The index the routing step reads (shared with the native router)."""
+        return self.native.index
+
+    def metrics_text(self) -> str:
+        """The text ``GET /metrics`` answers."""
+        return self.native.metrics_text()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample's value in :meth:`metrics_text` (0 when absent)."""
+        return metric_value(self.metrics_text(), name, **labels)
+
+    def worker_statuses(self) -> dict[str, WorkerStatus]:
+        """Every worker by name, as the router sees it now."""
+        return {
+            w["name"]: WorkerStatus(w["name"], w["ready"], w["healthy"], w["available"], w["in_flight"],
+                                    w["in_flight_tokens"], w["consecutive_failures"])
+            for w in self.native.workers()
+        }
+
+    def available_workers(self) -> list[str]:
+        """Names of the workers that may take a new request."""
+        return [name for name, w in self.worker_statuses().items() if w.available]
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """New requests 503 and ``/health`` failing, then wait for those in flight."""
+        timeout = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        finished = await asyncio.to_thread(self.native.drain, timeout)
+        if not finished:
+            logger.warning("drain: %d requests still in flight after %gs", self.native.in_flight, timeout)
+        return finished
+
+    async def close(self) -> None:
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._follow_task
+            self._follow_task = None
+        await asyncio.to_thread(self.native.close)
+
+    async def __aenter__(self) -> NativeRouterRunner:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
