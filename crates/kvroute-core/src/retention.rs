@@ -44,9 +44,17 @@
 //! Modes ([`RetentionMode`]): `off` never refreshes; `on` refreshes a retained prefix as soon
 //! as it is in danger; `auto` refreshes only when the worker has slack (no prompt waiting for
 //! its prefill in the router's accounting, so the refresh's one token rides in a decode step
-//! or an idle one), when the prefix's expected saving outweighs the refresh's cost, and when no
-//! other worker holds as much of it (a copy's loss costs no miss). Where everything fits (few
-//! prefixes) the danger never comes and nothing is sent.
+//! or an idle one), when the prefix's expected saving outweighs the refresh's cost, when no
+//! other worker holds as much of it (a copy's loss costs no miss), and while refreshes pay as
+//! measured. For that each worker's model has a twin, the same queue with no refresh ever sent
+//! (the worker's plain LRU, fed the same requests): at each use of a tracked prefix the blocks
+//! the request found held that the twin had evicted count as *saved*, the blocks the twin had
+//! evicted as *pressure*; fleet-wide over about the last 256 requests, `auto` refreshes only
+//! while the pressure is at least [`RetentionConfig::pressure_tokens`] a use and the refreshes
+//! saved at least [`RetentionConfig::min_payoff_tokens`] each. Where the prefixes fit beside
+//! the garbage the model may still put them near the head (its margin is wide), but the twin
+//! loses none, so `auto` stops; where the LRU loses prefixes the refreshes cannot keep (a
+//! conversation's turns, each reused once), nothing is saved and it stops too.
 
 use std::collections::HashMap;
 use std::collections::VecDeque;
@@ -66,7 +74,8 @@ pub enum RetentionMode {
     Off,
     /// Refresh a retained prefix as soon as the model puts it near eviction.
     On,
-    /// As `On`, but only when the worker has slack and the refresh pays for itself.
+    /// As `On`, but only when the worker has slack, the refresh pays for itself, and the
+    /// refreshes sent measurably saved prefills (see the module docs).
     Auto,
 }
 
