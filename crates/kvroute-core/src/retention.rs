@@ -44,9 +44,17 @@
 //! Modes ([`RetentionMode`]): `off` never refreshes; `on` refreshes a retained prefix as soon
 //! as it is in danger; `auto` refreshes only when the worker has slack (no prompt waiting for
 //! its prefill in the router's accounting, so the refresh's one token rides in a decode step
-//! or an idle one), when the prefix's expected saving outweighs the refresh's cost, and when no
-//! other worker holds as much of it (a copy's loss costs no miss). Where everything fits (few
-//! prefixes) the danger never comes and nothing is sent.
+//! or an idle one), when the prefix's expected saving outweighs the refresh's cost, when no
+//! other worker holds as much of it (a copy's loss costs no miss), and while refreshes pay as
+//! measured. For that each worker's model has a twin, the same queue with no refresh ever sent
+//! (the worker's plain LRU, fed the same requests): at each use of a tracked prefix the blocks
+//! the request found held that the twin had evicted count as *saved*, the blocks the twin had
+//! evicted as *pressure*; fleet-wide over about the last 256 requests, `auto` refreshes only
+//! while the pressure is at least [`RetentionConfig::pressure_tokens`] a use and the refreshes
+//! saved at least [`RetentionConfig::min_payoff_tokens`] each. Where the prefixes fit beside
+//! the garbage the model may still put them near the head (its margin is wide), but the twin
+//! loses none, so `auto` stops; where the LRU loses prefixes the refreshes cannot keep (a
+//! conversation's turns, each reused once), nothing is saved and it stops too.
 
 use std::collections::HashMap;
 use std::collections::VecDeque;
@@ -66,7 +74,8 @@ pub enum RetentionMode {
     Off,
     /// Refresh a retained prefix as soon as the model puts it near eviction.
     On,
-    /// As `On`, but only when the worker has slack and the refresh pays for itself.
+    /// As `On`, but only when the worker has slack, the refresh pays for itself, and the
+    /// refreshes sent measurably saved prefills (see the module docs).
     Auto,
 }
 
@@ -120,6 +129,15 @@ pub struct RetentionConfig {
     pub refresh_cost_tokens: f64,
     /// `auto`: see `refresh_cost_tokens`.
     pub value_ratio: f64,
+    /// `auto`: refresh only while the refreshes sent saved at least this many prefix tokens
+    /// each, as measured against each worker's plain LRU (modelled beside it: the same
+    /// requests, no refresh), over about the fleet's last 256 requests and once 128 were
+    /// sent to tell; when they stop, the count decays and they are probed again.
+    pub min_payoff_tokens: f64,
+    /// `auto`: refresh only while the plain LRUs lose at least this many prefix tokens a use
+    /// of a tracked prefix (the caches are under pressure; none where everything fits),
+    /// judged once 32 uses were seen.
+    pub pressure_tokens: f64,
     /// `auto`: refresh on a worker only while the prefixes that fit (the retained ones) carry
     /// at least this share of its demand: where most of the demand cannot be kept anyway,
     /// refreshing a few only reorders the losses and costs engine time.
@@ -158,6 +176,8 @@ impl RetentionConfig {
             reserve_factor: 1.0,
             refresh_cost_tokens: 200.0,
             value_ratio: 2.0,
+            min_payoff_tokens: 20.0,
+            pressure_tokens: 50.0,
             min_coverage: 0.6,
             max_turnovers: 2.0,
             min_reuses: 2,
@@ -204,6 +224,14 @@ pub struct RetentionStats {
     pub declined_coverage: u64,
     /// Refreshes `auto` did not send because another worker holds as much of the prefix.
     pub declined_held_elsewhere: u64,
+    /// Polls `auto` skipped because refreshes do not pay (see
+    /// [`RetentionConfig::min_payoff_tokens`] and [`RetentionConfig::pressure_tokens`]).
+    pub declined_payoff: u64,
+    /// Prefix blocks requests found held that the workers' plain LRUs would have evicted
+    /// (what the refreshes bought, in the model).
+    pub saved_blocks: u64,
+    /// Prefix blocks of the tracked prefixes' uses that the plain LRUs would have evicted.
+    pub lost_blocks: u64,
 }
 
 /// A prefix the router saw a worker reuse.
@@ -244,33 +272,26 @@ struct Segment {
     blocks: usize,
 }
 
-/// One worker's model.
+/// A modelled free queue, head (next evicted) first; blocks not in it are uncached.
 #[derive(Clone, Debug, Default)]
-struct WorkerModel {
-    /// The modelled free queue, head (next evicted) first; blocks not in it are uncached.
+struct FreeQueue {
     segments: VecDeque<Segment>,
-    tracked: HashMap<u64, Tracked>,
-    /// Requests routed here.
-    requests: u64,
-    /// Smoothed new blocks per request (its own suffix and output).
-    new_blocks: f64,
-    /// The last requests routed here, newest last: (tracked prefix, its blocks, the request's
-    /// own new blocks). Requests finish about in the order they came, so the newest
-    /// `in_flight` of them are what the worker runs now.
-    recent: VecDeque<(Option<u64>, usize, usize)>,
 }
 
-/// Requests remembered per worker for [`WorkerModel::recent`].
-const RECENT: usize = 64;
-
-const SMOOTHING: f64 = 0.3;
-
-impl WorkerModel {
+impl FreeQueue {
     fn held(&self) -> usize {
         self.segments.iter().map(|s| s.blocks).sum()
     }
 
-    fn take_segment(&mut self, key: u64) {
+    /// The leading blocks of tracked prefix `key` it holds.
+    fn holds(&self, key: u64) -> usize {
+        self.segments
+            .iter()
+            .find(|s| s.key == Some(key))
+            .map_or(0, |s| s.blocks)
+    }
+
+    fn take(&mut self, key: u64) {
         if let Some(i) = self.segments.iter().position(|s| s.key == Some(key)) {
             self.segments.remove(i);
             // Merge the garbage on either side, so the queue stays short.
@@ -286,6 +307,13 @@ impl WorkerModel {
         }
     }
 
+    /// A prefix no longer tracked: its blocks stay, as garbage.
+    fn forget(&mut self, key: u64) {
+        if let Some(s) = self.segments.iter_mut().find(|s| s.key == Some(key)) {
+            s.key = None;
+        }
+    }
+
     fn push_tail(&mut self, key: Option<u64>, blocks: usize) {
         if blocks == 0 {
             return;
@@ -298,22 +326,6 @@ impl WorkerModel {
             return;
         }
         self.segments.push_back(Segment { key, blocks });
-    }
-
-    /// What the running requests pin, and their prefixes: the newest `in_flight` routed here
-    /// (requests finish about in the order they came), each its own blocks, and their
-    /// prefixes once each.
-    fn running(&self, in_flight: i64) -> (usize, Vec<Option<u64>>) {
-        let mut pinned = 0;
-        let mut keys: Vec<Option<u64>> = Vec::new();
-        for &(key, prefix, own) in self.recent.iter().rev().take(in_flight.max(0) as usize) {
-            pinned += own;
-            if key.is_none() || !keys.contains(&key) {
-                pinned += prefix;
-            }
-            keys.push(key);
-        }
-        (pinned, keys)
     }
 
     /// Make room for `n` blocks about to go to the tail: uncached ones first, then from the
@@ -334,12 +346,114 @@ impl WorkerModel {
     }
 }
 
+/// One worker's model.
+#[derive(Clone, Debug, Default)]
+struct WorkerModel {
+    /// The modelled free queue, refreshes included.
+    queue: FreeQueue,
+    /// The same worker's free queue had no refresh been sent (the same requests routed):
+    /// what its plain LRU would hold, against which `auto` measures what refreshes buy.
+    shadow: FreeQueue,
+    tracked: HashMap<u64, Tracked>,
+    /// Requests routed here.
+    requests: u64,
+    /// Smoothed new blocks per request (its own suffix and output).
+    new_blocks: f64,
+    /// The last requests routed here, newest last: (tracked prefix, its blocks, the request's
+    /// own new blocks). Requests finish about in the order they came, so the newest
+    /// `in_flight` of them are what the worker runs now.
+    recent: VecDeque<(Option<u64>, usize, usize)>,
+}
+
+/// What the refreshes bought, over about the fleet's last [`PAYOFF_WINDOW`] requests (each
+/// count decays by `1 - 1 / PAYOFF_WINDOW` a request): measured at each use of a tracked
+/// prefix against its worker's plain LRU ([`WorkerModel::shadow`]). Counted fleet-wide: a
+/// refresh saves a prefill about once in 20 where retention pays (the reference workload),
+/// too rarely to judge one worker's few.
+#[derive(Clone, Debug, Default)]
+struct Payoff {
+    /// Prefix blocks requests found held that the plain LRU would have evicted.
+    saved: f64,
+    /// Prefix blocks of the tracked prefixes' uses the plain LRU would have evicted: the
+    /// pressure on the cache, what retention could save at most.
+    lost: f64,
+    /// Refreshes sent.
+    refreshes: f64,
+    /// Uses of tracked prefixes.
+    uses: f64,
+    /// Requests routed (the weight the counts above are over).
+    requests: f64,
+}
+
+/// Requests over which [`Payoff`] counts.
+const PAYOFF_WINDOW: f64 = 256.0;
+
+/// Refreshes [`Payoff`] must count before it judges what they buy: below it (at the start, or
+/// once the count has decayed after `auto` stopped) `auto` refreshes, as a probe.
+const PAYOFF_SAMPLE: f64 = 128.0;
+
+/// Uses of tracked prefixes [`Payoff`] must count before it judges the pressure.
+const PAYOFF_USES: f64 = 32.0;
+
+impl Payoff {
+    fn used(&mut self, saved: usize, lost: usize) {
+        self.saved += saved as f64;
+        self.lost += lost as f64;
+        self.uses += 1.0;
+    }
+
+    /// A request was routed: older counts weigh less.
+    fn decay(&mut self) {
+        let keep = 1.0 - 1.0 / PAYOFF_WINDOW;
+        self.saved *= keep;
+        self.lost *= keep;
+        self.refreshes *= keep;
+        self.uses *= keep;
+        self.requests = self.requests * keep + 1.0;
+    }
+
+    /// Whether refreshing pays (blocks of `block_size` tokens): the plain LRUs lose at least
+    /// `pressure_tokens` a use (once enough uses were seen to tell), and the refreshes sent
+    /// saved at least `min_tokens` each (once enough were sent).
+    fn pays(&self, block_size: usize, min_tokens: f64, pressure_tokens: f64) -> bool {
+        let bs = block_size as f64;
+        let pressure = self.uses < PAYOFF_USES || self.lost * bs >= pressure_tokens * self.uses;
+        let bought =
+            self.refreshes < PAYOFF_SAMPLE || self.saved * bs >= min_tokens * self.refreshes;
+        pressure && bought
+    }
+}
+
+/// Requests remembered per worker for [`WorkerModel::recent`].
+const RECENT: usize = 64;
+
+const SMOOTHING: f64 = 0.3;
+
+impl WorkerModel {
+    /// What the running requests pin, and their prefixes: the newest `in_flight` routed here
+    /// (requests finish about in the order they came), each its own blocks, and their
+    /// prefixes once each.
+    fn running(&self, in_flight: i64) -> (usize, Vec<Option<u64>>) {
+        let mut pinned = 0;
+        let mut keys: Vec<Option<u64>> = Vec::new();
+        for &(key, prefix, own) in self.recent.iter().rev().take(in_flight.max(0) as usize) {
+            pinned += own;
+            if key.is_none() || !keys.contains(&key) {
+                pinned += prefix;
+            }
+            keys.push(key);
+        }
+        (pinned, keys)
+    }
+}
+
 /// The retention state machine: one model per worker slot (see the module docs).
 #[derive(Clone, Debug)]
 pub struct Retention {
     config: RetentionConfig,
     workers: Vec<WorkerModel>,
     homes: Homes,
+    payoff: Payoff,
     stats: RetentionStats,
 }
 
@@ -420,6 +534,7 @@ impl Retention {
             config,
             workers: Vec::new(),
             homes: Homes::default(),
+            payoff: Payoff::default(),
             stats: RetentionStats::default(),
         }
     }
@@ -447,13 +562,6 @@ impl Retention {
         self.homes.forget_slot(worker);
     }
 
-    fn model(&mut self, worker: usize) -> &mut WorkerModel {
-        if self.workers.len() <= worker {
-            self.workers.resize_with(worker + 1, WorkerModel::default);
-        }
-        &mut self.workers[worker]
-    }
-
     /// A request was routed to `worker`: a prompt of these own block hashes and tokens, of
     /// which the index credited the worker with the leading `overlap` blocks, generating up to
     /// `output_tokens` tokens.
@@ -473,9 +581,30 @@ impl Retention {
         if block_hashes.len() >= min_blocks {
             self.homes.routed(block_hashes[min_blocks - 1], worker);
         }
-        let m = self.model(worker);
+        if self.workers.len() <= worker {
+            self.workers.resize_with(worker + 1, WorkerModel::default);
+        }
+        let m = &mut self.workers[worker];
         m.requests += 1;
         let overlap = overlap.min(block_hashes.len()).min(prompt.len() / bs);
+        // What refreshes bought this request: the longest tracked prefix it uses, as far as
+        // the worker held it (the index's credit) against what the plain LRU would hold.
+        if self.config.mode != RetentionMode::Off
+            && let Some((&used, t)) = m
+                .tracked
+                .iter()
+                .filter(|&(&tk, t)| {
+                    t.blocks <= block_hashes.len() && block_hashes[t.blocks - 1] == tk
+                })
+                .max_by_key(|&(_, t)| t.blocks)
+        {
+            let plain = m.shadow.holds(used).min(t.blocks);
+            let saved = overlap.min(t.blocks).saturating_sub(plain);
+            self.payoff.used(saved, t.blocks - plain);
+            self.stats.saved_blocks += saved as u64;
+            self.stats.lost_blocks += (t.blocks - plain) as u64;
+        }
+        self.payoff.decay();
         let total = (prompt.len() + output_tokens).div_ceil(bs);
         let new_blocks = total.saturating_sub(overlap);
         m.new_blocks = if m.requests == 1 {
@@ -515,9 +644,11 @@ impl Retention {
                 if let Some(t) = m.tracked.remove(&tk) {
                     inherited_gap = Some(inherited_gap.map_or(t.gap, |g: f64| g.min(t.gap)));
                 }
-                m.take_segment(tk);
+                m.queue.take(tk);
+                m.shadow.take(tk);
             }
-            m.take_segment(k);
+            m.queue.take(k);
+            m.shadow.take(k);
         }
         let requests = m.requests;
         if m.recent.len() == RECENT {
@@ -528,11 +659,18 @@ impl Retention {
         // The request's blocks go to the tail: the prefix's (just taken out of the queue) and
         // its own new ones, taken from the head. A prefix newly learned was counted as its
         // first request's garbage: the surplus goes from the head too.
-        m.allocate(total, capacity);
-        match key {
-            Some(k) => {
-                m.push_tail(None, total.saturating_sub(key_blocks));
-                m.push_tail(Some(k), key_blocks);
+        for q in [&mut m.queue, &mut m.shadow] {
+            q.allocate(total, capacity);
+            match key {
+                Some(k) => {
+                    q.push_tail(None, total.saturating_sub(key_blocks));
+                    q.push_tail(Some(k), key_blocks);
+                }
+                None => q.push_tail(None, total),
+            }
+        }
+        if let Some(k) = key {
+            {
                 let tracked_count = m.tracked.len();
                 match m.tracked.get_mut(&k) {
                     Some(t) => {
@@ -574,15 +712,13 @@ impl Retention {
                                 .map(|(&tk, _)| tk);
                             if let Some(tk) = coldest {
                                 m.tracked.remove(&tk);
-                                if let Some(s) = m.segments.iter_mut().find(|s| s.key == Some(tk)) {
-                                    s.key = None;
-                                }
+                                m.queue.forget(tk);
+                                m.shadow.forget(tk);
                             }
                         }
                     }
                 }
             }
-            None => m.push_tail(None, total),
         }
     }
 
@@ -760,6 +896,14 @@ impl Retention {
             return;
         }
         if mode == RetentionMode::Auto {
+            if !self.payoff.pays(
+                bs,
+                self.config.min_payoff_tokens,
+                self.config.pressure_tokens,
+            ) {
+                stats.declined_payoff += 1;
+                return;
+            }
             let demand = |interval: f64| 1.0 / interval;
             let total: f64 = m
                 .tracked
@@ -783,7 +927,7 @@ impl Retention {
             });
         }
         let margin = incoming_blocks as f64 + margin_requests * m.new_blocks.max(1.0);
-        let uncached = capacity.saturating_sub(m.held()) as f64;
+        let uncached = capacity.saturating_sub(m.queue.held()) as f64;
         let refresh_after = self.config.refresh_after_requests;
         let min_blocks = self.config.min_prefix_blocks.max(1);
         // What the running requests pin (the one just routed is counted by the load but not
@@ -794,7 +938,7 @@ impl Retention {
             // The retained prefix nearest the head, if it is within the margin.
             let mut distance = uncached;
             let mut danger: Option<u64> = None;
-            for s in &m.segments {
+            for s in &m.queue.segments {
                 if let Some(k) = s.key
                     && retained.iter().any(|&(r, _)| r == k)
                     && distance < margin
@@ -810,7 +954,7 @@ impl Retention {
                 danger = retained.iter().map(|&(k, _)| k).find(|k| {
                     let t = &m.tracked[k];
                     !t.gone
-                        && (!m.segments.iter().any(|s| s.key == Some(*k))
+                        && (m.queue.holds(*k) == 0
                             || (refresh_after > 0
                                 && uncached < margin
                                 && requests.saturating_sub(t.last_touch) >= refresh_after))
@@ -835,7 +979,8 @@ impl Retention {
             if held < min_blocks {
                 t.gone = true;
                 stats.skipped_evicted += 1;
-                m.take_segment(k);
+                m.queue.take(k);
+                m.shadow.take(k);
                 continue;
             }
             if mode == RetentionMode::Auto && elsewhere >= held {
@@ -889,8 +1034,9 @@ impl Retention {
             stats.refreshes += 1;
             stats.refreshed_blocks += held as u64;
             t.last_touch = requests;
-            m.take_segment(k);
-            m.push_tail(Some(k), held);
+            self.payoff.refreshes += 1.0;
+            m.queue.take(k);
+            m.queue.push_tail(Some(k), held);
         }
     }
 }
@@ -1106,7 +1252,13 @@ mod tests {
     /// output each) on a 45-block worker, with retention in `mode` sending its refreshes
     /// ahead of each request.
     fn reference_hits(mode: RetentionMode, n: u32) -> (u32, u64) {
-        let mut r = Retention::new(RetentionConfig::new(mode, BS, 45));
+        let (hits, stats) = reference_run(RetentionConfig::new(mode, BS, 45), n);
+        (hits, stats.refreshes)
+    }
+
+    /// [`reference_hits`] with `config`: the hits and the stats.
+    fn reference_run(config: RetentionConfig, n: u32) -> (u32, RetentionStats) {
+        let mut r = Retention::new(config);
         let mut lru = ReferenceLru {
             capacity: 45,
             queue: VecDeque::new(),
@@ -1135,7 +1287,49 @@ mod tests {
             }
             r.routed(0, &hashes, &tokens, overlap, BS, 0.0);
         }
-        (hits, r.stats().refreshes)
+        (hits, r.stats())
+    }
+
+    #[test]
+    fn auto_keeps_refreshing_where_the_plain_lru_would_lose_the_prefixes() {
+        let mut cfg = RetentionConfig::new(RetentionMode::Auto, BS, 45);
+        cfg.refresh_cost_tokens = 1.0;
+        cfg.pressure_tokens = 4.0;
+        cfg.min_payoff_tokens = 2.0;
+        let (hits, stats) = reference_run(cfg, 400);
+        let (off, _) = reference_hits(RetentionMode::Off, 400);
+        assert!(hits >= 380, "auto keeps them: {hits} of 400 (off: {off})");
+        // Measured against the LRU without refreshes: they saved prefills, and it went on.
+        assert!(stats.saved_blocks > 0 && stats.lost_blocks >= stats.saved_blocks);
+    }
+
+    #[test]
+    fn auto_stops_where_the_plain_lru_loses_nothing() {
+        // 3 prefixes of 10 blocks in turn and 3 own blocks a request on 45 blocks: the model
+        // puts each near the head between its uses (on refreshes it), but the LRU evicts only
+        // the requests' own blocks before its next use, so a refresh buys nothing.
+        let run = |mode: RetentionMode| {
+            let mut cfg = RetentionConfig::new(mode, BS, 45);
+            cfg.refresh_cost_tokens = 1.0;
+            let mut r = Retention::new(cfg);
+            let mut late = 0;
+            for i in 0..200u32 {
+                let (tokens, hashes) = prompt(i % 3, 10, 2 * BS, i);
+                let mut out = Vec::new();
+                r.poll(0, &idle(), &mut held_all, 3, 0.0, &mut out);
+                if i >= 100 {
+                    late += out.len();
+                }
+                r.routed(0, &hashes, &tokens, if i < 3 { 0 } else { 10 }, BS, 0.0);
+            }
+            (late, r.stats())
+        };
+        let (on, stats) = run(RetentionMode::On);
+        assert!(on > 0, "on refreshes them");
+        assert_eq!(stats.lost_blocks, 0, "the plain LRU keeps them");
+        let (auto, stats) = run(RetentionMode::Auto);
+        assert_eq!(auto, 0, "auto stops once it saw the uses");
+        assert!(stats.declined_payoff > 0);
     }
 
     #[test]

@@ -1252,7 +1252,7 @@ type RefreshTuple = (Vec<u32>, Vec<u64>, usize);
 ///     capacity_blocks: usable KV blocks per worker (``num_gpu_blocks`` − 1).
 ///     margin_requests, refresh_cost_tokens, value_ratio, min_prefix_blocks, max_tracked,
 ///     reserve_factor, min_coverage, min_reuses, refresh_after_requests,
-///     room_slack_requests, room_max_fill: the knobs of ``RetentionConfig`` (defaults
+///     room_slack_requests, room_max_fill, min_payoff_tokens: the knobs of ``RetentionConfig`` (defaults
 ///     when None).
 #[pyclass(module = "kvroute._native", name = "Retention")]
 pub struct PyRetention {
@@ -1262,7 +1262,7 @@ pub struct PyRetention {
 #[pymethods]
 impl PyRetention {
     #[new]
-    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None, min_coverage = None, min_reuses = None, refresh_after_requests = None, room_slack_requests = None, room_max_fill = None))]
+    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None, min_coverage = None, min_reuses = None, refresh_after_requests = None, room_slack_requests = None, room_max_fill = None, min_payoff_tokens = None, pressure_tokens = None))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         mode: &str,
@@ -1279,6 +1279,8 @@ impl PyRetention {
         refresh_after_requests: Option<u64>,
         room_slack_requests: Option<f64>,
         room_max_fill: Option<f64>,
+        min_payoff_tokens: Option<f64>,
+        pressure_tokens: Option<f64>,
     ) -> PyResult<Self> {
         let mode: retention::RetentionMode = mode.parse().map_err(PyValueError::new_err)?;
         if block_size == 0 {
@@ -1317,6 +1319,12 @@ impl PyRetention {
         }
         if let Some(v) = room_max_fill {
             config.room_max_fill = v;
+        }
+        if let Some(v) = min_payoff_tokens {
+            config.min_payoff_tokens = v;
+        }
+        if let Some(v) = pressure_tokens {
+            config.pressure_tokens = v;
         }
         Ok(Self {
             inner: retention::Retention::new(config),
@@ -1423,7 +1431,7 @@ impl PyRetention {
 
     /// What it did: ``refreshes``, ``refreshed_blocks``, ``skipped_evicted``, ``partial``,
     /// ``deferred_busy``, ``deferred_full``, ``declined_value``, ``declined_coverage``,
-    /// ``declined_held_elsewhere``.
+    /// ``declined_held_elsewhere``, ``declined_payoff``, ``saved_blocks``, ``lost_blocks``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         let s = self.inner.stats();
         let d = PyDict::new(py);
@@ -1436,6 +1444,9 @@ impl PyRetention {
         d.set_item("declined_value", s.declined_value)?;
         d.set_item("declined_coverage", s.declined_coverage)?;
         d.set_item("declined_held_elsewhere", s.declined_held_elsewhere)?;
+        d.set_item("declined_payoff", s.declined_payoff)?;
+        d.set_item("saved_blocks", s.saved_blocks)?;
+        d.set_item("lost_blocks", s.lost_blocks)?;
         Ok(d)
     }
 }
