@@ -13,8 +13,9 @@
 //! 1. the edge ([`edge`]): a connection limit answered with 503, a request-head timeout, a body
 //!    limit checked before the body is read (413), a body timeout (408), no request-body
 //!    decompression (415), the API key;
-//! 2. the prompt ([`prompt`]): token ids as given, or text through the engines' tokenizer,
-//!    hashed into the engines' chained block hashes (`kvroute_core::blocks`);
+//! 2. the prompt ([`prompt`]): token ids as given, text through the engines' tokenizer, chats
+//!    rendered with its chat template ([`chat`]), hashed into the engines' chained block
+//!    hashes (`kvroute_core::blocks`);
 //! 3. the routing step ([`fleet`]): `kvroute_core`'s index look-up, policy, prediction and load
 //!    accounting, among the workers that are healthy and not ejected;
 //! 4. the relay ([`relay`]): the client's bytes forwarded unchanged to the chosen worker's
@@ -26,6 +27,7 @@
 //! Pure decisions live apart from the I/O: [`prompt`] (body → prompt), [`fleet`] (membership,
 //! health, ejection and routing, fed outcomes and times), [`metrics`] (counters and their text).
 
+pub mod chat;
 pub mod config;
 pub mod connections;
 pub mod edge;

@@ -6,8 +6,10 @@
 //! - A completion prompt given as text is encoded with `add_special_tokens`, as vLLM encodes
 //!   it, through the engines' tokenizer (`kvroute_tokenize::TextChunker`: each text piece is
 //!   tokenized once). Without a tokenizer the prompt is routed untokenized (by load alone).
-//! - Chat messages are checked (a non-empty list of objects with a role) and routed
-//!   untokenized: this data plane does not render chat templates yet.
+//! - Chat messages are checked (a non-empty list of objects with a role), rendered with the
+//!   tokenizer's chat template ([`crate::chat`]) and encoded without added special tokens (the
+//!   template wrote them). Without a tokenizer, or when a chat cannot be rendered, it is routed
+//!   untokenized.
 //!
 //! The body is parsed once with `serde_json` (nesting past its recursion limit is an error, not
 //! a stack overflow) and its depth checked against the router's own limit before any field is
@@ -16,6 +18,7 @@
 use std::path::Path;
 use std::sync::Mutex;
 
+use kvroute_chat::ChatTemplate;
 use kvroute_core::blocks::BlockHasher;
 use kvroute_tokenize::{ChunkerConfig, TextChunker};
 use serde_json::Value;
@@ -91,6 +94,8 @@ pub struct Prompts {
     /// The engines' tokenizer, in pieces; a lock because its caches are shared by all threads
     /// (an encode of a new 2,000-token prompt holds it ~1 ms, a cached one ~50 µs).
     chunker: Option<Mutex<Encoder>>,
+    /// The tokenizer's chat template, if it has one.
+    template: Option<ChatTemplate>,
     max_json_depth: usize,
     /// Longest prompt (in tokens, or text bytes) worth tokenizing and hashing.
     max_prompt_tokens: usize,
@@ -116,6 +121,10 @@ impl Prompts {
         cache_bytes: usize,
         max_json_depth: usize,
     ) -> Result<Self, ConfigError> {
+        let template = match tokenizer_dir {
+            Some(dir) => crate::chat::load_template(dir)?,
+            None => None,
+        };
         let chunker = match tokenizer_dir {
             None => None,
             Some(dir) => {
@@ -139,6 +148,7 @@ impl Prompts {
         Ok(Self {
             hasher,
             chunker,
+            template,
             max_json_depth,
             max_prompt_tokens: MAX_PROMPT_TOKENS,
             max_text_bytes: MAX_TEXT_BYTES,
@@ -187,7 +197,14 @@ impl Prompts {
                         ));
                     }
                 }
-                Ok(untokenized(0))
+                let text = self
+                    .template
+                    .as_ref()
+                    .and_then(|t| crate::chat::render(t, fields, messages, self.max_text_bytes));
+                Ok(match text {
+                    Some(text) if text.len() <= self.max_text_bytes => self.encoded(&text, false),
+                    _ => untokenized(0),
+                })
             }
             Route::Completions => {
                 let mut prompt = fields.get("prompt");
@@ -197,7 +214,10 @@ impl Prompts {
                     prompt = items.first(); // a batch: routed by its first prompt
                 }
                 match prompt {
-                    Some(Value::String(text)) => Ok(self.text(text)),
+                    Some(Value::String(text)) if text.len() <= self.max_text_bytes => {
+                        Ok(self.encoded(text, true))
+                    }
+                    Some(Value::String(_)) => Ok(untokenized(0)),
                     Some(Value::Array(items)) if !items.is_empty() => {
                         if items.len() > self.max_prompt_tokens {
                             return Ok(untokenized(items.len()));
@@ -227,8 +247,9 @@ impl Prompts {
         }
     }
 
-    /// A completion prompt given as text.
-    fn text(&self, text: &str) -> Prompt {
+    /// `text` encoded (with the special tokens the tokenizer adds when `add_special_tokens`)
+    /// and hashed; untokenized without a tokenizer or when the tokenizer fails on it.
+    fn encoded(&self, text: &str, add_special_tokens: bool) -> Prompt {
         let untokenized = Prompt {
             tokens: 0,
             block_hashes: Vec::new(),
@@ -237,15 +258,12 @@ impl Prompts {
         let Some(encoder) = &self.chunker else {
             return untokenized;
         };
-        if text.len() > self.max_text_bytes {
-            return untokenized;
-        }
         // A poisoned lock means another request panicked mid-encode; the caches stay usable.
         let mut encoder = encoder.lock().unwrap_or_else(|p| p.into_inner());
         let ids = match &mut *encoder {
-            Encoder::Pieces(c) => c.encode(text, true),
+            Encoder::Pieces(c) => c.encode(text, add_special_tokens),
             Encoder::Whole(t) => t
-                .encode_fast(text, true)
+                .encode_fast(text, add_special_tokens)
                 .map(|e| e.get_ids().to_vec())
                 .map_err(|e| kvroute_tokenize::NotChunkable(e.to_string())),
         };
