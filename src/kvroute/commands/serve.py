@@ -367,6 +367,7 @@ async def _serve_native(config: RouterConfig) -> None:
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
     raise_fd_limit()  # before start: the connection limit is derived from it
+    return_freed_memory_promptly()  # the native server's buffers come from the same malloc
     router = NativeRouterRunner(config, config.threads)
     try:
         await router.start()
