@@ -20,8 +20,7 @@ from kvroute.bench.runner import router_refreshes
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.proxy import RouterConfig, start_router
 
-pytestmark = [pytest.mark.usefixtures("data_plane"),
-              pytest.mark.aiohttp_only("retention runs in the aiohttp router only")]
+pytestmark = pytest.mark.usefixtures("data_plane")
 
 MODEL = "Qwen/Qwen3-0.6B"
 #: 64 usable blocks of 16 tokens: 4 prefixes of 10 blocks and their requests' own blocks do
@@ -75,7 +74,7 @@ async def _fake_worker(handler) -> tuple[web.AppRunner, str]:
 async def _settle(router) -> None:
     """Wait for the refreshes still open."""
     for _ in range(200):
-        if not router.retention._tasks:
+        if router.metric("kvroute_retention_refreshes_open") == 0:
             return
         await asyncio.sleep(0.01)
 
@@ -94,7 +93,7 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
         async with start_router(rc) as router:
             await _drive(router.url, 40, prefixes, rng)
             if mode == "off":
-                assert router.retention is None
+                assert router.retention_stats() is None
                 text = await _metrics(router.url)
                 assert "kvroute_retention_refreshes" not in text
                 assert worker.worker.engine.stats.requests == 40
@@ -111,7 +110,9 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
             # refreshes besides.
             assert metric(text, "kvroute_router_requests_total") == 40
             assert worker.worker.engine.stats.requests == 40 + sent
-            assert router.retention.stats()["refreshes"] == sent
+            assert router.retention_stats()["refreshes"] == sent
+            # Every client request went after its refreshes were on their connections.
+            assert metric(text, "kvroute_retention_refreshes_late_total") == 0
             # What the bench reads as a trial's refreshes; a worker's own /metrics has none.
             assert await router_refreshes(router.url + "/v1") == sent
             assert await router_refreshes(worker.url) is None
@@ -149,6 +150,7 @@ async def test_refresh_failures_are_counted_not_retried_and_clients_are_served()
         await runner.cleanup()
 
 
+@pytest.mark.aiohttp_only("records each refresh through the aiohttp router's fire hook")
 async def test_refreshes_reach_the_worker_before_the_request_they_are_sent_ahead_of():
     """Arriving after its request, a refresh finds the prefix already pushed out of the LRU by
     that request's blocks: each refresh must reach the worker before the client request that

@@ -1433,22 +1433,29 @@ impl PyRetention {
     /// ``deferred_busy``, ``deferred_full``, ``declined_value``, ``declined_coverage``,
     /// ``declined_held_elsewhere``, ``declined_payoff``, ``saved_blocks``, ``lost_blocks``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
-        let s = self.inner.stats();
-        let d = PyDict::new(py);
-        d.set_item("refreshes", s.refreshes)?;
-        d.set_item("refreshed_blocks", s.refreshed_blocks)?;
-        d.set_item("skipped_evicted", s.skipped_evicted)?;
-        d.set_item("partial", s.partial)?;
-        d.set_item("deferred_busy", s.deferred_busy)?;
-        d.set_item("deferred_full", s.deferred_full)?;
-        d.set_item("declined_value", s.declined_value)?;
-        d.set_item("declined_coverage", s.declined_coverage)?;
-        d.set_item("declined_held_elsewhere", s.declined_held_elsewhere)?;
-        d.set_item("declined_payoff", s.declined_payoff)?;
-        d.set_item("saved_blocks", s.saved_blocks)?;
-        d.set_item("lost_blocks", s.lost_blocks)?;
-        Ok(d)
+        retention_stats_dict(py, &self.inner.stats())
     }
+}
+
+/// Retention's counters as a dict (``Retention.stats``, ``NativeRouter.retention_stats``).
+pub fn retention_stats_dict<'py>(
+    py: Python<'py>,
+    s: &kvroute_core::retention::RetentionStats,
+) -> PyResult<Bound<'py, PyDict>> {
+    let d = PyDict::new(py);
+    d.set_item("refreshes", s.refreshes)?;
+    d.set_item("refreshed_blocks", s.refreshed_blocks)?;
+    d.set_item("skipped_evicted", s.skipped_evicted)?;
+    d.set_item("partial", s.partial)?;
+    d.set_item("deferred_busy", s.deferred_busy)?;
+    d.set_item("deferred_full", s.deferred_full)?;
+    d.set_item("declined_value", s.declined_value)?;
+    d.set_item("declined_coverage", s.declined_coverage)?;
+    d.set_item("declined_held_elsewhere", s.declined_held_elsewhere)?;
+    d.set_item("declined_payoff", s.declined_payoff)?;
+    d.set_item("saved_blocks", s.saved_blocks)?;
+    d.set_item("lost_blocks", s.lost_blocks)?;
+    Ok(d)
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {

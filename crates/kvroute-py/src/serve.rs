@@ -6,6 +6,7 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use kvroute_core::retention::RetentionMode;
 use kvroute_serve::{EventSource, PolicySpec, ServeConfig, Server, WorkerSpec};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -128,7 +129,7 @@ impl NativeRouter {
         stream_idle_timeout_s = Some(300.0), max_attempts = 3, health_interval_s = 2.0,
         health_timeout_s = 1.0, eject_after_failures = 3, eject_base_s = 5.0, api_key = None,
         metrics_public = false, worker_api_key = None, forward_authorization = false,
-        events_topic = String::new()
+        events_topic = String::new(), retention = None, retention_capacity_blocks = 584
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -166,7 +167,19 @@ impl NativeRouter {
         worker_api_key: Option<String>,
         forward_authorization: bool,
         events_topic: String,
+        retention: Option<String>,
+        retention_capacity_blocks: usize,
     ) -> PyResult<Self> {
+        let retention = match retention.as_deref() {
+            None | Some("off") => None,
+            Some("on") => Some((RetentionMode::On, retention_capacity_blocks)),
+            Some("auto") => Some((RetentionMode::Auto, retention_capacity_blocks)),
+            Some(other) => {
+                return Err(PyValueError::new_err(format!(
+                    "retention {other:?}: off, on or auto"
+                )));
+            }
+        };
         let config = ServeConfig {
             host: host.clone(),
             port,
@@ -208,6 +221,7 @@ impl NativeRouter {
             worker_api_key,
             forward_authorization,
             drain_timeout: Duration::from_secs(30),
+            retention,
         };
         let server = py
             .detach(|| Server::start(config))
@@ -270,6 +284,14 @@ impl NativeRouter {
             out.append(d)?;
         }
         Ok(out)
+    }
+
+    /// Retention's counters as ``kvroute._native.Retention.stats`` gives them; None when off.
+    fn retention_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
+        let Some(stats) = self.with(Server::retention_stats)? else {
+            return Ok(None);
+        };
+        Ok(Some(crate::routing::retention_stats_dict(py, &stats)?))
     }
 
     /// Requests in flight.

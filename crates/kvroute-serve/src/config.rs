@@ -7,6 +7,7 @@ use std::time::Duration;
 
 use kvroute_core::policies::{KvAware, KvAwareConfig, Policy, PrefixHash, PrefixHashConfig};
 use kvroute_core::pyrandom::PyRandom;
+use kvroute_core::retention::RetentionMode;
 
 /// A configuration the router cannot run with (the message is what `kvroute serve` prints).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -180,6 +181,9 @@ pub struct ServeConfig {
     pub forward_authorization: bool,
     /// How long a drain waits for in-flight requests.
     pub drain_timeout: Duration,
+    /// Retention (`kvroute_core::retention`): its mode and each worker's usable KV blocks;
+    /// None: off.
+    pub retention: Option<(RetentionMode, usize)>,
 }
 
 impl Default for ServeConfig {
@@ -217,6 +221,7 @@ impl Default for ServeConfig {
             worker_api_key: None,
             forward_authorization: false,
             drain_timeout: Duration::from_secs(30),
+            retention: None,
         }
     }
 }

@@ -24,10 +24,12 @@ use std::sync::{Arc, Mutex};
 use kvroute_core::blocks::BlockHasher;
 use kvroute_core::index::{KvIndex, MemoryBound};
 use kvroute_core::policies::{Choose, Policy};
+use kvroute_core::retention::{Refresh, Retention, RetentionConfig, RetentionStats};
 use kvroute_core::routing::RoutingStep;
 use kvroute_io::consumer::{SharedIndex, lock_index};
 
 use crate::config::{ConfigError, EventSource, ServeConfig, WorkerSpec, worker_base_url};
+use crate::prompt::Retained;
 
 /// Longest ejection, whatever the number of ejections in a row.
 pub const MAX_EJECTION_S: f64 = 300.0;
@@ -70,7 +72,7 @@ impl Member {
 }
 
 /// Where one request goes.
-#[derive(Clone, Debug, PartialEq, Eq)]
+#[derive(Clone, Debug, PartialEq)]
 pub struct Choice {
     /// The worker's name and base URL.
     pub name: String,
@@ -81,6 +83,8 @@ pub struct Choice {
     pub prefill_tokens: usize,
     /// Leading prompt blocks the index credited it with.
     pub overlap_blocks: usize,
+    /// Refreshes retention sends that worker ahead of this request (their prompts).
+    pub refreshes: Vec<Refresh>,
 }
 
 /// What a new worker list changed: the streams to follow and those to stop following.
@@ -101,6 +105,9 @@ pub struct Fleet {
     eject_after_failures: u32,
     eject_base_s: f64,
     candidates: Vec<usize>,
+    /// What each worker's cache keeps (None: retention off).
+    retention: Option<Retention>,
+    block_size: usize,
 }
 
 impl Fleet {
@@ -124,6 +131,10 @@ impl Fleet {
             eject_after_failures: config.eject_after_failures,
             eject_base_s: config.eject_base.as_secs_f64(),
             candidates: Vec::new(),
+            retention: config.retention.map(|(mode, capacity)| {
+                Retention::new(RetentionConfig::new(mode, config.block_size, capacity))
+            }),
+            block_size: config.block_size,
         };
         let membership = fleet.set_workers(&config.workers)?;
         Ok((fleet, membership))
@@ -215,13 +226,16 @@ impl Fleet {
     }
 
     /// Route a prompt among the available workers not in `tried` (names), at `now`
-    /// (monotonic seconds); None when there is no such worker.
+    /// (monotonic seconds); None when there is no such worker. With retention on and a
+    /// token-id prompt (`retained`), a prompt cached nowhere goes where it displaces least
+    /// (`Retention::room_for`), and the choice carries the refreshes to send first.
     pub fn route(
         &mut self,
         block_hashes: &[u64],
         prompt_tokens: usize,
         tried: &[String],
         now: f64,
+        retained: Option<&Retained>,
     ) -> Option<Choice> {
         self.candidates.clear();
         self.candidates.extend(
@@ -234,14 +248,55 @@ impl Fleet {
             return None;
         }
         let mut index = lock_index(&self.index);
-        let routed = self.routing.route(
-            Some(&mut index),
-            &mut self.policy,
-            block_hashes,
-            prompt_tokens,
-            Some(&self.candidates),
-            now,
-        );
+        let retention = self.retention.as_mut().zip(retained);
+        let room = retention.as_ref().and_then(|(r, _)| {
+            r.room_for(
+                &self.routing,
+                Some(&mut index),
+                &self.candidates,
+                block_hashes,
+                now,
+            )
+        });
+        let routed = match room {
+            Some(slot) => {
+                self.routing
+                    .route_to(Some(&mut index), slot, block_hashes, prompt_tokens, now)
+            }
+            None => self.routing.route(
+                Some(&mut index),
+                &mut self.policy,
+                block_hashes,
+                prompt_tokens,
+                Some(&self.candidates),
+                now,
+            ),
+        };
+        let mut refreshes = Vec::new();
+        if let Some((r, request)) = retention
+            && !block_hashes.is_empty()
+        {
+            let incoming = (request.ids.len() + request.output_tokens)
+                .div_ceil(self.block_size)
+                .saturating_sub(routed.overlap);
+            r.poll_step(
+                &self.routing,
+                Some(&mut index),
+                routed.worker,
+                incoming,
+                now,
+                &mut refreshes,
+            );
+            r.routed(
+                routed.worker,
+                block_hashes,
+                &request.ids,
+                routed.overlap,
+                request.output_tokens,
+                now,
+            );
+        }
+        drop(index);
         let member = self
             .members
             .iter()
@@ -253,6 +308,7 @@ impl Fleet {
             slot: routed.worker,
             prefill_tokens: routed.prefill_tokens,
             overlap_blocks: routed.overlap,
+            refreshes,
         })
     }
 
@@ -341,6 +397,11 @@ impl Fleet {
         (s.blocks, s.predicted, s.evicted_blocks)
     }
 
+    /// Retention's counters (None when it is off).
+    pub fn retention_stats(&self) -> Option<RetentionStats> {
+        self.retention.as_ref().map(Retention::stats)
+    }
+
     /// The load accounting of `slot`: `(requests in flight, prompt tokens still to prefill)`.
     pub fn load(&self, slot: usize) -> (i64, i64) {
         let s = self.routing.state(slot);
@@ -369,11 +430,11 @@ mod tests {
     fn kv_aware_sends_a_repeated_prompt_where_it_went_and_counts_the_load() {
         let mut f = fleet("kv-aware", &["http://a:1", "http://b:1/v1"]);
         let hashes = vec![11, 12, 13];
-        let first = f.route(&hashes, 12, &[], 0.0).unwrap();
+        let first = f.route(&hashes, 12, &[], 0.0, None).unwrap();
         assert_eq!(first.overlap_blocks, 0);
         f.first_token(first.slot, first.prefill_tokens);
         f.finished(first.slot);
-        let again = f.route(&hashes, 12, &[], 0.1).unwrap();
+        let again = f.route(&hashes, 12, &[], 0.1, None).unwrap();
         assert_eq!(again.name, first.name);
         assert_eq!(again.url, first.url);
         assert_eq!(again.overlap_blocks, 3);
@@ -383,12 +444,15 @@ mod tests {
     #[test]
     fn a_retry_never_goes_back_to_a_worker_it_tried() {
         let mut f = fleet("round-robin", &["http://a:1", "http://b:1"]);
-        let first = f.route(&[], 0, &[], 0.0).unwrap();
+        let first = f.route(&[], 0, &[], 0.0, None).unwrap();
         let second = f
-            .route(&[], 0, std::slice::from_ref(&first.name), 0.0)
+            .route(&[], 0, std::slice::from_ref(&first.name), 0.0, None)
             .unwrap();
         assert_ne!(first.name, second.name);
-        assert!(f.route(&[], 0, &[first.name, second.name], 0.0).is_none());
+        assert!(
+            f.route(&[], 0, &[first.name, second.name], 0.0, None)
+                .is_none()
+        );
     }
 
     #[test]

@@ -109,6 +109,12 @@ pub struct Metrics {
     client_disconnects: Family,
     client_timeouts: Family,
     rejected: Family,
+    refreshes: Family,
+    refresh_errors: Family,
+    refreshes_dropped: Family,
+    pub refresh_prompt_tokens: AtomicU64,
+    pub refreshes_late: AtomicU64,
+    pub refreshes_open: AtomicI64,
     pub retries: AtomicU64,
     pub connections_refused: AtomicU64,
     pub connections: AtomicI64,
@@ -128,6 +134,12 @@ impl Default for Metrics {
             client_disconnects: Family::default(),
             client_timeouts: Family::default(),
             rejected: Family::default(),
+            refreshes: Family::default(),
+            refresh_errors: Family::default(),
+            refreshes_dropped: Family::default(),
+            refresh_prompt_tokens: AtomicU64::new(0),
+            refreshes_late: AtomicU64::new(0),
+            refreshes_open: AtomicI64::new(0),
             retries: AtomicU64::new(0),
             connections_refused: AtomicU64::new(0),
             connections: AtomicI64::new(0),
@@ -176,6 +188,70 @@ impl Metrics {
         self.client_timeouts.inc(&[kind]);
     }
 
+    /// A refresh sent to `worker` (`tokens` prompt tokens).
+    pub fn refresh_sent(&self, worker: &str, tokens: usize) {
+        self.refreshes.inc(&[worker]);
+        self.refresh_prompt_tokens
+            .fetch_add(tokens as u64, Ordering::Relaxed);
+    }
+
+    /// A refresh to `worker` failed (not retried).
+    pub fn refresh_failed(&self, worker: &str) {
+        self.refresh_errors.inc(&[worker]);
+    }
+
+    /// A refresh to `worker` not sent: it already had the most refreshes open.
+    pub fn refresh_dropped(&self, worker: &str) {
+        self.refreshes_dropped.inc(&[worker]);
+    }
+
+    /// The `kvroute_retention_*` metrics (rendered only with retention on).
+    fn write_retention(&self, out: &mut String) {
+        self.refreshes.write(
+            out,
+            "kvroute_retention_refreshes",
+            "Refresh requests sent (prefix + 1 token, max_tokens 1)",
+            &["worker"],
+        );
+        self.refresh_errors.write(
+            out,
+            "kvroute_retention_refresh_errors",
+            "Refreshes that failed (not retried)",
+            &["worker"],
+        );
+        self.refreshes_dropped.write(
+            out,
+            "kvroute_retention_refreshes_dropped",
+            "Refreshes not sent: the worker already had the most refreshes open",
+            &["worker"],
+        );
+        for (name, kind, help, value) in [
+            (
+                "kvroute_retention_refresh_prompt_tokens_total",
+                "counter",
+                "Prompt tokens of the refreshes sent",
+                self.refresh_prompt_tokens.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "kvroute_retention_refreshes_late_total",
+                "counter",
+                "Client requests forwarded before their refreshes were written (waited the limit)",
+                self.refreshes_late.load(Ordering::Relaxed) as f64,
+            ),
+            (
+                "kvroute_retention_refreshes_open",
+                "gauge",
+                "Refreshes sent and not answered yet",
+                self.refreshes_open.load(Ordering::Relaxed) as f64,
+            ),
+        ] {
+            let _ = writeln!(
+                out,
+                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value:?}"
+            );
+        }
+    }
+
     /// A request refused before routing (`body_too_large`, `content_encoding`,
     /// `json_too_deep`).
     pub fn rejected(&self, reason: &str) {
@@ -185,6 +261,9 @@ impl Metrics {
     /// The text of `/metrics`, with the KV-event consumer's counters per followed worker.
     pub fn render(&self, fleet: &Fleet, now: f64, events: &[(String, CounterSnapshot)]) -> String {
         let mut out = String::with_capacity(4096);
+        if fleet.retention_stats().is_some() {
+            self.write_retention(&mut out);
+        }
         type Pick = fn(&CounterSnapshot) -> u64;
         let event_counters: [(&str, &str, Pick); 6] = [
             (

@@ -67,9 +67,25 @@ pub struct Prompt {
     pub tokens: usize,
     /// Chained hashes of its full blocks (empty when untokenized).
     pub block_hashes: Vec<u64>,
-    /// Routed without a prefix match (no tokenizer, chat, or longer than any engine takes).
+    /// Routed without a prefix match (no tokenizer, or longer than any engine takes).
     pub untokenized: bool,
+    /// What retention needs of a completion given as token ids (None otherwise, or when
+    /// retention is off).
+    pub retained: Option<Retained>,
 }
+
+/// A completion given as token ids, as retention reads it: a refresh needs the prefix's ids.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Retained {
+    pub ids: Vec<u32>,
+    /// `max_tokens`, or [`DEFAULT_OUTPUT_TOKENS`].
+    pub output_tokens: usize,
+    /// The body's `model`, sent on with the refreshes.
+    pub model: Option<String>,
+}
+
+/// Output budget assumed for a body without `max_tokens` (vLLM's default is the context).
+pub const DEFAULT_OUTPUT_TOKENS: usize = 16;
 
 /// Depth of the deepest list or object in `value` (a scalar is depth 0), walking without
 /// recursion.
@@ -100,6 +116,8 @@ pub struct Prompts {
     /// Longest prompt (in tokens, or text bytes) worth tokenizing and hashing.
     max_prompt_tokens: usize,
     max_text_bytes: usize,
+    /// Keep token-id prompts' ids for retention.
+    keep_ids: bool,
 }
 
 /// The tokenizer in pieces where its pipeline allows, whole otherwise.
@@ -120,6 +138,7 @@ impl Prompts {
         tokenizer_dir: Option<&Path>,
         cache_bytes: usize,
         max_json_depth: usize,
+        keep_ids: bool,
     ) -> Result<Self, ConfigError> {
         let template = match tokenizer_dir {
             Some(dir) => crate::chat::load_template(dir)?,
@@ -152,6 +171,7 @@ impl Prompts {
             max_json_depth,
             max_prompt_tokens: MAX_PROMPT_TOKENS,
             max_text_bytes: MAX_TEXT_BYTES,
+            keep_ids,
         })
     }
 
@@ -180,6 +200,7 @@ impl Prompts {
             tokens,
             block_hashes: Vec::new(),
             untokenized: true,
+            retained: None,
         };
         match route {
             Route::Chat => {
@@ -232,10 +253,29 @@ impl Prompts {
                                 Some("prompt"),
                             )
                         })?;
+                        let block_hashes = self.hasher.hash_blocks(&ids, None, 0, None);
+                        let tokens = ids.len();
+                        let batch = !std::ptr::eq(
+                            prompt.expect("matched Some"),
+                            fields.get("prompt").expect("a prompt"),
+                        );
+                        let retained = (self.keep_ids && !batch).then(|| Retained {
+                            output_tokens: fields
+                                .get("max_tokens")
+                                .and_then(Value::as_u64)
+                                .filter(|&n| n > 0)
+                                .map_or(DEFAULT_OUTPUT_TOKENS, |n| n as usize),
+                            model: fields
+                                .get("model")
+                                .and_then(Value::as_str)
+                                .map(str::to_owned),
+                            ids,
+                        });
                         Ok(Prompt {
-                            tokens: ids.len(),
-                            block_hashes: self.hasher.hash_blocks(&ids, None, 0, None),
+                            tokens,
+                            block_hashes,
                             untokenized: false,
+                            retained,
                         })
                     }
                     _ => Err(bad(
@@ -254,6 +294,7 @@ impl Prompts {
             tokens: 0,
             block_hashes: Vec::new(),
             untokenized: true,
+            retained: None,
         };
         let Some(encoder) = &self.chunker else {
             return untokenized;
@@ -273,6 +314,7 @@ impl Prompts {
                 tokens: ids.len(),
                 block_hashes: self.hasher.hash_blocks(&ids, None, 0, None),
                 untokenized: false,
+                retained: None,
             },
             Err(_) => untokenized,
         }
@@ -284,7 +326,7 @@ mod tests {
     use super::*;
 
     fn prompts() -> Prompts {
-        Prompts::new(BlockHasher::new(4, 0).unwrap(), None, 1 << 20, 8).unwrap()
+        Prompts::new(BlockHasher::new(4, 0).unwrap(), None, 1 << 20, 8, true).unwrap()
     }
 
     #[test]
@@ -311,6 +353,26 @@ mod tests {
             .unwrap();
         assert_eq!(p.tokens, 4);
         assert_eq!(p.block_hashes.len(), 1);
+        assert!(p.retained.is_none()); // a batch is not refreshed
+    }
+
+    #[test]
+    fn token_id_completions_carry_what_retention_needs() {
+        let p = prompts()
+            .parse(
+                Route::Completions,
+                br#"{"prompt": [5,6,7,8], "max_tokens": 3, "model": "m"}"#,
+            )
+            .unwrap();
+        let r = p.retained.unwrap();
+        assert_eq!(
+            (r.ids, r.output_tokens, r.model.as_deref()),
+            (vec![5, 6, 7, 8], 3, Some("m"))
+        );
+        let p = prompts()
+            .parse(Route::Completions, br#"{"prompt": [5]}"#)
+            .unwrap();
+        assert_eq!(p.retained.unwrap().output_tokens, DEFAULT_OUTPUT_TOKENS);
     }
 
     #[test]

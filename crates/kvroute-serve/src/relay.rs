@@ -35,6 +35,73 @@ pub fn upstream(connect_timeout: Duration) -> Upstream {
     Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector)
 }
 
+/// A request body that says when it was handed to the connection (retention's refreshes
+/// must reach the engine before the request they are sent ahead of).
+pub struct SignalBody {
+    data: Option<Bytes>,
+    written: Option<tokio::sync::oneshot::Sender<()>>,
+}
+
+impl SignalBody {
+    /// `data`, and what fires once hyper took it to write.
+    pub fn new(data: Bytes) -> (Self, tokio::sync::oneshot::Receiver<()>) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        (
+            Self {
+                data: Some(data),
+                written: Some(tx),
+            },
+            rx,
+        )
+    }
+}
+
+impl HttpBody for SignalBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        _cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let frame = self.data.take().map(|d| Ok(Frame::data(d)));
+        if frame.is_none()
+            && let Some(tx) = self.written.take()
+        {
+            let _ = tx.send(());
+        }
+        Poll::Ready(frame)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.data.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::with_exact(self.data.as_ref().map_or(0, |d| d.len() as u64))
+    }
+}
+
+impl Drop for SignalBody {
+    fn drop(&mut self) {
+        // Written or abandoned, the request it precedes may go now.
+        if let Some(tx) = self.written.take() {
+            let _ = tx.send(());
+        }
+    }
+}
+
+/// The client retention's refreshes go through.
+pub type RefreshUpstream = Client<HttpConnector, SignalBody>;
+
+/// A refresh client with this connect timeout.
+pub fn refresh_upstream(connect_timeout: Duration) -> RefreshUpstream {
+    let mut connector = HttpConnector::new();
+    connector.set_connect_timeout(Some(connect_timeout));
+    connector.set_nodelay(true);
+    Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector)
+}
+
 /// Request headers passed on to workers: everything else is hop-by-hop or the router's own.
 pub const FORWARDED_HEADERS: [HeaderName; 4] = [
     header::CONTENT_TYPE,

@@ -35,7 +35,7 @@ use crate::edge::{self, Body};
 use crate::fleet::{Fleet, Membership};
 use crate::metrics::Metrics;
 use crate::prompt::{Prompt, Prompts, Route};
-use crate::relay::{self, Ending, Upstream};
+use crate::relay::{self, Ending, RefreshUpstream, SignalBody, Upstream};
 
 /// Response header naming the worker that served the request.
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
@@ -51,6 +51,12 @@ const EVENTS_COALESCE: Duration = Duration::from_millis(2);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often the consumer's notices (each a worker reset) are logged.
 const NOTICE_INTERVAL: Duration = Duration::from_millis(200);
+/// Refreshes open at once per worker; more are dropped (counted), never queued.
+pub const MAX_REFRESHES_OPEN: usize = 4;
+/// A refresh's whole answer (one token) must come within this, or it counts as an error.
+const REFRESH_TIMEOUT: Duration = Duration::from_secs(30);
+/// The longest a client request waits for its refreshes to be written ahead of it.
+const REFRESH_WRITE_WAIT: Duration = Duration::from_millis(20);
 /// The answer to a connection whose request head did not arrive in time.
 const HEAD_TIMEOUT: &[u8] = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: 105\r\n\r\n{\"error\":{\"message\":\"request head not received in time\",\"type\":\"RequestTimeout\",\"param\":null,\"code\":408}}";
 /// The answer to a connection past `max_connections`, written before it is closed.
@@ -63,6 +69,10 @@ struct Shared {
     prompts: Prompts,
     metrics: Metrics,
     upstream: Upstream,
+    /// Retention's refreshes, on connections of their own.
+    refresh_upstream: RefreshUpstream,
+    /// Refreshes open per worker name.
+    refreshes_open: Mutex<std::collections::HashMap<String, usize>>,
     /// `Bearer <worker key>`, or None.
     worker_authorization: Option<HeaderValue>,
     draining: AtomicBool,
@@ -175,6 +185,7 @@ impl Server {
             config.tokenizer.as_deref(),
             config.prompt_cache_bytes,
             config.max_json_depth,
+            config.retention.is_some(),
         )?;
         let (fleet, membership) = Fleet::new(&config)?;
         let worker_authorization =
@@ -202,11 +213,15 @@ impl Server {
             .local_addr()
             .map_err(|e| ConfigError(e.to_string()))?;
         let upstream = runtime.block_on(async { relay::upstream(config.connect_timeout) });
+        let refresh_upstream =
+            runtime.block_on(async { relay::refresh_upstream(config.connect_timeout) });
         let shared = Arc::new(Shared {
             fleet: Mutex::new(fleet),
             prompts,
             metrics: Metrics::default(),
             upstream,
+            refresh_upstream,
+            refreshes_open: Mutex::new(std::collections::HashMap::new()),
             worker_authorization,
             draining: AtomicBool::new(false),
             in_flight: AtomicUsize::new(0),
@@ -274,6 +289,11 @@ impl Server {
                 }
             })
             .collect()
+    }
+
+    /// Retention's counters (None when it is off).
+    pub fn retention_stats(&self) -> Option<kvroute_core::retention::RetentionStats> {
+        self.shared.fleet().retention_stats()
     }
 
     /// Requests in flight.
@@ -785,9 +805,13 @@ async fn forward(
     let policy = shared.fleet().policy_name().to_owned();
     for attempt in 0..shared.config.max_attempts {
         let now = shared.now();
-        let choice = shared
-            .fleet()
-            .route(&prompt.block_hashes, prompt.tokens, &tried, now);
+        let choice = shared.fleet().route(
+            &prompt.block_hashes,
+            prompt.tokens,
+            &tried,
+            now,
+            prompt.retained.as_ref(),
+        );
         let Some(choice) = choice else {
             break;
         };
@@ -805,6 +829,10 @@ async fn forward(
             slot: choice.slot,
             prefill_tokens: Some(choice.prefill_tokens),
         };
+        if !choice.refreshes.is_empty() {
+            let model = prompt.retained.as_ref().and_then(|r| r.model.as_deref());
+            send_refreshes(shared, &choice.name, &choice.url, &choice.refreshes, model).await;
+        }
         let Ok(uri) = format!("{}{}", choice.url, route.path()).parse::<hyper::Uri>() else {
             tried.push(choice.name);
             continue;
@@ -1030,5 +1058,89 @@ async fn notice_loop(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
                 Item::Batch { .. } | Item::Gap { .. } => {}
             }
         }
+    }
+}
+
+/// Send `worker` its refreshes (the prefix's ids plus one, `max_tokens` 1), each on a task
+/// of its own, and return once their bodies are handed to their connections (at most
+/// [`REFRESH_WRITE_WAIT`]): the client request goes after them. A worker already holding
+/// [`MAX_REFRESHES_OPEN`] gets no more (counted); errors are counted, never retried.
+async fn send_refreshes(
+    shared: &Arc<Shared>,
+    worker: &str,
+    url: &str,
+    refreshes: &[kvroute_core::retention::Refresh],
+    model: Option<&str>,
+) {
+    let mut written = Vec::with_capacity(refreshes.len());
+    for refresh in refreshes {
+        {
+            let mut open = shared
+                .refreshes_open
+                .lock()
+                .unwrap_or_else(|p| p.into_inner());
+            let n = open.entry(worker.to_owned()).or_insert(0);
+            if *n >= MAX_REFRESHES_OPEN {
+                shared.metrics.refresh_dropped(worker);
+                continue;
+            }
+            *n += 1;
+        }
+        let mut body = serde_json::json!({"prompt": &*refresh.prompt, "max_tokens": 1});
+        if let Some(m) = model {
+            body["model"] = serde_json::Value::from(m);
+        }
+        let (body, done) = SignalBody::new(Bytes::from(body.to_string()));
+        written.push(done);
+        shared.metrics.refresh_sent(worker, refresh.prompt.len());
+        shared
+            .metrics
+            .refreshes_open
+            .fetch_add(1, Ordering::Relaxed);
+        let (s, worker, uri) = (
+            shared.clone(),
+            worker.to_owned(),
+            format!("{url}/v1/completions"),
+        );
+        tokio::spawn(async move {
+            let mut request = Request::post(uri.as_str()).header(CONTENT_TYPE, "application/json");
+            if let Some(auth) = &s.worker_authorization {
+                request = request.header(AUTHORIZATION, auth.clone());
+            }
+            let ok = match request.body(body) {
+                Ok(request) => tokio::time::timeout(REFRESH_TIMEOUT, async {
+                    let answer = s.refresh_upstream.request(request).await.ok()?;
+                    let status = answer.status();
+                    let _ = http_body_util::Limited::new(answer.into_body(), 1 << 20)
+                        .collect()
+                        .await;
+                    Some(status == StatusCode::OK)
+                })
+                .await
+                .ok()
+                .flatten()
+                .unwrap_or(false),
+                Err(_) => false,
+            };
+            if !ok {
+                s.metrics.refresh_failed(&worker);
+            }
+            s.metrics.refreshes_open.fetch_sub(1, Ordering::Relaxed);
+            let mut open = s.refreshes_open.lock().unwrap_or_else(|p| p.into_inner());
+            if let Some(n) = open.get_mut(&worker) {
+                *n = n.saturating_sub(1);
+            }
+        });
+    }
+    let all = async {
+        for done in written {
+            let _ = done.await;
+        }
+    };
+    if tokio::time::timeout(REFRESH_WRITE_WAIT, all).await.is_err() {
+        shared
+            .metrics
+            .refreshes_late
+            .fetch_add(1, Ordering::Relaxed);
     }
 }

@@ -32,7 +32,7 @@ from kvroute.proxy.app import (
 )
 from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
 from kvroute.proxy.edge import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
-from kvroute.proxy.native import DATA_PLANES, NativeRouterRunner, check_supported
+from kvroute.proxy.native import DATA_PLANES, NativeRouterRunner
 from kvroute.proxy.prompts import DEFAULT_PROMPT_CACHE_BYTES
 from kvroute.routing.policies import POLICIES
 from kvroute.units import parse_bytes
@@ -421,7 +421,6 @@ def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="kvroute serve: %(levelname)s %(message)s")
     config = config_from_args(args)
     if config.data_plane == "native":
-        check_supported(config)
         aio.run(_serve_native(config))
     else:
         aio.run(_serve(config))

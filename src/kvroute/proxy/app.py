@@ -694,6 +694,10 @@ class Router:
         """Names of the workers that may take a new request, in the pool's order."""
         return [w.name for w in self.pool.available()]
 
+    def retention_stats(self) -> dict | None:
+        """Retention's counters (``kvroute._native.Retention.stats``); None when it is off."""
+        return None if self.retention is None else self.retention.stats()
+
     async def models(self, request: web.Request) -> web.StreamResponse:
         """``/v1/models`` of any available worker (they serve the same model)."""
         candidates = self.pool.available()
@@ -1167,7 +1171,7 @@ def start_router(config: RouterConfig) -> _StartedRouter:
     ``router.url`` until the block ends; ``router = await start_router(config)`` serves until
     ``await router.close()``. ``config.data_plane`` picks the router: a :class:`Router` or a
     :class:`kvroute.proxy.native.NativeRouterRunner`, which share ``url``, ``drain``,
-    ``close``, ``index``, ``metric``, ``metrics_text``, ``worker_statuses`` and
-    ``available_workers``.
+    ``close``, ``index``, ``metric``, ``metrics_text``, ``worker_statuses``,
+    ``available_workers`` and ``retention_stats``.
     """
     return _StartedRouter(config)

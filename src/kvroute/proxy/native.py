@@ -9,10 +9,10 @@ only turns the configuration into the server's arguments and, for a discovery so
 file, DNS, Kubernetes), follows it and hands each complete list over.
 
 The workers' KV events are followed by the native consumer (``kvroute-io``) on a thread of
-its own, applied to the index the routing step reads. What it does not do yet: retention
-(refused with one line by :func:`check_supported`), and chat prompts and text prompts without
-``--tokenizer`` are routed by load alone (no chat template rendering, no built-in synthetic
-tokenizer).
+its own, applied to the index the routing step reads; chats are rendered with the tokenizer's
+chat template; retention (``--retention on|auto``) runs the same state machine and sends its
+refreshes from the native server. What it does not do yet: text prompts without
+``--tokenizer`` are routed by load alone (no built-in synthetic tokenizer).
 """
 
 from __future__ import annotations
@@ -47,13 +47,6 @@ logger = logging.getLogger(__name__)
 DATA_PLANES = ("aiohttp", "native")
 
 
-def check_supported(config: RouterConfig) -> None:
-    """Raise :class:`UserError` for what the native data plane cannot do yet."""
-    if config.retention != "off":
-        raise UserError("--data-plane native has no retention yet: use --data-plane aiohttp "
-                        "for --retention on/auto")
-
-
 def _max_body_bytes(config: RouterConfig) -> tuple[int, str]:
     """The body limit and where it came from (as the aiohttp router derives it)."""
     if config.max_body_bytes is not None:
@@ -81,7 +74,6 @@ def worker_specs(config: RouterConfig, endpoints: Sequence[Endpoint]) -> list[tu
 
 def native_arguments(config: RouterConfig, threads: int) -> dict[str, Any]:
     """``NativeRouter``'s keyword arguments for ``config`` (the workers apart)."""
-    check_supported(config)
     max_body, _ = _max_body_bytes(config)
     events = config.events or EventsSettings()
     # As the aiohttp router: with events, predictions only bridge until they arrive.
@@ -91,7 +83,12 @@ def native_arguments(config: RouterConfig, threads: int) -> dict[str, Any]:
     else:
         ttl = config.predicted_ttl_s
         capacity = config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
+    retention = None if config.retention == "off" else config.retention
+    retention_capacity = config.retention_capacity_blocks or (
+        (config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS) - 1
+    )
     return dict(
+        retention=retention, retention_capacity_blocks=retention_capacity,
         host=config.host, port=config.port, threads=threads, policy=config.policy,
         policy_options=dict(config.policy_options) or None, seed=config.seed,
         block_size=config.block_size, hash_seed=config.hash_seed, tokenizer=config.tokenizer,
@@ -190,6 +187,10 @@ class NativeRouterRunner:
     def available_workers(self) -> list[str]:
         """Names of the workers that may take a new request."""
         return [name for name, w in self.worker_statuses().items() if w.available]
+
+    def retention_stats(self) -> dict | None:
+        """Retention's counters; None when it is off."""
+        return self.native.retention_stats()
 
     async def drain(self, timeout_s: float | None = None) -> bool:
         """New requests 503 and ``/health`` failing, then wait for those in flight."""
