@@ -1,4 +1,5 @@
-"""Both data planes hash prompts as the engine's tokenizer sees them: text completions, and
+"""Both data planes hash prompts as the engine's tokenizer sees them (or, without one, as kvroute's
+synthetic tokenizer does): text completions, and
 chats rendered with the tokenizer's chat template (content parts joined, template kwargs),
 the same block hashes as ``kvroute.proxy.prompts.PromptHasher`` computes (each request's
 routing records its blocks in the index as predicted entries, which is what this reads)."""
@@ -66,6 +67,29 @@ async def test_text_and_chat_prompts_hash_as_the_engine_tokenizes_them(tiny_mode
                               predicted_ttl_s=600.0)
         async with start_router(config) as router, aiohttp.ClientSession() as s:
             for path, body in BODIES:
+                expected = (hasher.chat if "chat" in path else hasher.completion)(dict(body))
+                assert len(expected.block_hashes) >= 4, path
+                async with s.post(router.url + path, json=body) as r:
+                    assert r.status == 200
+                held = router.index.overlaps(expected.block_hashes, [url], time.monotonic())[0]
+                assert held == len(expected.block_hashes), (path, body)
+    finally:
+        await runner.cleanup()
+
+
+async def test_without_a_tokenizer_prompts_hash_as_the_synthetic_tokenizer_does():
+    """What emulated workers started without a tokenizer tokenize with (kvroute's built-in
+    synthetic tokenizer): pseudo-words, other words, punctuation, ChatML chats."""
+    tokenizer = load_tokenizer(None)
+    words = tokenizer.decode(list(range(3, 3 + 120)))
+    hasher = PromptHasher(tokenizer, BlockHasher(BS, DEFAULT_HASH_SEED))
+    bodies = [("/v1/completions", {"prompt": words + " plus, some real words_2 and 数据!"}),
+              *((path, body) for path, body in BODIES if "chat" in path)]
+    runner, url = await _worker()
+    try:
+        config = RouterConfig(workers=[url], block_size=BS, health_interval_s=0, predicted_ttl_s=600.0)
+        async with start_router(config) as router, aiohttp.ClientSession() as s:
+            for path, body in bodies:
                 expected = (hasher.chat if "chat" in path else hasher.completion)(dict(body))
                 assert len(expected.block_hashes) >= 4, path
                 async with s.post(router.url + path, json=body) as r:

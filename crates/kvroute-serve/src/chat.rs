@@ -99,7 +99,7 @@ fn template_value(json: &Json) -> Value {
 
 /// `messages` with content-part lists joined into plain text and null content made empty;
 /// None when a part is not text.
-fn flattened(messages: &[Json]) -> Option<Vec<Json>> {
+pub fn flattened(messages: &[Json]) -> Option<Vec<Json>> {
     messages
         .iter()
         .map(|m| {

@@ -5,11 +5,12 @@
 //!   (a list of prompts) is routed by its first prompt, which vLLM serves first.
 //! - A completion prompt given as text is encoded with `add_special_tokens`, as vLLM encodes
 //!   it, through the engines' tokenizer (`kvroute_tokenize::TextChunker`: each text piece is
-//!   tokenized once). Without a tokenizer the prompt is routed untokenized (by load alone).
+//!   tokenized once). Without a tokenizer, kvroute's built-in synthetic tokenizer
+//!   (`kvroute_tokenize::synthetic`, what emulated workers without a tokenizer use).
 //! - Chat messages are checked (a non-empty list of objects with a role), rendered with the
 //!   tokenizer's chat template ([`crate::chat`]) and encoded without added special tokens (the
-//!   template wrote them). Without a tokenizer, or when a chat cannot be rendered, it is routed
-//!   untokenized.
+//!   template wrote them); without a tokenizer, as ChatML for the synthetic tokenizer. A chat
+//!   that cannot be rendered is routed untokenized.
 //!
 //! The body is parsed once with `serde_json` (nesting past its recursion limit is an error, not
 //! a stack overflow) and its depth checked against the router's own limit before any field is
@@ -20,7 +21,7 @@ use std::sync::Mutex;
 
 use kvroute_chat::ChatTemplate;
 use kvroute_core::blocks::BlockHasher;
-use kvroute_tokenize::{ChunkerConfig, TextChunker};
+use kvroute_tokenize::{ChunkerConfig, SyntheticTokenizer, TextChunker};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
@@ -112,6 +113,8 @@ pub struct Prompts {
     chunker: Option<Mutex<Encoder>>,
     /// The tokenizer's chat template, if it has one.
     template: Option<ChatTemplate>,
+    /// Without a tokenizer directory: the built-in synthetic tokenizer.
+    synthetic: Option<SyntheticTokenizer>,
     max_json_depth: usize,
     /// Longest prompt (in tokens, or text bytes) worth tokenizing and hashing.
     max_prompt_tokens: usize,
@@ -128,6 +131,8 @@ enum Encoder {
 
 /// Longest token-id prompt hashed (more ids than any engine accepts are routed untokenized).
 pub const MAX_PROMPT_TOKENS: usize = 1 << 20;
+/// The synthetic tokenizer's vocabulary (`kvroute.tokens.SyntheticTokenizer`'s default).
+pub const SYNTHETIC_VOCAB: u32 = 32000;
 /// Longest prompt text tokenized (~1M tokens).
 pub const MAX_TEXT_BYTES: usize = 4 << 20;
 
@@ -164,10 +169,14 @@ impl Prompts {
                 ))
             }
         };
+        let synthetic = tokenizer_dir.is_none().then(|| {
+            SyntheticTokenizer::new(SYNTHETIC_VOCAB).expect("a vocabulary past the specials")
+        });
         Ok(Self {
             hasher,
             chunker,
             template,
+            synthetic,
             max_json_depth,
             max_prompt_tokens: MAX_PROMPT_TOKENS,
             max_text_bytes: MAX_TEXT_BYTES,
@@ -218,10 +227,11 @@ impl Prompts {
                         ));
                     }
                 }
-                let text = self
-                    .template
-                    .as_ref()
-                    .and_then(|t| crate::chat::render(t, fields, messages, self.max_text_bytes));
+                let text = match (&self.template, &self.synthetic) {
+                    (Some(t), _) => crate::chat::render(t, fields, messages, self.max_text_bytes),
+                    (None, Some(_)) => Self::chatml(fields, messages),
+                    (None, None) => None,
+                };
                 Ok(match text {
                     Some(text) if text.len() <= self.max_text_bytes => self.encoded(&text, false),
                     _ => untokenized(0),
@@ -287,8 +297,22 @@ impl Prompts {
         }
     }
 
+    /// A chat as the synthetic tokenizer's ChatML (None when a content is not text).
+    fn chatml(fields: &serde_json::Map<String, Value>, messages: &[Value]) -> Option<String> {
+        let flat = crate::chat::flattened(messages)?;
+        let pairs: Option<Vec<(&str, &str)>> = flat
+            .iter()
+            .map(|m| Some((m.get("role")?.as_str()?, m.get("content")?.as_str()?)))
+            .collect();
+        let add_generation_prompt = fields
+            .get("add_generation_prompt")
+            .and_then(Value::as_bool)
+            .unwrap_or(true);
+        Some(SyntheticTokenizer::chat_text(pairs?, add_generation_prompt))
+    }
+
     /// `text` encoded (with the special tokens the tokenizer adds when `add_special_tokens`)
-    /// and hashed; untokenized without a tokenizer or when the tokenizer fails on it.
+    /// and hashed; untokenized when the tokenizer fails on it.
     fn encoded(&self, text: &str, add_special_tokens: bool) -> Prompt {
         let untokenized = Prompt {
             tokens: 0,
@@ -297,7 +321,17 @@ impl Prompts {
             retained: None,
         };
         let Some(encoder) = &self.chunker else {
-            return untokenized;
+            let Some(synthetic) = &self.synthetic else {
+                return untokenized;
+            };
+            let mut ids = Vec::with_capacity(text.len() / 4);
+            synthetic.encode(text, &mut ids);
+            return Prompt {
+                tokens: ids.len(),
+                block_hashes: self.hasher.hash_blocks(&ids, None, 0, None),
+                untokenized: false,
+                retained: None,
+            };
         };
         // A poisoned lock means another request panicked mid-encode; the caches stay usable.
         let mut encoder = encoder.lock().unwrap_or_else(|p| p.into_inner());
@@ -429,18 +463,32 @@ mod tests {
     }
 
     #[test]
-    fn text_without_a_tokenizer_and_chats_route_untokenized() {
+    fn without_a_tokenizer_text_and_chats_use_the_synthetic_one() {
         let p = prompts();
         let t = p
-            .parse(Route::Completions, br#"{"prompt": "hello"}"#)
+            .parse(Route::Completions, br#"{"prompt": "ba be bi bo"}"#)
             .unwrap();
-        assert!(t.untokenized && t.block_hashes.is_empty());
+        assert_eq!((t.tokens, t.untokenized), (4, false));
+        assert_eq!(
+            t.block_hashes,
+            BlockHasher::new(4, 0)
+                .unwrap()
+                .hash_blocks(&[3, 4, 5, 6], None, 0, None)
+        );
         let c = p
             .parse(
                 Route::Chat,
                 br#"{"messages": [{"role": "user", "content": "hi"}]}"#,
             )
             .unwrap();
-        assert!(c.untokenized);
+        // <|im_start|> user hi <|im_end|> <|im_start|> assistant
+        assert_eq!((c.tokens, c.untokenized), (6, false));
+        let odd = p
+            .parse(
+                Route::Chat,
+                br#"{"messages": [{"role": "user", "content": {"a": 1}}]}"#,
+            )
+            .unwrap();
+        assert!(odd.untokenized);
     }
 }

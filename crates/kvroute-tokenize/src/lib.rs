@@ -38,5 +38,7 @@ pub mod cache;
 pub mod chunker;
 pub mod cuts;
 pub mod split;
+pub mod synthetic;
 
 pub use chunker::{ChunkerConfig, NotChunkable, TextChunker};
+pub use synthetic::SyntheticTokenizer;

@@ -115,9 +115,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     listen.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     listen.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: %(default)s)")
     listen.add_argument("--data-plane", choices=DATA_PLANES, default="aiohttp",
-                        help="aiohttp: the Python router (every feature); native: the HTTP path in Rust "
-                             "(tokio + hyper, all cores, no interpreter per request), without KV events, "
-                             "retention or chat-template rendering yet (default: %(default)s)")
+                        help="aiohttp: the Python router; native: the same router with its HTTP path in Rust "
+                             "(tokio + hyper, all cores, no interpreter per request; the same flags and "
+                             "behaviour) (default: %(default)s)")
     listen.add_argument("--threads", type=int, default=None, metavar="N",
                         help="--data-plane native: threads serving requests (default: one per core)")
 

@@ -11,8 +11,8 @@ file, DNS, Kubernetes), follows it and hands each complete list over.
 The workers' KV events are followed by the native consumer (``kvroute-io``) on a thread of
 its own, applied to the index the routing step reads; chats are rendered with the tokenizer's
 chat template; retention (``--retention on|auto``) runs the same state machine and sends its
-refreshes from the native server. What it does not do yet: text prompts without
-``--tokenizer`` are routed by load alone (no built-in synthetic tokenizer).
+refreshes from the native server; without ``--tokenizer`` prompts are tokenized with kvroute's
+synthetic tokenizer, natively, as here.
 """
 
 from __future__ import annotations
