@@ -64,6 +64,46 @@ pub fn too_large(limit: usize) -> Response<Body> {
     )
 }
 
+/// The body length a request declares.
+pub fn declared_length(headers: &hyper::HeaderMap) -> Option<u64> {
+    headers
+        .get(CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+}
+
+/// The answer refusing a generation request from its head alone, before its body is read:
+/// 413 for a declared length over `limit` (whatever it claims to be), 400 for a
+/// `Content-Type` other than JSON.
+pub fn refuse_early(
+    headers: &hyper::HeaderMap,
+    limit: usize,
+    metrics: &Metrics,
+) -> Option<Response<Body>> {
+    if declared_length(headers).is_some_and(|n| n > limit as u64) {
+        metrics.rejected("body_too_large");
+        return Some(too_large(limit));
+    }
+    let json = headers.get(CONTENT_TYPE).is_some_and(|v| {
+        let essence = v
+            .as_bytes()
+            .split(|&b| b == b';')
+            .next()
+            .unwrap_or_default();
+        essence
+            .trim_ascii()
+            .eq_ignore_ascii_case(b"application/json")
+    });
+    (!json).then(|| {
+        error(
+            StatusCode::BAD_REQUEST,
+            "Content-Type must be application/json",
+            "BadRequestError",
+            None,
+        )
+    })
+}
+
 /// The whole request body, or the response that refuses it (counted in `metrics`).
 pub async fn read_body(
     request: Request<Incoming>,
@@ -83,11 +123,7 @@ pub async fn read_body(
             None,
         ));
     }
-    let declared = headers
-        .get(CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<u64>().ok());
-    if declared.is_some_and(|n| n > limit as u64) {
+    if declared_length(headers).is_some_and(|n| n > limit as u64) {
         metrics.rejected("body_too_large");
         return Err(too_large(limit));
     }
@@ -153,6 +189,23 @@ mod tests {
         assert!(!bearer_matches(Some(&v("Bearer s3cretx")), key));
         assert!(!bearer_matches(Some(&v("Basic s3cret")), key));
         assert!(!bearer_matches(None, key));
+    }
+
+    #[test]
+    fn only_json_bodies_of_a_declared_length_within_the_limit_are_read() {
+        let m = Metrics::default();
+        let head = |ct: &'static str, len: &'static str| {
+            let mut h = hyper::HeaderMap::new();
+            h.insert(CONTENT_TYPE, HeaderValue::from_static(ct));
+            h.insert(CONTENT_LENGTH, HeaderValue::from_static(len));
+            h
+        };
+        assert!(refuse_early(&head("application/json", "10"), 100, &m).is_none());
+        assert!(refuse_early(&head("Application/JSON; charset=utf-8", "10"), 100, &m).is_none());
+        let r = refuse_early(&head("text/plain", "10"), 100, &m).unwrap();
+        assert_eq!(r.status(), StatusCode::BAD_REQUEST);
+        let r = refuse_early(&head("text/plain", "1000"), 100, &m).unwrap();
+        assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE); // the size first
     }
 
     #[test]

@@ -51,6 +51,8 @@ const EVENTS_COALESCE: Duration = Duration::from_millis(2);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often the consumer's notices (each a worker reset) are logged.
 const NOTICE_INTERVAL: Duration = Duration::from_millis(200);
+/// Bodies over `--offload-bytes` read and parsed at once; the others wait before reading.
+pub const LARGE_BODIES: usize = 2;
 /// Refreshes open at once per worker; more are dropped (counted), never queued.
 pub const MAX_REFRESHES_OPEN: usize = 4;
 /// A refresh's whole answer (one token) must come within this, or it counts as an error.
@@ -84,6 +86,8 @@ struct Shared {
     consumer: Mutex<Option<Consumer>>,
     /// Every open client connection.
     connections: Registry,
+    /// Permits for bodies over `offload_bytes` in memory at once.
+    large_bodies: tokio::sync::Semaphore,
 }
 
 impl Shared {
@@ -229,6 +233,7 @@ impl Server {
             models_next: AtomicUsize::new(0),
             consumer: Mutex::new(None),
             connections: Registry::default(),
+            large_bodies: tokio::sync::Semaphore::new(LARGE_BODIES),
             config,
         });
         shared.apply(membership)?;
@@ -733,6 +738,22 @@ async fn generate(
         );
     }
     let client_headers = request.headers().clone();
+    if let Some(refusal) = edge::refuse_early(
+        &client_headers,
+        shared.config.max_body_bytes,
+        &shared.metrics,
+    ) {
+        return refusal;
+    }
+    // A large body: at most LARGE_BODIES in memory at once (the others wait before reading),
+    // until it is parsed.
+    let declared = edge::declared_length(&client_headers);
+    let large_permit = match declared {
+        Some(n) if n > shared.config.offload_bytes as u64 => {
+            shared.large_bodies.acquire().await.ok()
+        }
+        _ => None,
+    };
     let raw = match edge::read_body(
         request,
         shared.config.max_body_bytes,
@@ -788,6 +809,7 @@ async fn generate(
             .flatten()
     });
     let headers = relay::forwarded_headers(&client_headers, authorization.as_ref());
+    drop(large_permit);
     forward(shared, route, &prompt, raw, headers, in_flight, started).await
 }
 
