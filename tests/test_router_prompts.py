@@ -59,14 +59,13 @@ async def _worker() -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
-async def test_text_and_chat_prompts_hash_as_the_engine_tokenizes_them(tiny_model_dir):
-    hasher = PromptHasher(load_tokenizer(str(tiny_model_dir)), BlockHasher(BS, DEFAULT_HASH_SEED))
+async def _routes_as(hasher: PromptHasher, config_for, bodies) -> None:
+    """Send each body through a router made by ``config_for(url)``; each must have recorded
+    exactly ``hasher``'s block hashes for it."""
     runner, url = await _worker()
     try:
-        config = RouterConfig(workers=[url], tokenizer=str(tiny_model_dir), block_size=BS, health_interval_s=0,
-                              predicted_ttl_s=600.0)
-        async with start_router(config) as router, aiohttp.ClientSession() as s:
-            for path, body in BODIES:
+        async with start_router(config_for(url)) as router, aiohttp.ClientSession() as s:
+            for path, body in bodies:
                 expected = (hasher.chat if "chat" in path else hasher.completion)(dict(body))
                 assert len(expected.block_hashes) >= 4, path
                 async with s.post(router.url + path, json=body) as r:
@@ -75,6 +74,13 @@ async def test_text_and_chat_prompts_hash_as_the_engine_tokenizes_them(tiny_mode
                 assert held == len(expected.block_hashes), (path, body)
     finally:
         await runner.cleanup()
+
+
+async def test_text_and_chat_prompts_hash_as_the_engine_tokenizes_them(tiny_model_dir):
+    hasher = PromptHasher(load_tokenizer(str(tiny_model_dir)), BlockHasher(BS, DEFAULT_HASH_SEED))
+    await _routes_as(hasher, lambda url: RouterConfig(
+        workers=[url], tokenizer=str(tiny_model_dir), block_size=BS, health_interval_s=0, predicted_ttl_s=600.0,
+    ), BODIES)
 
 
 async def test_without_a_tokenizer_prompts_hash_as_the_synthetic_tokenizer_does():
@@ -85,16 +91,6 @@ async def test_without_a_tokenizer_prompts_hash_as_the_synthetic_tokenizer_does(
     hasher = PromptHasher(tokenizer, BlockHasher(BS, DEFAULT_HASH_SEED))
     bodies = [("/v1/completions", {"prompt": words + " plus, some real words_2 and 数据!"}),
               *((path, body) for path, body in BODIES if "chat" in path)]
-    runner, url = await _worker()
-    try:
-        config = RouterConfig(workers=[url], block_size=BS, health_interval_s=0, predicted_ttl_s=600.0)
-        async with start_router(config) as router, aiohttp.ClientSession() as s:
-            for path, body in bodies:
-                expected = (hasher.chat if "chat" in path else hasher.completion)(dict(body))
-                assert len(expected.block_hashes) >= 4, path
-                async with s.post(router.url + path, json=body) as r:
-                    assert r.status == 200
-                held = router.index.overlaps(expected.block_hashes, [url], time.monotonic())[0]
-                assert held == len(expected.block_hashes), (path, body)
-    finally:
-        await runner.cleanup()
+    await _routes_as(hasher, lambda url: RouterConfig(
+        workers=[url], block_size=BS, health_interval_s=0, predicted_ttl_s=600.0,
+    ), bodies)

@@ -595,12 +595,7 @@ async fn dispatch(
 fn health(shared: &Shared) -> Response<Body> {
     let now = shared.now();
     if shared.draining.load(Ordering::SeqCst) {
-        return edge::error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "draining",
-            "ServiceUnavailable",
-            None,
-        );
+        return draining();
     }
     if shared.fleet().available_count(now) == 0 {
         return edge::error(
@@ -643,6 +638,15 @@ async fn models(shared: &Arc<Shared>) -> Response<Body> {
         }
         _ => bad_gateway(),
     }
+}
+
+fn draining() -> Response<Body> {
+    edge::error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "draining",
+        "ServiceUnavailable",
+        None,
+    )
 }
 
 fn no_worker() -> Response<Body> {
@@ -730,12 +734,7 @@ async fn generate(
     route: Route,
 ) -> Response<Body> {
     if shared.draining.load(Ordering::SeqCst) {
-        return edge::error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "draining",
-            "ServiceUnavailable",
-            None,
-        );
+        return draining();
     }
     let client_headers = request.headers().clone();
     if let Some(refusal) = edge::refuse_early(

@@ -360,69 +360,50 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
-async def _serve_native(config: RouterConfig) -> None:
-    """The native data plane until SIGINT/SIGTERM; then drain."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for signum in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(signum, stop.set)
-    raise_fd_limit()  # before start: the connection limit is derived from it
-    return_freed_memory_promptly()  # the native server's buffers come from the same malloc
-    router = NativeRouterRunner(config, config.threads)
-    try:
-        await router.start()
-        print(f"kvroute serve: listening on {router.url}, policy {config.policy}, native data plane "
-              f"({config.threads} threads)", flush=True)
-        print(f"kvroute serve: max body {router.max_body_bytes} bytes ({router.max_body_source}), "
-              f"max {router.max_connections} connections", file=sys.stderr, flush=True)
-        await stop.wait()
-        print(f"kvroute serve: draining {router.in_flight} in-flight requests", file=sys.stderr, flush=True)
-        await router.drain()
-    finally:
-        for signum in (signal.SIGINT, signal.SIGTERM):
-            loop.remove_signal_handler(signum)
-        await router.close()
-
-
 async def _serve(config: RouterConfig) -> None:
     """Serve until SIGINT/SIGTERM; then drain (new requests 503, in-flight ones finish)."""
-    try:
-        router = Router(config)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    raise_fd_limit()  # before start: the connection limit is derived from it
-    return_freed_memory_promptly()
-    # The event loop waits at most 1 ms (not 5) for the GIL while the offload thread parses a
-    # large body, so other clients' requests are not queued behind it.
-    sys.setswitchinterval(0.001)
-    await router.start()
-    tune_gc_for_serving()
+    router: Router | NativeRouterRunner | None = None
     try:
-        workers = ", ".join(router.pool.workers) or "none yet"
+        raise_fd_limit()  # before start: the connection limit is derived from it
+        return_freed_memory_promptly()  # the native server's buffers come from the same malloc
+        if config.data_plane == "native":
+            router = NativeRouterRunner(config, config.threads)
+            await router.start()
+            plane, max_connections = f"native data plane ({config.threads} threads)", router.max_connections
+        else:
+            try:
+                router = Router(config)
+            except ValueError as exc:
+                raise UserError(str(exc)) from None
+            # The event loop waits at most 1 ms (not 5) for the GIL while the offload thread
+            # parses a large body, so other clients' requests are not queued behind it.
+            sys.setswitchinterval(0.001)
+            await router.start()
+            tune_gc_for_serving()
+            plane, max_connections = "aiohttp", router.connection_limits.max_connections
+        workers = ", ".join(router.worker_statuses()) or "none yet"
         # The first line names the bound port, so a script that asked for port 0 can read it.
-        print(f"kvroute serve: listening on {router.url}, policy {router.policy.name}, "
+        print(f"kvroute serve: listening on {router.url}, policy {config.policy}, {plane}, "
               f"workers: {workers}", flush=True)
         print(f"kvroute serve: max body {router.max_body_bytes} bytes ({router.max_body_source}), "
-              f"max {router.connection_limits.max_connections} connections", file=sys.stderr, flush=True)
+              f"max {max_connections} connections", file=sys.stderr, flush=True)
         await stop.wait()
         print(f"kvroute serve: draining {router.in_flight} in-flight requests", file=sys.stderr, flush=True)
         await router.drain()
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.remove_signal_handler(signum)
-        await router.close()
+        if router is not None:
+            await router.close()
 
 
 def run(args: argparse.Namespace) -> int:
     logging.basicConfig(level=logging.WARNING, format="kvroute serve: %(levelname)s %(message)s")
     config = config_from_args(args)
-    if config.data_plane == "native":
-        aio.run(_serve_native(config))
-    else:
-        aio.run(_serve(config))
+    aio.run(_serve(config))
     print("kvroute serve: stopped", file=sys.stderr, flush=True)
     return 0

@@ -263,6 +263,16 @@ class RouterConfig:
     threads: int = 1
 
 
+def predicted_settings(config: RouterConfig) -> tuple[float | None, int | None]:
+    """The index's predicted-entry TTL and per-worker capacity for ``config``: with KV events,
+    predictions only bridge until the events arrive (:data:`EVENTS_PREDICTED_TTL_S`, no
+    capacity); without, they model each worker's cache (capacity, no TTL)."""
+    if config.events is not None and config.events.enabled:
+        ttl = EVENTS_PREDICTED_TTL_S if config.predicted_ttl_s is None else config.predicted_ttl_s
+        return ttl, config.predicted_capacity_blocks
+    return config.predicted_ttl_s, config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
+
+
 def tokenizer_max_length(directory: str | None) -> int | None:
     """The ``model_max_length`` of a Hugging Face tokenizer directory, when it states a real
     one (``transformers`` writes a 1e30 sentinel when it does not know); None otherwise."""
@@ -405,12 +415,7 @@ class Router:
         self._forwarded = forwarded
         events = config.events or EventsSettings()
         block_hasher = BlockHasher(config.block_size, config.hash_seed)
-        if events.enabled:
-            ttl = EVENTS_PREDICTED_TTL_S if config.predicted_ttl_s is None else config.predicted_ttl_s
-            capacity = config.predicted_capacity_blocks
-        else:
-            ttl = config.predicted_ttl_s
-            capacity = config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
+        ttl, capacity = predicted_settings(config)
         self.index = KvIndex(block_hasher, predicted_ttl=ttl, predicted_capacity_blocks=capacity,
                              max_bytes=config.index_max_bytes)
         options = dict(config.policy_options)

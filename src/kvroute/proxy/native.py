@@ -29,10 +29,10 @@ from kvroute.kvevents import EventsSettings
 from kvroute.proxy.app import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_PREDICTED_CAPACITY_BLOCKS,
-    EVENTS_PREDICTED_TTL_S,
     RouterConfig,
     _longest_token_bytes,
     derived_max_body_bytes,
+    predicted_settings,
     tokenizer_max_length,
 )
 from kvroute.proxy.discovery import Endpoint, StaticDiscovery
@@ -76,13 +76,7 @@ def native_arguments(config: RouterConfig, threads: int) -> dict[str, Any]:
     """``NativeRouter``'s keyword arguments for ``config`` (the workers apart)."""
     max_body, _ = _max_body_bytes(config)
     events = config.events or EventsSettings()
-    # As the aiohttp router: with events, predictions only bridge until they arrive.
-    if events.enabled:
-        ttl = EVENTS_PREDICTED_TTL_S if config.predicted_ttl_s is None else config.predicted_ttl_s
-        capacity = config.predicted_capacity_blocks
-    else:
-        ttl = config.predicted_ttl_s
-        capacity = config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
+    ttl, capacity = predicted_settings(config)
     retention = None if config.retention == "off" else config.retention
     retention_capacity = config.retention_capacity_blocks or (
         (config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS) - 1
