@@ -220,7 +220,6 @@ impl NativeRouter {
             metrics_public,
             worker_api_key,
             forward_authorization,
-            drain_timeout: Duration::from_secs(30),
             retention,
         };
         let server = py

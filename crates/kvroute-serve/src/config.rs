@@ -179,8 +179,6 @@ pub struct ServeConfig {
     pub worker_api_key: Option<String>,
     /// Pass the client's `Authorization` on to the workers (without `worker_api_key`).
     pub forward_authorization: bool,
-    /// How long a drain waits for in-flight requests.
-    pub drain_timeout: Duration,
     /// Retention (`kvroute_core::retention`): its mode and each worker's usable KV blocks;
     /// None: off.
     pub retention: Option<(RetentionMode, usize)>,
@@ -220,7 +218,6 @@ impl Default for ServeConfig {
             metrics_public: false,
             worker_api_key: None,
             forward_authorization: false,
-            drain_timeout: Duration::from_secs(30),
             retention: None,
         }
     }

@@ -598,12 +598,7 @@ fn health(shared: &Shared) -> Response<Body> {
         return draining();
     }
     if shared.fleet().available_count(now) == 0 {
-        return edge::error(
-            StatusCode::SERVICE_UNAVAILABLE,
-            "no worker available",
-            "ServiceUnavailable",
-            None,
-        );
+        return no_worker();
     }
     Response::new(edge::full(Bytes::new()))
 }
