@@ -27,8 +27,12 @@ use tokio::sync::mpsc;
 /// The client to the workers (pooled keep-alive connections).
 pub type Upstream = Client<HttpConnector, Full<Bytes>>;
 
-/// A client with this connect timeout.
-pub fn upstream(connect_timeout: Duration) -> Upstream {
+/// A client to the workers with this connect timeout (for request bodies of type `B`).
+pub fn client<B>(connect_timeout: Duration) -> Client<HttpConnector, B>
+where
+    B: HttpBody + Send + 'static,
+    B::Data: Send,
+{
     let mut connector = HttpConnector::new();
     connector.set_connect_timeout(Some(connect_timeout));
     connector.set_nodelay(true);
@@ -93,14 +97,6 @@ impl Drop for SignalBody {
 
 /// The client retention's refreshes go through.
 pub type RefreshUpstream = Client<HttpConnector, SignalBody>;
-
-/// A refresh client with this connect timeout.
-pub fn refresh_upstream(connect_timeout: Duration) -> RefreshUpstream {
-    let mut connector = HttpConnector::new();
-    connector.set_connect_timeout(Some(connect_timeout));
-    connector.set_nodelay(true);
-    Client::builder(hyper_util::rt::TokioExecutor::new()).build(connector)
-}
 
 /// Request headers passed on to workers: everything else is hop-by-hop or the router's own.
 pub const FORWARDED_HEADERS: [HeaderName; 4] = [

@@ -216,9 +216,8 @@ impl Server {
         let addr = listener
             .local_addr()
             .map_err(|e| ConfigError(e.to_string()))?;
-        let upstream = runtime.block_on(async { relay::upstream(config.connect_timeout) });
-        let refresh_upstream =
-            runtime.block_on(async { relay::refresh_upstream(config.connect_timeout) });
+        let upstream = runtime.block_on(async { relay::client(config.connect_timeout) });
+        let refresh_upstream = runtime.block_on(async { relay::client(config.connect_timeout) });
         let shared = Arc::new(Shared {
             fleet: Mutex::new(fleet),
             prompts,
