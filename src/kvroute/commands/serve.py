@@ -371,7 +371,7 @@ async def _serve(config: RouterConfig) -> None:
         raise_fd_limit()  # before start: the connection limit is derived from it
         return_freed_memory_promptly()  # the native server's buffers come from the same malloc
         if config.data_plane == "native":
-            router = NativeRouterRunner(config, config.threads)
+            router = NativeRouterRunner(config)
             await router.start()
             plane, max_connections = f"native data plane ({config.threads} threads)", router.max_connections
         else:

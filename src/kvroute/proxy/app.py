@@ -273,6 +273,26 @@ def predicted_settings(config: RouterConfig) -> tuple[float | None, int | None]:
     return config.predicted_ttl_s, config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
 
 
+def body_limit(config: RouterConfig, max_length: int | None, longest: int | None) -> tuple[int, str]:
+    """The request body limit and where it came from: ``--max-body-bytes``, else derived from
+    the tokenizer's maximum length and longest token (:func:`derived_max_body_bytes`), else
+    :data:`DEFAULT_MAX_BODY_BYTES`."""
+    if config.max_body_bytes is not None:
+        return config.max_body_bytes, "--max-body-bytes"
+    if max_length and longest:
+        return (derived_max_body_bytes(max_length, longest),
+                f"derived: {max_length} tokens x max(3 x {longest}, 12) bytes + 1 MiB")
+    return DEFAULT_MAX_BODY_BYTES, "default: the tokenizer states no maximum length"
+
+
+def retention_capacity(config: RouterConfig) -> int:
+    """Each worker's usable KV blocks for retention's model: ``retention_capacity_blocks``, else
+    the predicted capacity (or the reference worker's) less the null block."""
+    return config.retention_capacity_blocks or (
+        (config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS) - 1
+    )
+
+
 def tokenizer_max_length(directory: str | None) -> int | None:
     """The ``model_max_length`` of a Hugging Face tokenizer directory, when it states a real
     one (``transformers`` writes a 1e30 sentinel when it does not know); None otherwise."""
@@ -442,28 +462,15 @@ class Router:
         self._offload: concurrent.futures.ThreadPoolExecutor | None = None
         #: Bodies over ``offload_bytes`` in memory at once (the others wait before reading).
         self._large_bodies = asyncio.Semaphore(2)
-        #: Where the body limit came from (``kvroute serve`` prints it).
-        self.max_body_source = "--max-body-bytes"
-        if config.max_body_bytes is not None:
-            self.max_body_bytes = config.max_body_bytes
-        else:
-            if max_length and longest:
-                self.max_body_bytes = derived_max_body_bytes(max_length, longest)
-                self.max_body_source = (
-                    f"derived: {max_length} tokens x max(3 x {longest}, 12) bytes + 1 MiB"
-                )
-            else:
-                self.max_body_bytes = DEFAULT_MAX_BODY_BYTES
-                self.max_body_source = "default: the tokenizer states no maximum length"
+        #: The body limit, and where it came from (``kvroute serve`` prints it).
+        self.max_body_bytes, self.max_body_source = body_limit(config, max_length, longest)
         self.metrics = RouterMetrics()
         #: Retention (None when off): refreshes sent beside the routed requests.
         self.retention: LiveRetention | None = None
         if config.retention != "off":
-            capacity = config.retention_capacity_blocks or (
-                (config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS) - 1
-            )
             self.retention = LiveRetention(
-                config.retention, config.block_size, capacity, self.routing, self.metrics.registry
+                config.retention, config.block_size, retention_capacity(config), self.routing,
+                self.metrics.registry,
             )
         logging.getLogger("aiohttp.server").addFilter(_QUIET_CLIENT_ERRORS)  # idempotent
         self._events = events
@@ -1137,7 +1144,7 @@ class _Load:
 
 
 #: The data plane :func:`start_router` uses when ``RouterConfig.data_plane`` is None (the test
-#: suite's ``--data-plane`` option sets it, to run every router test on either).
+#: suite's ``data_plane`` fixture sets it, to run every router test on both).
 DEFAULT_DATA_PLANE = "aiohttp"
 
 
@@ -1149,7 +1156,7 @@ class _StartedRouter:
         if plane == "native":
             from kvroute.proxy.native import NativeRouterRunner  # imports this module
 
-            self._router = NativeRouterRunner(config, config.threads)
+            self._router = NativeRouterRunner(config)
         elif plane == "aiohttp":
             self._router = Router(config)
         else:

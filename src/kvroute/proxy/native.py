@@ -27,12 +27,11 @@ from kvroute._native import NativeRouter
 from kvroute.errors import UserError
 from kvroute.kvevents import EventsSettings
 from kvroute.proxy.app import (
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_PREDICTED_CAPACITY_BLOCKS,
     RouterConfig,
     _longest_token_bytes,
-    derived_max_body_bytes,
+    body_limit,
     predicted_settings,
+    retention_capacity,
     tokenizer_max_length,
 )
 from kvroute.proxy.discovery import Endpoint, StaticDiscovery
@@ -48,16 +47,10 @@ DATA_PLANES = ("aiohttp", "native")
 
 
 def _max_body_bytes(config: RouterConfig) -> tuple[int, str]:
-    """The body limit and where it came from (as the aiohttp router derives it)."""
-    if config.max_body_bytes is not None:
-        return config.max_body_bytes, "--max-body-bytes"
+    """The body limit and where it came from, as the aiohttp router derives it."""
     max_length = tokenizer_max_length(config.tokenizer)
-    if max_length and config.tokenizer:
-        longest = _longest_token_bytes(load_tokenizer(config.tokenizer))
-        if longest:
-            return (derived_max_body_bytes(max_length, longest),
-                    f"derived: {max_length} tokens x max(3 x {longest}, 12) bytes + 1 MiB")
-    return DEFAULT_MAX_BODY_BYTES, "default: the tokenizer states no maximum length"
+    longest = _longest_token_bytes(load_tokenizer(config.tokenizer)) if max_length and config.tokenizer else None
+    return body_limit(config, max_length, longest)
 
 
 def worker_specs(config: RouterConfig, endpoints: Sequence[Endpoint]) -> list[tuple]:
@@ -72,23 +65,19 @@ def worker_specs(config: RouterConfig, endpoints: Sequence[Endpoint]) -> list[tu
     return specs
 
 
-def native_arguments(config: RouterConfig, threads: int) -> dict[str, Any]:
+def native_arguments(config: RouterConfig, max_body_bytes: int) -> dict[str, Any]:
     """``NativeRouter``'s keyword arguments for ``config`` (the workers apart)."""
-    max_body, _ = _max_body_bytes(config)
     events = config.events or EventsSettings()
     ttl, capacity = predicted_settings(config)
-    retention = None if config.retention == "off" else config.retention
-    retention_capacity = config.retention_capacity_blocks or (
-        (config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS) - 1
-    )
     return dict(
-        retention=retention, retention_capacity_blocks=retention_capacity,
-        host=config.host, port=config.port, threads=threads, policy=config.policy,
+        retention=None if config.retention == "off" else config.retention,
+        retention_capacity_blocks=retention_capacity(config),
+        host=config.host, port=config.port, threads=config.threads, policy=config.policy,
         policy_options=dict(config.policy_options) or None, seed=config.seed,
         block_size=config.block_size, hash_seed=config.hash_seed, tokenizer=config.tokenizer,
         prompt_cache_bytes=config.prompt_cache_bytes, predicted_ttl_s=ttl,
         predicted_capacity_blocks=capacity, events_topic=events.topic,
-        max_body_bytes=max_body, max_json_depth=config.max_json_depth,
+        max_body_bytes=max_body_bytes, max_json_depth=config.max_json_depth,
         offload_bytes=config.offload_bytes, header_timeout_s=config.header_timeout_s,
         keepalive_timeout_s=config.keepalive_timeout_s,
         body_timeout_s=config.body_timeout_s,
@@ -104,8 +93,8 @@ def native_arguments(config: RouterConfig, threads: int) -> dict[str, Any]:
 
 
 class NativeRouterRunner:
-    """A running native router and, when ``config.discovery`` is a source that changes, the
-    task that follows it.
+    """A running native router (``config.threads`` serving threads) and, when
+    ``config.discovery`` is a source that changes, the task that follows it.
 
     Attributes:
         url: ``http://host:port`` it listens on.
@@ -113,10 +102,10 @@ class NativeRouterRunner:
         max_body_bytes / max_body_source: the body limit and where it came from.
     """
 
-    def __init__(self, config: RouterConfig, threads: int = 1) -> None:
+    def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.max_body_bytes, self.max_body_source = _max_body_bytes(config)
-        arguments = native_arguments(config, threads)
+        arguments = native_arguments(config, self.max_body_bytes)
         discovery = config.discovery or StaticDiscovery(config.workers)  # validates the URLs
         if isinstance(discovery, StaticDiscovery):
             workers, self._discovery = worker_specs(config, discovery.endpoints), None
