@@ -39,6 +39,21 @@ pub fn error_json(status: StatusCode, message: &str, err_type: &str, param: Opti
     Bytes::from(body.to_string())
 }
 
+/// A whole HTTP/1.1 answer carrying an OpenAI-style error, for a connection the router writes
+/// to itself and closes (`extra_headers`: more `Name: value\r\n` lines).
+pub fn canned(status: StatusCode, extra_headers: &str, message: &str, err_type: &str) -> Vec<u8> {
+    let body = error_json(status, message, err_type, None);
+    let mut out = format!(
+        "HTTP/1.1 {} {}\r\nConnection: close\r\n{extra_headers}Content-Type: application/json\r\nContent-Length: {}\r\n\r\n",
+        status.as_u16(),
+        status.canonical_reason().unwrap_or(""),
+        body.len()
+    )
+    .into_bytes();
+    out.extend_from_slice(&body);
+    out
+}
+
 /// An OpenAI-style error response.
 pub fn error(
     status: StatusCode,
@@ -104,7 +119,8 @@ pub fn refuse_early(
     })
 }
 
-/// The whole request body, or the response that refuses it (counted in `metrics`).
+/// The whole request body, or the response that refuses it (counted in `metrics`); its
+/// head has passed [`refuse_early`].
 pub async fn read_body(
     request: Request<Incoming>,
     limit: usize,
@@ -123,10 +139,8 @@ pub async fn read_body(
             None,
         ));
     }
-    if declared_length(headers).is_some_and(|n| n > limit as u64) {
-        metrics.rejected("body_too_large");
-        return Err(too_large(limit));
-    }
+    // A declared length over the limit was refused before (`refuse_early`); Limited stops
+    // a chunked body at the limit.
     let body = Limited::new(request.into_body(), limit);
     match tokio::time::timeout(timeout, body.collect()).await {
         Err(_) => {
@@ -206,6 +220,22 @@ mod tests {
         assert_eq!(r.status(), StatusCode::BAD_REQUEST);
         let r = refuse_early(&head("text/plain", "1000"), 100, &m).unwrap();
         assert_eq!(r.status(), StatusCode::PAYLOAD_TOO_LARGE); // the size first
+    }
+
+    #[test]
+    fn a_canned_answer_declares_its_body_length() {
+        let answer = canned(
+            StatusCode::SERVICE_UNAVAILABLE,
+            "Retry-After: 1\r\n",
+            "busy",
+            "ServiceUnavailable",
+        );
+        let text = String::from_utf8(answer).unwrap();
+        let (head, body) = text.split_once("\r\n\r\n").unwrap();
+        assert!(head.starts_with("HTTP/1.1 503 Service Unavailable\r\n"));
+        assert!(head.contains("Retry-After: 1\r\n"));
+        assert!(head.ends_with(&format!("Content-Length: {}", body.len())));
+        assert!(body.contains("\"busy\""));
     }
 
     #[test]

@@ -7,7 +7,7 @@
 use std::collections::BTreeMap;
 use std::fmt::Write as _;
 use std::sync::Mutex;
-use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 
 use kvroute_io::consumer::CounterSnapshot;
 
@@ -98,6 +98,15 @@ const SECONDS_BUCKETS: [f64; 12] = [
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
 ];
 
+/// What is open now, as the gauges show it (read from its owners when `/metrics` renders).
+#[derive(Clone, Copy, Debug, Default)]
+pub struct Open {
+    /// Client connections.
+    pub connections: usize,
+    /// Refreshes sent and not answered.
+    pub refreshes: usize,
+}
+
 /// Every counter the native router keeps.
 pub struct Metrics {
     overlap_blocks: Histogram,
@@ -114,10 +123,8 @@ pub struct Metrics {
     refreshes_dropped: Family,
     pub refresh_prompt_tokens: AtomicU64,
     pub refreshes_late: AtomicU64,
-    pub refreshes_open: AtomicI64,
     pub retries: AtomicU64,
     pub connections_refused: AtomicU64,
-    pub connections: AtomicI64,
     pub untokenized: AtomicU64,
     pub offloaded: AtomicU64,
 }
@@ -139,10 +146,8 @@ impl Default for Metrics {
             refreshes_dropped: Family::default(),
             refresh_prompt_tokens: AtomicU64::new(0),
             refreshes_late: AtomicU64::new(0),
-            refreshes_open: AtomicI64::new(0),
             retries: AtomicU64::new(0),
             connections_refused: AtomicU64::new(0),
-            connections: AtomicI64::new(0),
             untokenized: AtomicU64::new(0),
             offloaded: AtomicU64::new(0),
         }
@@ -206,7 +211,7 @@ impl Metrics {
     }
 
     /// The `kvroute_retention_*` metrics (rendered only with retention on).
-    fn write_retention(&self, out: &mut String) {
+    fn write_retention(&self, out: &mut String, refreshes_open: usize) {
         self.refreshes.write(
             out,
             "kvroute_retention_refreshes",
@@ -242,7 +247,7 @@ impl Metrics {
                 "kvroute_retention_refreshes_open",
                 "gauge",
                 "Refreshes sent and not answered yet",
-                self.refreshes_open.load(Ordering::Relaxed) as f64,
+                refreshes_open as f64,
             ),
         ] {
             let _ = writeln!(
@@ -259,10 +264,16 @@ impl Metrics {
     }
 
     /// The text of `/metrics`, with the KV-event consumer's counters per followed worker.
-    pub fn render(&self, fleet: &Fleet, now: f64, events: &[(String, CounterSnapshot)]) -> String {
+    pub fn render(
+        &self,
+        fleet: &Fleet,
+        now: f64,
+        events: &[(String, CounterSnapshot)],
+        open: Open,
+    ) -> String {
         let mut out = String::with_capacity(4096);
         if fleet.retention_stats().is_some() {
-            self.write_retention(&mut out);
+            self.write_retention(&mut out, open.refreshes);
         }
         type Pick = fn(&CounterSnapshot) -> u64;
         let event_counters: [(&str, &str, Pick); 6] = [
@@ -389,7 +400,7 @@ impl Metrics {
             "kvroute_router_client_connections",
             "gauge",
             "Open client connections",
-            format!("{:?}", self.connections.load(Ordering::Relaxed) as f64),
+            format!("{:?}", open.connections as f64),
         );
         scalar(
             &mut out,
@@ -480,7 +491,7 @@ mod tests {
             workers: vec![crate::config::WorkerSpec::url("http://a:1")],
             ..ServeConfig::default()
         };
-        let text = m.render(&Fleet::new(&config).unwrap().0, 0.0, &[]);
+        let text = m.render(&Fleet::new(&config).unwrap().0, 0.0, &[], Open::default());
         assert!(text.contains(
             "kvroute_router_requests_total{route=\"/v1/completions\",status=\"200\"} 2.0"
         ));

@@ -52,12 +52,15 @@ pub struct BadRequest {
     pub message: String,
     /// The offending field, for the OpenAI error's `param`.
     pub param: Option<&'static str>,
+    /// The body nested deeper than the limit (counted as `json_too_deep`).
+    pub too_deep: bool,
 }
 
 fn bad(message: impl Into<String>, param: Option<&'static str>) -> BadRequest {
     BadRequest {
         message: message.into(),
         param,
+        too_deep: false,
     }
 }
 
@@ -184,23 +187,28 @@ impl Prompts {
         })
     }
 
+    /// The refusal of a body nested deeper than the limit.
+    fn too_deep(&self) -> BadRequest {
+        BadRequest {
+            too_deep: true,
+            ..bad(
+                format!("JSON nested deeper than {} levels", self.max_json_depth),
+                None,
+            )
+        }
+    }
+
     /// The prompt of `body` for `route`.
     pub fn parse(&self, route: Route, body: &[u8]) -> Result<Prompt, BadRequest> {
         let value: Value = serde_json::from_slice(body).map_err(|e| {
             if e.to_string().contains("recursion limit") {
-                bad(
-                    format!("JSON nested deeper than {} levels", self.max_json_depth),
-                    None,
-                )
+                self.too_deep()
             } else {
                 bad(format!("body is not valid JSON: {e}"), None)
             }
         })?;
         if depth(&value) > self.max_json_depth {
-            return Err(bad(
-                format!("JSON nested deeper than {} levels", self.max_json_depth),
-                None,
-            ));
+            return Err(self.too_deep());
         }
         let Value::Object(fields) = &value else {
             return Err(bad("body must be a JSON object", None));
@@ -455,7 +463,7 @@ mod tests {
                 .parse(Route::Completions, nested(n).as_bytes())
                 .unwrap_err();
             assert!(
-                err.message.contains("nested deeper"),
+                err.too_deep && err.message.contains("nested deeper"),
                 "{n}: {}",
                 err.message
             );

@@ -11,7 +11,7 @@
 
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -33,7 +33,7 @@ use crate::config::{ConfigError, ServeConfig, WorkerSpec};
 use crate::connections::{self, ConnState, Expiry, Registry, WatchedIo};
 use crate::edge::{self, Body};
 use crate::fleet::{Fleet, Membership};
-use crate::metrics::Metrics;
+use crate::metrics::{Metrics, Open};
 use crate::prompt::{Prompt, Prompts, Route};
 use crate::relay::{self, Ending, RefreshUpstream, SignalBody, Upstream};
 
@@ -60,9 +60,23 @@ const REFRESH_TIMEOUT: Duration = Duration::from_secs(30);
 /// The longest a client request waits for its refreshes to be written ahead of it.
 const REFRESH_WRITE_WAIT: Duration = Duration::from_millis(20);
 /// The answer to a connection whose request head did not arrive in time.
-const HEAD_TIMEOUT: &[u8] = b"HTTP/1.1 408 Request Timeout\r\nConnection: close\r\nContent-Type: application/json\r\nContent-Length: 105\r\n\r\n{\"error\":{\"message\":\"request head not received in time\",\"type\":\"RequestTimeout\",\"param\":null,\"code\":408}}";
+static HEAD_TIMEOUT: LazyLock<Vec<u8>> = LazyLock::new(|| {
+    edge::canned(
+        StatusCode::REQUEST_TIMEOUT,
+        "",
+        "request head not received in time",
+        "RequestTimeout",
+    )
+});
 /// The answer to a connection past `max_connections`, written before it is closed.
-const REFUSED: &[u8] = b"HTTP/1.1 503 Service Unavailable\r\nConnection: close\r\nRetry-After: 1\r\nContent-Type: application/json\r\nContent-Length: 97\r\n\r\n{\"error\":{\"message\":\"too many connections; retry\",\"type\":\"ServiceUnavailable\",\"param\":null,\"code\":503}}";
+static REFUSED: LazyLock<Vec<u8>> = LazyLock::new(|| {
+    edge::canned(
+        StatusCode::SERVICE_UNAVAILABLE,
+        "Retry-After: 1\r\n",
+        "too many connections; retry",
+        "ServiceUnavailable",
+    )
+});
 
 /// What every connection and task shares.
 struct Shared {
@@ -138,10 +152,29 @@ impl Shared {
         consumer.as_ref().map_or_else(Vec::new, Consumer::counters)
     }
 
+    /// Worker `name`'s answer broke after its first byte (`kind`: `stream` or `body`).
+    /// Silence is a strike towards ejection; a dropped connection is not (a dead worker's next
+    /// connection is refused, which takes it out at once).
+    fn broke(&self, name: &str, kind: &str, ending: Ending) {
+        self.metrics.upstream_error(name, kind);
+        if ending == Ending::Silent {
+            self.fleet().failed(name, self.now());
+        }
+    }
+
     fn metrics_text(&self) -> String {
         let events = self.event_counters();
+        let open = Open {
+            connections: self.connections.len(),
+            refreshes: self
+                .refreshes_open
+                .lock()
+                .unwrap_or_else(|p| p.into_inner())
+                .values()
+                .sum(),
+        };
         let now = self.now();
-        self.metrics.render(&self.fleet(), now, &events)
+        self.metrics.render(&self.fleet(), now, &events, open)
     }
 }
 
@@ -398,7 +431,6 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
         return;
     };
     let (id, state) = shared.connections.open();
-    shared.metrics.connections.fetch_add(1, Ordering::Relaxed);
     let service = {
         let (shared, state) = (shared.clone(), state.clone());
         service_fn(move |request| {
@@ -441,7 +473,7 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
                 match expiry {
                     Expiry::Timeout408 => {
                         shared.metrics.client_timeout("header");
-                        answer_and_close(&raw, HEAD_TIMEOUT);
+                        answer_and_close(&raw, &HEAD_TIMEOUT);
                     }
                     Expiry::Close(kind) => shared.metrics.client_timeout(kind),
                 }
@@ -451,7 +483,6 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
     }
     let _ = raw.shutdown(std::net::Shutdown::Both);
     shared.connections.close(id);
-    shared.metrics.connections.fetch_sub(1, Ordering::Relaxed);
 }
 
 /// `stream` and a second (std) handle on its socket.
@@ -513,7 +544,7 @@ impl Drop for TrackedBody {
 /// Answer a connection over the limit with a 503 and close it (at most a second spent).
 async fn refuse(mut stream: TcpStream) {
     let _ = tokio::time::timeout(Duration::from_secs(1), async {
-        let _ = stream.write_all(REFUSED).await;
+        let _ = stream.write_all(&REFUSED).await;
         let _ = stream.shutdown().await;
     })
     .await;
@@ -672,6 +703,11 @@ fn answered(
     let mut response = Response::new(body);
     *response.status_mut() = status;
     *response.headers_mut() = relay::relayed_headers(headers);
+    with_worker(response, worker)
+}
+
+/// `response` with the header naming the worker that served it.
+fn with_worker(mut response: Response<Body>, worker: &str) -> Response<Body> {
     if let Ok(v) = HeaderValue::from_str(worker) {
         response.headers_mut().insert(WORKER_HEADER, v);
     }
@@ -779,7 +815,7 @@ async fn generate(
     let prompt = match prompt {
         Ok(p) => p,
         Err(bad) => {
-            if bad.message.contains("nested deeper") {
+            if bad.too_deep {
                 shared.metrics.rejected("json_too_deep");
             }
             return edge::error(
@@ -865,33 +901,27 @@ async fn forward(
             Some(t) => tokio::time::timeout(t, sent).await.ok(),
             None => Some(sent.await),
         };
+        // Each failure ends this attempt: `load` is given back as the loop goes on.
         let answer = match answer {
             Some(Ok(a)) => a,
-            failure => {
-                let now = shared.now();
-                let mut fleet = shared.fleet();
-                match failure {
-                    // Ours: the worker took the request and sat on it (a strike; an ejection
-                    // is counted on the member, kvroute_router_ejections_total).
-                    None => {
-                        shared
-                            .metrics
-                            .upstream_error(&choice.name, "first_byte_timeout");
-                        fleet.failed(&choice.name, now);
-                    }
-                    // Refused, or no connection in time: the worker is gone. A connection
-                    // dropped before the answer may be a benign keep-alive race (or a worker
-                    // that just died, whose next connection is refused): only a retry.
-                    Some(Err(e)) => {
-                        shared.metrics.upstream_error(&choice.name, "connect");
-                        if e.is_connect() {
-                            fleet.refused(&choice.name);
-                        }
-                    }
-                    Some(Ok(_)) => unreachable!("an answer is not a failure"),
+            // Ours: the worker took the request and sat on it (a strike; an ejection is
+            // counted on the member, kvroute_router_ejections_total).
+            None => {
+                shared
+                    .metrics
+                    .upstream_error(&choice.name, "first_byte_timeout");
+                shared.fleet().failed(&choice.name, shared.now());
+                tried.push(choice.name);
+                continue;
+            }
+            // Refused, or no connection in time: the worker is gone. A connection dropped
+            // before the answer may be a benign keep-alive race (or a worker that just died,
+            // whose next connection is refused): only a retry.
+            Some(Err(e)) => {
+                shared.metrics.upstream_error(&choice.name, "connect");
+                if e.is_connect() {
+                    shared.fleet().refused(&choice.name);
                 }
-                drop(fleet);
-                drop(load);
                 tried.push(choice.name);
                 continue;
             }
@@ -913,20 +943,13 @@ async fn forward(
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         if event_stream {
             let (tx, body_rx) = relay::channel();
-            let (s, url) = (shared.clone(), choice.name.clone());
+            let (s, name) = (shared.clone(), choice.name.clone());
             tokio::spawn(async move {
-                let ending = relay::pump(body, tx, idle, &url, || load.first_byte()).await;
+                let ending = relay::pump(body, tx, idle, &name, || load.first_byte()).await;
                 match ending {
                     Ending::Complete => {}
-                    Ending::ClientLeft => s.metrics.client_disconnect(&url),
-                    // Silence is a strike towards ejection; a dropped connection is not (a
-                    // dead worker's next connection is refused, which takes it out at once).
-                    Ending::Died => s.metrics.upstream_error(&url, "stream"),
-                    Ending::Silent => {
-                        s.metrics.upstream_error(&url, "stream");
-                        let now = s.now();
-                        s.fleet().failed(&url, now);
-                    }
+                    Ending::ClientLeft => s.metrics.client_disconnect(&name),
+                    Ending::Died | Ending::Silent => s.broke(&name, "stream", ending),
                 }
                 drop(load);
                 drop(in_flight);
@@ -949,25 +972,15 @@ async fn forward(
                 &choice.name,
             ),
             Err(ending) => {
-                shared.metrics.upstream_error(&choice.name, "body");
-                if ending == Ending::Silent {
-                    let now = shared.now();
-                    shared.fleet().failed(&choice.name, now);
-                }
-                let mut response = edge::error(
-                    StatusCode::BAD_GATEWAY,
-                    &format!(
-                        "worker {} failed while answering: {}",
-                        choice.name,
-                        ending.problem(idle)
-                    ),
-                    "UpstreamError",
-                    None,
+                shared.broke(&choice.name, "body", ending);
+                let message = format!(
+                    "worker {} failed while answering: {}",
+                    choice.name,
+                    ending.problem(idle)
                 );
-                if let Ok(v) = HeaderValue::from_str(&choice.name) {
-                    response.headers_mut().insert(WORKER_HEADER, v);
-                }
-                response
+                let response =
+                    edge::error(StatusCode::BAD_GATEWAY, &message, "UpstreamError", None);
+                with_worker(response, &choice.name)
             }
         };
     }
@@ -1108,10 +1121,6 @@ async fn send_refreshes(
         let (body, done) = SignalBody::new(Bytes::from(body.to_string()));
         written.push(done);
         shared.metrics.refresh_sent(worker, refresh.prompt.len());
-        shared
-            .metrics
-            .refreshes_open
-            .fetch_add(1, Ordering::Relaxed);
         let (s, worker, uri) = (
             shared.clone(),
             worker.to_owned(),
@@ -1140,7 +1149,6 @@ async fn send_refreshes(
             if !ok {
                 s.metrics.refresh_failed(&worker);
             }
-            s.metrics.refreshes_open.fetch_sub(1, Ordering::Relaxed);
             let mut open = s.refreshes_open.lock().unwrap_or_else(|p| p.into_inner());
             if let Some(n) = open.get_mut(&worker) {
                 *n = n.saturating_sub(1);
