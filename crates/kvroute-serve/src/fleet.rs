@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use kvroute_core::blocks::BlockHasher;
 use kvroute_core::index::{KvIndex, MemoryBound};
-use kvroute_core::policies::{Choose, Policy};
+use kvroute_core::policies::Policy;
 use kvroute_core::retention::{Refresh, Retention, RetentionConfig, RetentionStats};
 use kvroute_core::routing::RoutingStep;
 use kvroute_io::consumer::{SharedIndex, lock_index};
@@ -107,7 +107,6 @@ pub struct Fleet {
     candidates: Vec<usize>,
     /// What each worker's cache keeps (None: retention off).
     retention: Option<Retention>,
-    block_size: usize,
 }
 
 impl Fleet {
@@ -134,7 +133,6 @@ impl Fleet {
             retention: config.retention.map(|(mode, capacity)| {
                 Retention::new(RetentionConfig::new(mode, config.block_size, capacity))
             }),
-            block_size: config.block_size,
         };
         let membership = fleet.set_workers(&config.workers)?;
         Ok((fleet, membership))
@@ -143,11 +141,6 @@ impl Fleet {
     /// The index, shared with the KV-event consumer.
     pub fn index(&self) -> &SharedIndex {
         &self.index
-    }
-
-    /// The policy's name (a label of the decisions metric).
-    pub fn policy_name(&self) -> &str {
-        self.policy.name()
     }
 
     /// Make the fleet match `workers` (a complete list): new workers join healthy, removed
@@ -277,7 +270,7 @@ impl Fleet {
             && !block_hashes.is_empty()
         {
             let incoming = (request.ids.len() + request.output_tokens)
-                .div_ceil(self.block_size)
+                .div_ceil(self.routing.block_size())
                 .saturating_sub(routed.overlap);
             r.poll_step(
                 &self.routing,

@@ -41,6 +41,36 @@ impl Family {
     }
 }
 
+/// One unlabelled sample with its help and type (a counter's name gets `_total`).
+fn write_scalar(out: &mut String, name: &str, kind: &str, help: &str, value: f64) {
+    let suffix = if kind == "counter" { "_total" } else { "" };
+    let _ = writeln!(
+        out,
+        "# HELP {name}{suffix} {help}\n# TYPE {name}{suffix} {kind}\n{name}{suffix} {value:?}"
+    );
+}
+
+/// A counter with one sample per worker.
+fn write_per_worker<'a>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    rows: impl Iterator<Item = (&'a str, u64)>,
+) {
+    let _ = writeln!(
+        out,
+        "# HELP {name}_total {help}\n# TYPE {name}_total counter"
+    );
+    for (worker, value) in rows {
+        let _ = writeln!(
+            out,
+            "{name}_total{{worker=\"{}\"}} {:?}",
+            escape(worker),
+            value as f64
+        );
+    }
+}
+
 /// A label value as the text format needs it.
 fn escape(value: &str) -> String {
     value
@@ -230,31 +260,27 @@ impl Metrics {
             "Refreshes not sent: the worker already had the most refreshes open",
             &["worker"],
         );
-        for (name, kind, help, value) in [
-            (
-                "kvroute_retention_refresh_prompt_tokens_total",
-                "counter",
-                "Prompt tokens of the refreshes sent",
-                self.refresh_prompt_tokens.load(Ordering::Relaxed) as f64,
-            ),
-            (
-                "kvroute_retention_refreshes_late_total",
-                "counter",
-                "Client requests forwarded before their refreshes were written (waited the limit)",
-                self.refreshes_late.load(Ordering::Relaxed) as f64,
-            ),
-            (
-                "kvroute_retention_refreshes_open",
-                "gauge",
-                "Refreshes sent and not answered yet",
-                refreshes_open as f64,
-            ),
-        ] {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value:?}"
-            );
-        }
+        write_scalar(
+            out,
+            "kvroute_retention_refresh_prompt_tokens",
+            "counter",
+            "Prompt tokens of the refreshes sent",
+            self.refresh_prompt_tokens.load(Ordering::Relaxed) as f64,
+        );
+        write_scalar(
+            out,
+            "kvroute_retention_refreshes_late",
+            "counter",
+            "Client requests forwarded before their refreshes were written (waited the limit)",
+            self.refreshes_late.load(Ordering::Relaxed) as f64,
+        );
+        write_scalar(
+            out,
+            "kvroute_retention_refreshes_open",
+            "gauge",
+            "Refreshes sent and not answered yet",
+            refreshes_open as f64,
+        );
     }
 
     /// A request refused before routing (`body_too_large`, `content_encoding`,
@@ -309,18 +335,12 @@ impl Metrics {
             ),
         ];
         for (name, help, pick) in event_counters {
-            let _ = writeln!(
-                out,
-                "# HELP {name}_total {help}\n# TYPE {name}_total counter"
+            write_per_worker(
+                &mut out,
+                name,
+                help,
+                events.iter().map(|(w, c)| (w.as_str(), pick(c))),
             );
-            for (worker, counters) in events {
-                let _ = writeln!(
-                    out,
-                    "{name}_total{{worker=\"{}\"}} {:?}",
-                    escape(worker),
-                    pick(counters) as f64
-                );
-            }
         }
         self.requests.write(
             &mut out,
@@ -373,102 +393,89 @@ impl Metrics {
             "kvroute_router_routing_seconds",
             "Router work per request before forwarding: parse, tokenize, hash, index, choose",
         );
-        let scalar = |out: &mut String, name: &str, kind: &str, help: &str, value: String| {
-            let suffix = if kind == "counter" { "_total" } else { "" };
-            let _ = writeln!(
-                out,
-                "# HELP {name}{suffix} {help}\n# TYPE {name}{suffix} {kind}\n{name}{suffix} {value}"
-            );
-        };
-        let load = |v: &AtomicU64| format!("{:?}", v.load(Ordering::Relaxed) as f64);
-        scalar(
+        let load = |v: &AtomicU64| v.load(Ordering::Relaxed) as f64;
+        write_scalar(
             &mut out,
             "kvroute_router_retries",
             "counter",
             "Requests sent again to another worker before any response byte",
             load(&self.retries),
         );
-        scalar(
+        write_scalar(
             &mut out,
             "kvroute_router_connections_refused",
             "counter",
             "Client connections answered 503 and closed at --max-connections",
             load(&self.connections_refused),
         );
-        scalar(
+        write_scalar(
             &mut out,
             "kvroute_router_client_connections",
             "gauge",
             "Open client connections",
-            format!("{:?}", open.connections as f64),
+            open.connections as f64,
         );
-        scalar(
+        write_scalar(
             &mut out,
             "kvroute_router_offloaded_requests",
             "counter",
             "Requests whose parsing, tokenization and hashing ran on a blocking thread (bodies over --offload-bytes)",
             load(&self.offloaded),
         );
-        scalar(
+        write_scalar(
             &mut out,
             "kvroute_router_untokenized_prompts",
             "gauge",
             "Prompts routed without tokenizing (no prefix match; cumulative)",
             load(&self.untokenized),
         );
-        scalar(
+        write_scalar(
             &mut out,
             "kvroute_router_workers_available",
             "gauge",
             "Workers healthy and not ejected",
-            format!("{:?}", fleet.available_count(now) as f64),
+            fleet.available_count(now) as f64,
         );
         let (blocks, predicted, evicted) = fleet.index_figures();
-        scalar(
+        write_scalar(
             &mut out,
             "kvroute_router_index_blocks",
             "gauge",
             "Event-backed (worker, block) entries in the index",
-            format!("{:?}", blocks as f64),
+            blocks as f64,
         );
-        scalar(
+        write_scalar(
             &mut out,
             "kvroute_router_index_predicted_entries",
             "gauge",
             "Predicted (routed, not yet confirmed) entries",
-            format!("{:?}", predicted as f64),
+            predicted as f64,
         );
-        scalar(
+        write_scalar(
             &mut out,
             "kvroute_router_index_evicted_blocks",
             "gauge",
             "Index entries dropped by its memory bound (cumulative)",
-            format!("{:?}", evicted as f64),
+            evicted as f64,
         );
-        let _ = writeln!(
-            out,
-            "# HELP kvroute_router_ejections_total Workers taken out after consecutive failed requests (outlier ejection)\n# TYPE kvroute_router_ejections_total counter"
+        write_per_worker(
+            &mut out,
+            "kvroute_router_ejections",
+            "Workers taken out after consecutive failed requests (outlier ejection)",
+            fleet
+                .members()
+                .iter()
+                .map(|m| (m.name.as_str(), m.ejected_total)),
         );
-        for m in fleet.members() {
-            let _ = writeln!(
-                out,
-                "kvroute_router_ejections_total{{worker=\"{}\"}} {:?}",
-                escape(&m.name),
-                m.ejected_total as f64
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kvroute_router_health_check_failures_total Failed /health checks\n# TYPE kvroute_router_health_check_failures_total counter"
+        write_per_worker(
+            &mut out,
+            "kvroute_router_health_check_failures",
+            "Failed /health checks",
+            fleet
+                .members()
+                .iter()
+                .map(|m| (m.name.as_str(), m.health_failures)),
         );
-        for m in fleet.members() {
-            let _ = writeln!(
-                out,
-                "kvroute_router_health_check_failures_total{{worker=\"{}\"}} {:?}",
-                escape(&m.name),
-                m.health_failures as f64
-            );
-        }
         out
     }
 }

@@ -247,10 +247,12 @@ impl Prompts {
             }
             Route::Completions => {
                 let mut prompt = fields.get("prompt");
+                let mut batch = false;
                 if let Some(Value::Array(items)) = prompt
                     && matches!(items.first(), Some(Value::String(_) | Value::Array(_)))
                 {
                     prompt = items.first(); // a batch: routed by its first prompt
+                    batch = true;
                 }
                 match prompt {
                     Some(Value::String(text)) if text.len() <= self.max_text_bytes => {
@@ -273,10 +275,6 @@ impl Prompts {
                         })?;
                         let block_hashes = self.hasher.hash_blocks(&ids, None, 0, None);
                         let tokens = ids.len();
-                        let batch = !std::ptr::eq(
-                            prompt.expect("matched Some"),
-                            fields.get("prompt").expect("a prompt"),
-                        );
                         let retained = (self.keep_ids && !batch).then(|| Retained {
                             output_tokens: fields
                                 .get("max_tokens")

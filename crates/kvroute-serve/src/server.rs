@@ -853,7 +853,6 @@ async fn forward(
     started: Instant,
 ) -> Response<Body> {
     let mut tried: Vec<String> = Vec::new();
-    let policy = shared.fleet().policy_name().to_owned();
     for attempt in 0..shared.config.max_attempts {
         let now = shared.now();
         let choice = shared.fleet().route(
@@ -871,7 +870,9 @@ async fn forward(
         } else {
             shared.metrics.routing_took(started.elapsed().as_secs_f64());
         }
-        shared.metrics.decision(&policy, &choice.name);
+        shared
+            .metrics
+            .decision(&shared.config.policy.name, &choice.name);
         shared
             .metrics
             .routed(choice.overlap_blocks, prompt.block_hashes.len());
