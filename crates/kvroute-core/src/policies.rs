@@ -524,6 +524,37 @@ pub const POLICY_NAMES: [&str; 5] = [
     "kv-aware",
 ];
 
+impl Policy {
+    /// The policy called `name` (one of [`POLICY_NAMES`]) with these options (each kind reads
+    /// its own: kv-aware `kv_aware`, prefix-hash `prefix_hash`) and random draws from `rng`.
+    pub fn from_name(
+        name: &str,
+        rng: PyRandom,
+        kv_aware: KvAwareConfig,
+        prefix_hash: PrefixHashConfig,
+    ) -> Result<Self, PolicyError> {
+        Ok(match name {
+            "random" => Policy::Random(rng),
+            "round-robin" => Policy::RoundRobin(0),
+            "least-loaded" => Policy::LeastLoaded(rng),
+            "prefix-hash" => {
+                if prefix_hash.key_blocks < 1 {
+                    return Err(PolicyError(format!(
+                        "key blocks must be >= 1, got {}",
+                        prefix_hash.key_blocks
+                    )));
+                }
+                Policy::PrefixHash(PrefixHash {
+                    config: prefix_hash,
+                    rng,
+                })
+            }
+            "kv-aware" => Policy::KvAware(Box::new(KvAware::new(kv_aware, rng)?)),
+            other => return Err(PolicyError(format!("unknown policy {other:?}"))),
+        })
+    }
+}
+
 impl Choose for Policy {
     fn name(&self) -> &str {
         match self {

@@ -576,45 +576,29 @@ impl PyPolicy {
         key_blocks: i64,
     ) -> PyResult<Self> {
         let rng = rng_of(py, rng)?;
-        let inner = match kind {
-            "random" => policies::Policy::Random(rng),
-            "round-robin" => policies::Policy::RoundRobin(0),
-            "least-loaded" => policies::Policy::LeastLoaded(rng),
-            "prefix-hash" => {
-                if key_blocks < 1 {
-                    return Err(PyValueError::new_err(format!(
-                        "key blocks must be >= 1, got {key_blocks}"
-                    )));
-                }
-                policies::Policy::PrefixHash(policies::PrefixHash {
-                    config: PrefixHashConfig {
-                        key_blocks: key_blocks as usize,
-                        load_factor,
-                    },
-                    rng,
-                })
-            }
-            "kv-aware" => {
-                if block_size < 1 {
-                    return Err(PyValueError::new_err(format!(
-                        "block size must be >= 1, got {block_size}"
-                    )));
-                }
-                let config = KvAwareConfig {
-                    block_size: block_size as usize,
-                    overlap_weight,
-                    request_weight,
-                    load_factor,
-                    share_factor,
-                    share_window,
-                    share_weight,
-                };
-                policies::Policy::KvAware(Box::new(
-                    policies::KvAware::new(config, rng).map_err(|e| PyValueError::new_err(e.0))?,
-                ))
-            }
-            other => return Err(PyValueError::new_err(format!("unknown policy {other:?}"))),
+        // A negative count is refused (with the number given) by the kind that reads it.
+        let count = |value: i64, what: &str, read_by: &str| match usize::try_from(value) {
+            Ok(n) => Ok(n),
+            Err(_) if kind == read_by => Err(PyValueError::new_err(format!(
+                "{what} must be >= 1, got {value}"
+            ))),
+            Err(_) => Ok(0),
         };
+        let kv_aware = KvAwareConfig {
+            block_size: count(block_size, "block size", "kv-aware")?,
+            overlap_weight,
+            request_weight,
+            load_factor,
+            share_factor,
+            share_window,
+            share_weight,
+        };
+        let prefix_hash = PrefixHashConfig {
+            key_blocks: count(key_blocks, "key blocks", "prefix-hash")?,
+            load_factor,
+        };
+        let inner = policies::Policy::from_name(kind, rng, kv_aware, prefix_hash)
+            .map_err(|e| PyValueError::new_err(e.0))?;
         Ok(Self { inner })
     }
 

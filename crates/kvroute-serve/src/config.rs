@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use kvroute_core::policies::{KvAware, KvAwareConfig, Policy, PrefixHash, PrefixHashConfig};
+use kvroute_core::policies::{KvAwareConfig, Policy, PrefixHashConfig};
 use kvroute_core::pyrandom::PyRandom;
 use kvroute_core::retention::RetentionMode;
 
@@ -55,31 +55,17 @@ impl PolicySpec {
             },
             i128::from,
         );
-        let rng = PyRandom::from_seed(seed);
-        Ok(match self.name.as_str() {
-            "random" => Policy::Random(rng),
-            "round-robin" => Policy::RoundRobin(0),
-            "least-loaded" => Policy::LeastLoaded(rng),
-            "prefix-hash" => {
-                if self.prefix_hash.key_blocks < 1 {
-                    return Err(ConfigError("prefix-hash key_blocks must be >= 1".into()));
-                }
-                Policy::PrefixHash(PrefixHash {
-                    config: self.prefix_hash,
-                    rng,
-                })
-            }
-            "kv-aware" => {
-                let config = KvAwareConfig {
-                    block_size,
-                    ..self.kv_aware
-                };
-                Policy::KvAware(Box::new(
-                    KvAware::new(config, rng).map_err(|e| ConfigError(e.0))?,
-                ))
-            }
-            other => return Err(ConfigError(format!("unknown policy {other:?}"))),
-        })
+        let kv_aware = KvAwareConfig {
+            block_size,
+            ..self.kv_aware
+        };
+        Policy::from_name(
+            &self.name,
+            PyRandom::from_seed(seed),
+            kv_aware,
+            self.prefix_hash,
+        )
+        .map_err(|e| ConfigError(e.0))
     }
 }
 
