@@ -17,14 +17,18 @@ fn seconds(value: f64, name: &str) -> PyResult<Duration> {
         .map_err(|_| PyValueError::new_err(format!("{name} must be >= 0 seconds, got {value}")))
 }
 
-fn positive(value: Option<f64>, name: &str) -> PyResult<Option<Duration>> {
-    match value {
-        Some(v) if v <= 0.0 => Err(PyValueError::new_err(format!(
-            "{name} must be positive (or None for no limit), got {v}"
-        ))),
-        Some(v) => seconds(v, name).map(Some),
-        None => Ok(None),
+fn positive(value: f64, name: &str) -> PyResult<Duration> {
+    if value <= 0.0 {
+        return Err(PyValueError::new_err(format!(
+            "{name} must be positive, got {value}"
+        )));
     }
+    seconds(value, name)
+}
+
+/// A limit that None turns off.
+fn limit(value: Option<f64>, name: &str) -> PyResult<Option<Duration>> {
+    value.map(|v| positive(v, name)).transpose()
 }
 
 /// `policy`'s options from a dict of ``name: value`` (None turns a guard off).
@@ -196,24 +200,20 @@ impl NativeRouter {
             max_body_bytes,
             max_json_depth,
             offload_bytes,
-            header_timeout: positive(Some(header_timeout_s), "header_timeout_s")?
-                .unwrap_or_default(),
-            keepalive_timeout: positive(Some(keepalive_timeout_s), "keepalive_timeout_s")?
-                .unwrap_or_default(),
-            body_timeout: positive(Some(body_timeout_s), "body_timeout_s")?.unwrap_or_default(),
+            header_timeout: positive(header_timeout_s, "header_timeout_s")?,
+            keepalive_timeout: positive(keepalive_timeout_s, "keepalive_timeout_s")?,
+            body_timeout: positive(body_timeout_s, "body_timeout_s")?,
             max_connections,
-            connect_timeout: positive(Some(connect_timeout_s), "connect_timeout_s")?
-                .unwrap_or_default(),
-            first_byte_timeout: positive(first_byte_timeout_s, "first_byte_timeout_s")?,
-            stream_idle_timeout: positive(stream_idle_timeout_s, "stream_idle_timeout_s")?,
+            connect_timeout: positive(connect_timeout_s, "connect_timeout_s")?,
+            first_byte_timeout: limit(first_byte_timeout_s, "first_byte_timeout_s")?,
+            stream_idle_timeout: limit(stream_idle_timeout_s, "stream_idle_timeout_s")?,
             max_attempts,
             health_interval: if health_interval_s > 0.0 {
                 Some(seconds(health_interval_s, "health_interval_s")?)
             } else {
                 None
             },
-            health_timeout: positive(Some(health_timeout_s), "health_timeout_s")?
-                .unwrap_or_default(),
+            health_timeout: positive(health_timeout_s, "health_timeout_s")?,
             eject_after_failures,
             eject_base: seconds(eject_base_s, "eject_base_s")?,
             api_key,
