@@ -28,7 +28,15 @@ fn positive(value: f64, name: &str) -> PyResult<Duration> {
 
 /// A limit that None turns off.
 fn limit(value: Option<f64>, name: &str) -> PyResult<Option<Duration>> {
-    value.map(|v| positive(v, name)).transpose()
+    value
+        .map(|v| {
+            positive(v, name).map_err(|_| {
+                PyValueError::new_err(format!(
+                    "{name} must be positive (or None for no limit), got {v}"
+                ))
+            })
+        })
+        .transpose()
 }
 
 /// `policy`'s options from a dict of ``name: value`` (None turns a guard off).
