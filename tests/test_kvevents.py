@@ -654,6 +654,10 @@ class FakeEngine:
         self.task = None
         if with_replay:
             self.router = self.ctx.socket(zmq.ROUTER)
+            # A ROUTER drops what exceeds its send high-water mark (1,000 messages) while the
+            # reader lags, as vLLM's replay socket does; a dropped replay is a failed replay
+            # (tested on its own). These tests are about the replayed batches, so none drop.
+            self.router.setsockopt(zmq.SNDHWM, 0)
             self.router.bind(LOOPBACK_ANY_PORT)
             self.replay_endpoint = self.router.getsockopt_string(zmq.LAST_ENDPOINT)
             if answer_replay:
