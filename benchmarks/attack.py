@@ -15,7 +15,6 @@ and ``kvroute serve`` in front of them, then prints:
 
     python benchmarks/attack.py                      # the whole run (~4 min)
     python benchmarks/attack.py --slow 500 --prompts 100   # quicker
-    python benchmarks/attack.py --data-plane native  # the native data plane (kvroute-serve)
 
 The router runs with its defaults, except ``--stream-idle-timeout`` (``--idle-timeout``,
 default 5 s, so that part takes seconds, not the default's 300 s).
@@ -310,9 +309,9 @@ async def part_stopped_worker(router: RouterProcess, fleets: list, idle: float) 
     print(f"   stream ended {ended:.2f} s after SIGSTOP, with an SSE error event: {error}")
 
 
-async def part_fd_exhaustion(workers: list[str], log: Path, slow: int, probes: int, plane: list[str]) -> None:
+async def part_fd_exhaustion(workers: list[str], log: Path, slow: int, probes: int) -> None:
     print(f"\n5. valid clients while {slow} slow connections are open, router under RLIMIT_NOFILE 1024")
-    async with RouterProcess(workers, plane, log, nofile=1024) as router:
+    async with RouterProcess(workers, [], log, nofile=1024) as router:
         stop = asyncio.Event()
         held: list[float] = []
         tasks = [asyncio.ensure_future(slow_connection(router.host, router.port, held, stop)) for _ in range(slow)]
@@ -336,8 +335,7 @@ async def main(args: argparse.Namespace) -> None:
     workers = [f.urls[0] for f in fleets]
     tmp = Path(tempfile.mkdtemp(prefix="kvroute-attack-"))
     try:
-        plane = ["--data-plane", args.data_plane]
-        async with RouterProcess(workers, [*plane, "--stream-idle-timeout", str(args.idle_timeout)],
+        async with RouterProcess(workers, ["--stream-idle-timeout", str(args.idle_timeout)],
                                  tmp / "router.log") as router:
             print(f"router {router.url} (defaults; pid {router.proc.pid}), {args.workers} emulated workers; "
                   f"log {tmp / 'router.log'}")
@@ -353,7 +351,7 @@ async def main(args: argparse.Namespace) -> None:
             await part_memory(router, args.prompts)
             await part_stopped_worker(router, fleets, args.idle_timeout)
             print(f"\n   tracebacks in the router's log over parts 1-4: {router.tracebacks()}")
-        await part_fd_exhaustion(workers, tmp / "router-1024.log", args.fd_slow, args.probes, plane)
+        await part_fd_exhaustion(workers, tmp / "router-1024.log", args.fd_slow, args.probes)
     finally:
         for fleet in fleets:
             await fleet.close()
@@ -362,8 +360,6 @@ async def main(args: argparse.Namespace) -> None:
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workers", type=int, default=3)
-    parser.add_argument("--data-plane", choices=("aiohttp", "native"), default="aiohttp",
-                        help="the router's --data-plane (default: %(default)s)")
     parser.add_argument("--slow", type=int, default=2000, help="slow-header connections in part 2")
     parser.add_argument("--prompts", type=int, default=400, help="distinct 1 MB prompts in part 3")
     parser.add_argument("--idle-timeout", type=float, default=5.0, help="the router's --stream-idle-timeout")

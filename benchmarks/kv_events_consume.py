@@ -59,12 +59,11 @@ import numpy as np
 import uvloop
 import zmq
 
-from kvroute._native import KvEventConsumer, SequenceTracker, bench_wake_floor
+from kvroute._native import EVENTS_COALESCE_S, KvEventConsumer, SequenceTracker, bench_wake_floor
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import BlockRemoved, BlockStored, EventBatch
 from kvroute.fleet import free_ports
 from kvroute.kvevents.wire import decode_batch, decode_native, encode_batch
-from kvroute.proxy.pool import EVENTS_COALESCE_S
 from kvroute.routing.index import KvIndex
 
 BLOCK = 16

@@ -167,9 +167,6 @@ SETTINGS: dict[str, dict[str, Setting]] = {
     "service": {"defaults": Setting("defaults", why="kvroute service: random per TCP connection")},
     "kvroute": {
         "defaults": Setting("defaults", why="kvroute serve --policy kv-aware as shipped"),
-        "native": Setting("native", ("--data-plane", "native"), (
-            "the same routing on the native data plane (crates/kvroute-serve: tokio + hyper, "
-            "one thread per core): a different HTTP stack, not a tuning")),
     },
     "floor": {"defaults": Setting("defaults", why="the bare aiohttp + uvloop relay (overhead only)")},
     "sglang": {

@@ -10,7 +10,7 @@ BPE model written on the fly), so matching is exact for every prompt format:
   renders the chat template and tokenizes (segment cache: the shared system prompt once);
 * ``ids``: the prompt as token ids (no tokenization anywhere);
 * ``text``: the prompt as one string (cut between words where the tokenizer provably cuts,
-  pieces cached: the shared prefix once, see ``kvroute.proxy.chunks``).
+  pieces cached: the shared prefix once, see the ``kvroute-tokenize`` crate).
 
 Phase 1 (latency): requests one at a time, alternating direct-to-a-worker and through the
 router; added latency = router − direct, whole request (stream read to ``[DONE]``).

@@ -258,7 +258,6 @@ async def run_worker_death(
     progress: bool = False,
     stop_s: float = 0.0,
     all_streamed: bool = False,
-    data_plane: str | None = None,
 ) -> DeathResult:
     rng = random.Random(seed)
     tmp = tempfile.mkdtemp(prefix="kvr-death-")
@@ -271,7 +270,7 @@ async def run_worker_death(
     paused = fleet[(fleet.index(victim) + 1) % workers] if stop_s > 0 and workers > 1 else None
     events = EventsSettings(per_worker={w.url: EventsSource(w.events, w.replay) for w in fleet})
     config = RouterConfig(workers=[w.url for w in fleet], policy="kv-aware", seed=seed,
-                          events=events, health_interval_s=health_interval_s, data_plane=data_plane,
+                          events=events, health_interval_s=health_interval_s,
                           threads=os.cpu_count() or 1)
     shared = [[rng.randrange(1000, 30000) for _ in range(prefix_blocks * BLOCK)] for _ in range(prefixes)]
     try:
@@ -571,8 +570,6 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     death.add_argument("--stop-for", type=float, default=0.0, metavar="S",
                        help="also SIGSTOP another worker at the kill, for S seconds (default: none)")
     death.add_argument("--all-streamed", action="store_true", help="stream every request (default: half)")
-    death.add_argument("--data-plane", choices=("aiohttp", "native"), default="aiohttp",
-                       help="the router's data plane, as kvroute serve --data-plane (default: %(default)s)")
     soak = sub.add_parser("soak", help="many short requests: RSS, fds and index size must stay flat")
     soak.add_argument("--requests", type=int, default=1_000_000)
     soak.add_argument("--concurrency", type=int, default=32)
@@ -590,7 +587,7 @@ def main(argv: list[str] | None = None) -> int:
         result = aio.run(run_worker_death(
             args.requests, args.concurrency, args.workers, kill_at=args.kill_at, down_s=args.down,
             health_interval_s=args.health_interval, seed=args.seed, progress=True,
-            stop_s=args.stop_for, all_streamed=args.all_streamed, data_plane=args.data_plane,
+            stop_s=args.stop_for, all_streamed=args.all_streamed,
         ))
         print_death(result)
         return 0 if result.passed else 1

@@ -185,27 +185,6 @@ def tier_plan(vllm_fleet: RealVllmFleet) -> Callable[..., ExperimentPlan]:
     return make
 
 
-def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
-    # Router test modules ask for ``data_plane`` (``pytestmark = usefixtures("data_plane")``):
-    # each of their tests runs against the aiohttp router and the native one.
-    if "data_plane" in metafunc.fixturenames:
-        metafunc.parametrize("data_plane", ["aiohttp", "native"], indirect=True)
-
-
-@pytest.fixture
-def data_plane(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """The router ``start_router`` starts in this test (``RouterConfig.data_plane`` unset);
-    tests marked ``aiohttp_only`` are skipped on the native one."""
-    import kvroute.proxy.app
-
-    plane = request.param
-    marker = request.node.get_closest_marker("aiohttp_only")
-    if plane == "native" and marker is not None:
-        pytest.skip(f"aiohttp data plane only: {marker.args[0]}")
-    monkeypatch.setattr(kvroute.proxy.app, "DEFAULT_DATA_PLANE", plane)
-    return plane
-
-
 def pytest_report_header(config: pytest.Config) -> str | None:
     if "vllm" not in str(config.getoption("markexpr", "")) or "not vllm" in str(config.getoption("markexpr", "")):
         return None

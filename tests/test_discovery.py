@@ -23,8 +23,6 @@ from kvroute.proxy import (
 )
 from kvroute.proxy.discovery import normalize_worker_url
 
-pytestmark = pytest.mark.usefixtures("data_plane")
-
 
 @pytest.mark.parametrize(
     "text, url",

@@ -16,7 +16,6 @@ from pathlib import Path
 import aiohttp
 import msgspec
 import numpy as np
-import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
@@ -32,8 +31,6 @@ from kvroute.proxy import (
     RouterConfig,
     start_router,
 )
-
-pytestmark = pytest.mark.usefixtures("data_plane")
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "soak.py"
 _spec = importlib.util.spec_from_file_location("soak_bench", _PATH)
@@ -421,21 +418,3 @@ async def test_sigterm_finishes_streams_refuses_new_requests_with_503_and_exits(
             if proc.returncode is None:
                 proc.kill()
                 await proc.wait()
-
-
-def test_tuning_the_collector_for_serving_is_once_and_keeps_older_generations(monkeypatch):
-    import gc
-
-    from kvroute.proxy.app import GC_YOUNG_THRESHOLD, tune_gc_for_serving
-
-    before = gc.get_threshold()
-    calls = []
-    monkeypatch.setattr(gc, "freeze", lambda: calls.append("freeze"))
-    try:
-        gc.set_threshold(700, *before[1:])
-        tune_gc_for_serving()
-        assert gc.get_threshold() == (GC_YOUNG_THRESHOLD, *before[1:])
-        tune_gc_for_serving()  # already tuned: nothing more
-        assert calls == ["freeze"]
-    finally:
-        gc.set_threshold(*before)

@@ -29,8 +29,6 @@ from kvroute.commands import serve
 from kvroute.errors import UserError
 from kvroute.proxy import RouterConfig, start_router
 
-pytestmark = pytest.mark.usefixtures("data_plane")
-
 EXAMPLES = int(os.environ.get("KVROUTE_FUZZ_EXAMPLES", "400"))
 FUZZ = settings(
     max_examples=EXAMPLES, deadline=None, derandomize=False,

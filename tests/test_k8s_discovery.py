@@ -28,8 +28,6 @@ from kvroute.errors import UserError
 from kvroute.proxy.discovery import Endpoint
 from kvroute.proxy.k8s import EndpointSliceDiscovery, endpoints_from_slices
 
-pytestmark = pytest.mark.usefixtures("data_plane")
-
 NS = "llm"
 SERVICE = "kv-kvroute-workers-headless"
 PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"
@@ -380,8 +378,7 @@ async def test_router_drops_a_workers_index_entries_when_its_pod_leaves(api):
     served a prompt holds index entries (from its KV events); once terminating it gets no new
     requests, and when its slice is deleted its entries go."""
     from kvroute.emulator import EmulatorConfig, start_workers
-    from kvroute.proxy.app import RouterConfig, start_router
-    from kvroute.proxy.pool import EventsSettings, EventsSource
+    from kvroute.proxy import EventsSettings, EventsSource, RouterConfig, start_router
 
     config = EmulatorConfig.for_model(
         "qwen3-0.6b", timing="instant", max_model_len=512,

@@ -17,8 +17,6 @@ from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.fleet import free_ports
 from kvroute.proxy import WORKER_HEADER, RouterConfig, start_router
 
-pytestmark = pytest.mark.usefixtures("data_plane")
-
 MODEL = "Qwen/Qwen3-0.6B"
 
 

@@ -1,4 +1,4 @@
-"""The router's bounded defaults against slow and hostile clients (see kvroute.proxy.edge):
+"""The router's bounded defaults against slow and hostile clients (``crates/kvroute-serve``'s edge):
 head and body timeouts, the connection limit's 503, body limits checked before reading, no
 decompression, bounded JSON depth, byte-bounded prompt caches, health checks that never
 follow redirects, stream timeouts on by default. Servers on 127.0.0.1, ephemeral ports."""
@@ -14,23 +14,17 @@ import time
 import zlib
 
 import aiohttp
-import numpy as np
 import pytest
 from aiohttp import web
 
-from kvroute.blocks import BlockHasher
 from kvroute.proxy import RouterConfig, start_router
-from kvroute.proxy.app import (
+from kvroute.proxy.config import (
     DEFAULT_FIRST_BYTE_TIMEOUT_S,
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
     derived_max_body_bytes,
 )
-from kvroute.proxy.edge import default_max_connections
-from kvroute.proxy.prompts import ByteLRU, PromptHasher
-from kvroute.tokens import SyntheticTokenizer
-
-pytestmark = pytest.mark.usefixtures("data_plane")
+from kvroute.proxy.resources import default_max_connections
 
 
 async def _worker(app_routes=None) -> tuple[web.AppRunner, str, list[bytes]]:
@@ -214,19 +208,21 @@ async def test_bodies_over_the_limit_413_before_reading_and_compressed_ones_415(
         await runner.cleanup()
 
 
-def test_the_body_limit_is_derived_from_the_tokenizers_max_length(tiny_model_dir):
+async def test_the_body_limit_is_derived_from_the_tokenizers_max_length(tiny_model_dir):
     assert derived_max_body_bytes(8192, 22) == 8192 * 66 + 2**20
     assert derived_max_body_bytes(8192, 2) == 8192 * 12 + 2**20  # ids take 12 bytes each
     assert derived_max_body_bytes(10**6, 100) == DEFAULT_MAX_BODY_BYTES  # capped
-    from kvroute.proxy.app import Router
 
-    router = Router(RouterConfig(workers=["http://127.0.0.1:9"], tokenizer=str(tiny_model_dir)))
-    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
-    assert router.max_body_bytes < DEFAULT_MAX_BODY_BYTES
-    assert router.max_body_bytes >= config["model_max_length"] * 12 + 2**20
-    assert Router(RouterConfig(workers=["http://127.0.0.1:9"])).max_body_bytes == DEFAULT_MAX_BODY_BYTES
-    explicit = Router(RouterConfig(workers=["http://127.0.0.1:9"], tokenizer=str(tiny_model_dir), max_body_bytes=5))
-    assert explicit.max_body_bytes == 5
+    async def limit(**options) -> int:
+        config = RouterConfig(workers=["http://127.0.0.1:9"], health_interval_s=0, **options)
+        async with start_router(config) as router:
+            return router.max_body_bytes
+
+    tokenizer_config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
+    derived = await limit(tokenizer=str(tiny_model_dir))
+    assert tokenizer_config["model_max_length"] * 12 + 2**20 <= derived < DEFAULT_MAX_BODY_BYTES
+    assert await limit() == DEFAULT_MAX_BODY_BYTES
+    assert await limit(tokenizer=str(tiny_model_dir), max_body_bytes=5) == 5
 
 
 @pytest.fixture(scope="module")
@@ -259,7 +255,7 @@ async def test_deep_json_is_400_at_any_depth_and_never_5xx():
         await runner.cleanup()
 
 
-async def test_a_large_body_is_parsed_off_the_event_loop_and_health_stays_fast():
+async def test_a_large_body_is_parsed_on_a_blocking_thread_and_health_stays_fast():
     runner, url, seen = await _worker()
     try:
         config = RouterConfig(workers=[url], health_interval_s=0, offload_bytes=1024)
@@ -282,23 +278,6 @@ async def test_a_large_body_is_parsed_off_the_event_loop_and_health_stays_fast()
         assert len(seen) == 1
     finally:
         await runner.cleanup()
-
-
-def test_prompt_caches_are_bounded_in_bytes():
-    cache = ByteLRU(1000, lambda k, v: len(v))
-    for i in range(50):
-        cache.put(i, "x" * 100)
-    assert cache.nbytes <= 1000 and len(cache) == 10 and cache.evictions == 40
-    cache.put("huge", "x" * 200)  # over an eighth of the bound: not cached
-    assert cache.get("huge") is None
-    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16), cache_bytes=4 << 20)
-    rng = np.random.default_rng(0)
-    for _ in range(40):
-        text = " ".join(str(x) for x in rng.integers(0, 10**6, 3000))  # ~20 KB each
-        hasher.text(text)
-        hasher.chat({"messages": [{"role": "system", "content": text}, {"role": "user", "content": "hi"}]})
-    nbytes, evictions = hasher.cache_stats()
-    assert nbytes <= 4 << 20 and evictions > 0
 
 
 async def test_a_redirecting_health_check_is_unhealthy_and_not_followed():
@@ -348,40 +327,6 @@ def test_serve_with_a_missing_worker_file_exits_2_with_one_line():
     assert "Traceback" not in result.stderr
 
 
-def test_long_texts_encode_in_slices_to_the_same_ids():
-    from kvroute.proxy import prompts
-
-    tokenizer = SyntheticTokenizer()
-    text = ("word, <|im_start|>x\n\ty " * 20_000) + "tail"
-    assert len(text) > 4 * prompts._TEXT_SLICE
-    assert prompts._encode(tokenizer, text, False).tolist() == tokenizer.encode(text)
-
-
-def test_texts_longer_than_any_accepted_prompt_are_routed_untokenized():
-    from kvroute.proxy.prompts import DEFAULT_MAX_TEXT_BYTES, max_text_bytes
-
-    assert max_text_bytes(8192, 22) == 8192 * 22 and max_text_bytes(None, None) == DEFAULT_MAX_TEXT_BYTES
-    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16), max_text_bytes=1000)
-    assert hasher.text("a " * 400).num_tokens == 400
-    assert hasher.text("a " * 600).block_hashes == [] and hasher.untokenized == 1
-    long_chat = {"messages": [{"role": "user", "content": "a " * 600}]}
-    assert hasher.chat(long_chat).block_hashes == [] and hasher.untokenized == 2
-
-
-def test_large_id_prompts_parse_from_the_bytes_to_the_same_blocks(monkeypatch):
-    from kvroute.proxy import prompts
-
-    monkeypatch.setattr(prompts, "_RAW_IDS_SLICE", 64)  # many slices
-    ids = list(range(0, 4_000_000_000, 9_999_991))
-    raw = json.dumps({"prompt": ids, "max_tokens": 3, "stream": True}).encode()
-    body = prompts.parse_large_ids(raw)
-    assert body["prompt"].tolist() == ids and body["max_tokens"] == 3 and body["stream"] is True
-    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16))
-    assert hasher.completion(body) == hasher.completion(json.loads(raw))
-    for bad in ([1, 2.5], [1, -2], [2**32], [10**30], ["1"], [[1]], []):
-        assert prompts.parse_large_ids(json.dumps({"prompt": bad}).encode()) is None, bad
-
-
 async def test_a_large_bad_id_prompt_is_still_a_400():
     runner, url, seen = await _worker()
     try:
@@ -396,8 +341,3 @@ async def test_a_large_bad_id_prompt_is_still_a_400():
         await runner.cleanup()
 
 
-def test_id_prompts_longer_than_any_accepted_one_are_not_hashed():
-    hasher = PromptHasher(SyntheticTokenizer(), BlockHasher(16), max_prompt_tokens=100)
-    assert len(hasher.completion({"prompt": list(range(100))}).block_hashes) == 6
-    info = hasher.completion({"prompt": list(range(101))})
-    assert (info.num_tokens, info.block_hashes, hasher.untokenized) == (101, [], 1)

@@ -19,10 +19,6 @@ from kvroute.engine import BlockStored
 from kvroute.engine.events import EventBatch
 from kvroute.kvevents.wire import END_SEQ, encode_batch, encode_seq
 from kvroute.proxy import WORKER_HEADER, EventsSettings, EventsSource, RouterConfig, start_router
-from kvroute.proxy.metrics import RouterMetrics
-from kvroute.proxy.pool import WorkerPool
-
-pytestmark = pytest.mark.usefixtures("data_plane")
 
 BS = 16
 EVENTS = json.dumps({
@@ -197,53 +193,46 @@ C = list(range(900, 900 + 3 * BS))
 @pytest.mark.parametrize(
     "condition, counter, resets",
     [
-        ("in-order", "events", False),
-        ("gap-filled", "event_gaps", False),
-        ("replay-failed", "replay_failures", True),
+        ("in-order", "kv_events", False),
+        ("gap-filled", "kv_event_gaps", False),
+        ("replay-failed", "kv_event_replay_failures", True),
         ("restart", "engine_restarts", True),
-        ("malformed", "events_malformed", True),
+        ("malformed", "kv_events_malformed", True),
     ],
 )
 async def test_each_stream_condition_acts_on_the_index(condition, counter, resets):
-    """The pool's native consumer against a pyzmq engine: batches reach the index; a gap is
+    """The router's native consumer against a pyzmq engine: batches reach the index; a gap is
     filled by replay; a replay that cannot fill it, a restart and a malformed batch reset the
     worker (what it held before is unknown), and each is counted under its metric."""
-    from kvroute.proxy.discovery import Endpoint
-    from kvroute.routing import KvIndex
-
     engine = ScriptedEngine()
     url = "http://127.0.0.1:9"
-    index = KvIndex(BlockHasher(BS))
-    metrics = RouterMetrics()
     events = EventsSettings(per_worker={url: EventsSource(engine.endpoint, engine.replay_endpoint)})
-    pool = WorkerPool(index, metrics, None, events, "kv-aware", health_interval_s=0)
+    config = RouterConfig(workers=[url], events=events, health_interval_s=0)
     hasher = BlockHasher(BS)
-
-    def held(tokens: list[int]) -> int:
-        return index.overlaps(hasher.hash_blocks(tokens), ["w"], time.monotonic())[0]
-
     try:
-        pool.update([Endpoint(url, "w")])
-        await engine.subscribed()
-        await engine.send(0, stored_batch(A, 1000))
-        await until(lambda: held(A) == 2)
-        if condition == "gap-filled":
-            await engine.send(1, stored_batch(B, 2000), live=False)  # dropped on the way
-            await engine.send(2, stored_batch(C, 3000))
-        elif condition == "replay-failed":
-            await engine.send(2, stored_batch(C, 3000))  # 1 is in no buffer: lost for good
-        elif condition == "restart":
-            await engine.send(0, stored_batch(C, 3000))  # a new engine counting from 0 again
-        elif condition == "malformed":
-            await engine.send(1, b"\xc1 not msgpack")
-            await engine.send(2, stored_batch(C, 3000))
-        if condition != "in-order":
-            await until(lambda: held(C) == 3)
-        assert held(A) == (0 if resets else 2)
-        if condition == "gap-filled":
-            assert held(B) == 2
-        pool.sync_event_metrics()
-        assert getattr(metrics, counter).labels("w")._value.get() == 1
+        async with start_router(config) as router:
+
+            def held(tokens: list[int]) -> int:
+                return router.index.overlaps(hasher.hash_blocks(tokens), [url], time.monotonic())[0]
+
+            await engine.subscribed()
+            await engine.send(0, stored_batch(A, 1000))
+            await until(lambda: held(A) == 2)
+            if condition == "gap-filled":
+                await engine.send(1, stored_batch(B, 2000), live=False)  # dropped on the way
+                await engine.send(2, stored_batch(C, 3000))
+            elif condition == "replay-failed":
+                await engine.send(2, stored_batch(C, 3000))  # 1 is in no buffer: lost for good
+            elif condition == "restart":
+                await engine.send(0, stored_batch(C, 3000))  # a new engine counting from 0 again
+            elif condition == "malformed":
+                await engine.send(1, b"\xc1 not msgpack")
+                await engine.send(2, stored_batch(C, 3000))
+            if condition != "in-order":
+                await until(lambda: held(C) == 3)
+            assert held(A) == (0 if resets else 2)
+            if condition == "gap-filled":
+                assert held(B) == 2
+            await until(lambda: router.metric(f"kvroute_router_{counter}_total", worker=url) == 1)
     finally:
-        await pool.close()
         engine.close()

@@ -9,12 +9,9 @@ import json
 from collections.abc import AsyncIterator
 
 import aiohttp
-import pytest
 from aiohttp import web
 
 from kvroute.proxy import WORKER_HEADER, RouterConfig, start_router
-
-pytestmark = pytest.mark.usefixtures("data_plane")
 
 
 async def _ok(request: web.Request) -> web.Response:

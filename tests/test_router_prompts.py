@@ -1,8 +1,8 @@
-"""Both data planes hash prompts as the engine's tokenizer sees them (or, without one, as kvroute's
-synthetic tokenizer does): text completions, and
-chats rendered with the tokenizer's chat template (content parts joined, template kwargs),
-the same block hashes as ``kvroute.proxy.prompts.PromptHasher`` computes (each request's
-routing records its blocks in the index as predicted entries, which is what this reads)."""
+"""The router hashes prompts as the engine's tokenizer sees them (or, without one, as kvroute's
+synthetic tokenizer does): text completions encoded with special tokens, and chats rendered
+with the tokenizer's chat template (content parts joined, template kwargs) and encoded
+without, as vLLM (and the emulator) do. Each request's routing records its blocks in the
+index as predicted entries, which is what this reads."""
 
 from __future__ import annotations
 
@@ -14,10 +14,7 @@ from aiohttp import web
 
 from kvroute.blocks import DEFAULT_HASH_SEED, BlockHasher
 from kvroute.proxy import RouterConfig, start_router
-from kvroute.proxy.prompts import PromptHasher
-from kvroute.tokens import load_tokenizer
-
-pytestmark = pytest.mark.usefixtures("data_plane")
+from kvroute.tokens import HFTokenizer, Tokenizer, flatten_message_content, load_tokenizer
 
 BS = 16
 SYSTEM = "You are a careful assistant. " * 12 + "Réponds en français, s'il te plaît: naïve café."
@@ -59,26 +56,39 @@ async def _worker() -> tuple[web.AppRunner, str]:
     return runner, f"http://127.0.0.1:{runner.addresses[0][1]}"
 
 
-async def _routes_as(hasher: PromptHasher, config_for, bodies) -> None:
+def _engine_block_hashes(tokenizer: Tokenizer, path: str, body: dict) -> list[int]:
+    """The block hashes of the tokens the engine computes for ``body``."""
+    if "chat" in path:
+        # kvroute's synthetic tokenizer renders ChatML, which reads no template kwargs.
+        kwargs = body.get("chat_template_kwargs", {}) if isinstance(tokenizer, HFTokenizer) else {}
+        # A null content renders as empty text, content parts joined by newlines.
+        messages = flatten_message_content([{**m, "content": m["content"] or ""} for m in body["messages"]])
+        text = tokenizer.apply_chat_template(messages, body.get("add_generation_prompt", True), **kwargs)
+        ids = tokenizer.encode(text, add_special_tokens=False)
+    else:
+        ids = tokenizer.encode(body["prompt"])
+    return BlockHasher(BS, DEFAULT_HASH_SEED).hash_blocks(ids)
+
+
+async def _routes_as(tokenizer: Tokenizer, config_for, bodies) -> None:
     """Send each body through a router made by ``config_for(url)``; each must have recorded
-    exactly ``hasher``'s block hashes for it."""
+    exactly the block hashes of the engine's tokens for it."""
     runner, url = await _worker()
     try:
         async with start_router(config_for(url)) as router, aiohttp.ClientSession() as s:
             for path, body in bodies:
-                expected = (hasher.chat if "chat" in path else hasher.completion)(dict(body))
-                assert len(expected.block_hashes) >= 4, path
+                expected = _engine_block_hashes(tokenizer, path, body)
+                assert len(expected) >= 4, path
                 async with s.post(router.url + path, json=body) as r:
                     assert r.status == 200
-                held = router.index.overlaps(expected.block_hashes, [url], time.monotonic())[0]
-                assert held == len(expected.block_hashes), (path, body)
+                held = router.index.overlaps(expected, [url], time.monotonic())[0]
+                assert held == len(expected), (path, body)
     finally:
         await runner.cleanup()
 
 
 async def test_text_and_chat_prompts_hash_as_the_engine_tokenizes_them(tiny_model_dir):
-    hasher = PromptHasher(load_tokenizer(str(tiny_model_dir)), BlockHasher(BS, DEFAULT_HASH_SEED))
-    await _routes_as(hasher, lambda url: RouterConfig(
+    await _routes_as(load_tokenizer(str(tiny_model_dir)), lambda url: RouterConfig(
         workers=[url], tokenizer=str(tiny_model_dir), block_size=BS, health_interval_s=0, predicted_ttl_s=600.0,
     ), BODIES)
 
@@ -88,9 +98,8 @@ async def test_without_a_tokenizer_prompts_hash_as_the_synthetic_tokenizer_does(
     synthetic tokenizer): pseudo-words, other words, punctuation, ChatML chats."""
     tokenizer = load_tokenizer(None)
     words = tokenizer.decode(list(range(3, 3 + 120)))
-    hasher = PromptHasher(tokenizer, BlockHasher(BS, DEFAULT_HASH_SEED))
     bodies = [("/v1/completions", {"prompt": words + " plus, some real words_2 and 数据!"}),
               *((path, body) for path, body in BODIES if "chat" in path)]
-    await _routes_as(hasher, lambda url: RouterConfig(
+    await _routes_as(tokenizer, lambda url: RouterConfig(
         workers=[url], block_size=BS, health_interval_s=0, predicted_ttl_s=600.0,
     ), bodies)

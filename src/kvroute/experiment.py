@@ -117,8 +117,6 @@ class ExperimentPlan:
         trials: per point (medians reported).
         topologies: balancers to measure (``service``, ``router``).
         router_policy: the router topology's policy.
-        router_data_plane: the router's data plane, ``aiohttp`` or ``native``
-            (``kvroute serve --data-plane``).
         timing: the workers' cost-model preset (for the simulator's prediction).
         time_scale: how much faster than real time emulated workers run.
         vocab_size: the served model's vocabulary; prompts then draw token ids below it
@@ -135,7 +133,6 @@ class ExperimentPlan:
     trials: int
     topologies: tuple[str, ...] = ("service",)
     router_policy: str = ROUTER_POLICY
-    router_data_plane: str = "aiohttp"
     timing: str = "reference-gpu"
     time_scale: float = 1.0
     seed: int = 0
@@ -278,7 +275,6 @@ async def _balancer(
             events=EventsSettings(per_worker=per_worker) if per_worker else None,
             # Without events the router models each worker's LRU cache with its real size.
             predicted_capacity_blocks=None if per_worker else num_blocks,
-            data_plane=plan.router_data_plane,
             threads=os.cpu_count() or 1,
         )
         async with start_router(config) as router:

@@ -10,7 +10,7 @@ What the router assumes about the real engine, checked on the tier's two workers
 * its kv-aware policy beats random balancing (the Service topology) on request hit rate, for
   the same seeded requests through the experiment's two topologies;
 * the tokenizer path is exact for chat requests: the router's block hashes of a chat prompt
-  (``kvroute.proxy.prompts``, with its segment and prefix caches) are the hashes of the token
+  (its native tokenizer and chat-template renderer, with their caches) are the hashes of the token
   ids vLLM reported in ``BlockStored`` for it.
 
 The routers here run with ``predicted_ttl_s=0``: a routing decision is forgotten at once, so

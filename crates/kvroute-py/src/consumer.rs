@@ -16,7 +16,7 @@ use pyo3::types::{PyDict, PyList};
 use crate::kvevents::NativeEventBatch;
 use crate::routing::PyKvIndex;
 
-/// One thread following workers' KV event streams (``kvroute-io``; what ``kvroute.proxy.pool`` runs).
+/// One thread following workers' KV event streams (``kvroute-io``; what ``kvroute serve`` runs).
 ///
 /// Args:
 ///     index: the router's ``KvIndex``: batches are applied to it, and only the conditions

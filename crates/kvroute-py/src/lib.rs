@@ -15,7 +15,6 @@ mod kvevents;
 mod routing;
 mod serve;
 mod sim;
-mod tokenize;
 mod tokens;
 mod trace;
 
@@ -29,7 +28,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kvevents::register(m)?;
     consumer::register(m)?;
     sim::register(m)?;
-    tokenize::register(m)?;
     trace::register(m)?;
     Ok(())
 }

@@ -1,5 +1,5 @@
-//! `NativeRouter` for Python: the native data plane (`kvroute_serve`) that `kvroute serve
-//! --data-plane native` starts. Python parses the command line and hands the values over;
+//! `NativeRouter` for Python: the native data plane (`kvroute_serve`) that `kvroute serve`
+//! starts. Python parses the command line and hands the values over;
 //! everything per request runs on the server's own threads, without the GIL.
 
 use std::path::PathBuf;
@@ -108,7 +108,7 @@ fn worker_specs(workers: &Bound<'_, PyAny>) -> PyResult<Vec<WorkerSpec>> {
     Ok(out)
 }
 
-/// The native router, serving from the moment it is made (see ``kvroute.proxy.native``).
+/// The native router, serving from the moment it is made (see ``kvroute.proxy.router``).
 ///
 /// Raises:
 ///     ValueError: a bad configuration, or the address cannot be bound (the message says which).
@@ -136,6 +136,7 @@ impl NativeRouter {
         workers, *, host = "127.0.0.1".to_owned(), port = 0, threads = 1, policy = "kv-aware".to_owned(),
         policy_options = None, seed = None, block_size = 16, hash_seed = 0, tokenizer = None,
         prompt_cache_bytes = 64 << 20, predicted_ttl_s = None, predicted_capacity_blocks = Some(585),
+        index_max_bytes = Some(256 << 20),
         max_body_bytes = 64 << 20, max_json_depth = 64, offload_bytes = 256 * 1024, header_timeout_s = 10.0, keepalive_timeout_s = 75.0, body_timeout_s = 60.0,
         max_connections = 4096, connect_timeout_s = 2.0, first_byte_timeout_s = Some(600.0),
         stream_idle_timeout_s = Some(300.0), max_attempts = 3, health_interval_s = 2.0,
@@ -159,6 +160,7 @@ impl NativeRouter {
         prompt_cache_bytes: usize,
         predicted_ttl_s: Option<f64>,
         predicted_capacity_blocks: Option<usize>,
+        index_max_bytes: Option<usize>,
         max_body_bytes: usize,
         max_json_depth: usize,
         offload_bytes: usize,
@@ -205,6 +207,7 @@ impl NativeRouter {
             prompt_cache_bytes,
             predicted_ttl_s,
             predicted_capacity_blocks,
+            index_max_bytes,
             max_body_bytes,
             max_json_depth,
             offload_bytes,
@@ -324,5 +327,9 @@ impl NativeRouter {
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add(
+        "EVENTS_COALESCE_S",
+        kvroute_serve::server::EVENTS_COALESCE.as_secs_f64(),
+    )?;
     m.add_class::<NativeRouter>()
 }

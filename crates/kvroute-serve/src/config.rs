@@ -1,6 +1,5 @@
-//! What `kvroute serve --data-plane native` can be told: one [`ServeConfig`], validated once,
-//! with the same defaults as the aiohttp router's `RouterConfig` (the Python face fills it
-//! from the same flags).
+//! What `kvroute serve` can be told: one [`ServeConfig`], validated once, with the same
+//! defaults as the Python face's `RouterConfig` (which fills it from the command line).
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -128,6 +127,9 @@ pub struct ServeConfig {
     /// Predicted entries' lifetime and per-worker bound (see `kvroute_core::index`).
     pub predicted_ttl_s: Option<f64>,
     pub predicted_capacity_blocks: Option<usize>,
+    /// The index's memory bound over event-backed entries, in bytes (the least recently
+    /// touched are dropped beyond it); None: unbounded.
+    pub index_max_bytes: Option<usize>,
     /// Request bodies larger than this get 413 (before they are read when they say so).
     pub max_body_bytes: usize,
     /// Deeper JSON bodies get 400.
@@ -185,6 +187,7 @@ impl Default for ServeConfig {
             prompt_cache_bytes: 64 << 20,
             predicted_ttl_s: None,
             predicted_capacity_blocks: Some(585),
+            index_max_bytes: Some(256 << 20),
             max_body_bytes: 64 << 20,
             max_json_depth: 64,
             offload_bytes: 256 * 1024,

@@ -33,8 +33,6 @@ use crate::prompt::Retained;
 
 /// Longest ejection, whatever the number of ejections in a row.
 pub const MAX_EJECTION_S: f64 = 300.0;
-/// The index's memory bound over event-backed entries (the aiohttp router's default).
-pub const INDEX_MAX_BYTES: usize = 256 << 20;
 
 /// One worker as the router tracks it.
 #[derive(Clone, Debug)]
@@ -119,7 +117,7 @@ impl Fleet {
             hasher,
             config.predicted_ttl_s,
             config.predicted_capacity_blocks,
-            Some(MemoryBound::Bytes(INDEX_MAX_BYTES)),
+            config.index_max_bytes.map(MemoryBound::Bytes),
         )
         .map_err(|e| ConfigError(e.0))?;
         let mut fleet = Self {

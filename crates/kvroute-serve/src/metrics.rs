@@ -1,5 +1,5 @@
-//! The router's counters and their Prometheus text, under the aiohttp router's metric names
-//! (dashboards and `kvroute bench` read them either way).
+//! The router's counters and their Prometheus text, under the metric names the dashboards
+//! (`deploy/grafana`) and `kvroute bench` read.
 //!
 //! Labels come only from fixed sets (routes, statuses, kinds, reasons) or the configured
 //! workers: a client can never mint a label value.

@@ -1,7 +1,7 @@
 //! The server: a tokio runtime of `threads` threads, the accept loop, the routes, the
 //! per-request flow (edge → prompt → routing step → relay), health checks and drain.
 //!
-//! Failure rules (the aiohttp router's): a worker that refuses the connection, drops it before
+//! Failure rules: a worker that refuses the connection, drops it before
 //! answering, or misses `first_byte_timeout` is taken out (refused) or charged a failure, and
 //! the request goes to another worker, only before the first response byte, so nothing is ever
 //! sent twice to the client. After it, a worker that dies or stays silent ends the client's
@@ -44,9 +44,10 @@ pub const WORKER_HEADER: &str = "x-kvroute-worker";
 pub const MAX_ANSWER_BYTES: usize = 64 << 20;
 /// How many times as often as a healthy worker one out of the available set is checked.
 pub const UNHEALTHY_CHECKS_PER_INTERVAL: u32 = 4;
-/// Seconds the event consumer lets batches gather after taking some: one wake-up of its
-/// thread for several engine steps, beside engine steps of tens of milliseconds.
-const EVENTS_COALESCE: Duration = Duration::from_millis(2);
+/// How long the event consumer lets batches gather after taking some: one wake-up of its
+/// thread for several engine steps, beside engine steps of tens of milliseconds (the index
+/// learns of a batch at most this much later; `benchmarks/kv_events_consume.py`).
+pub const EVENTS_COALESCE: Duration = Duration::from_millis(2);
 /// How long the consumer waits for each message of a replay.
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often the consumer's notices (each a worker reset) are logged.

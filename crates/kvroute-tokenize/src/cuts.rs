@@ -4,7 +4,7 @@
 //! cut, see the crate docs); one in [`CUT_ONE_IN`] is kept, chosen by a hash of the 8 bytes
 //! before it, so the choice depends only on nearby text and two prompts that share a prefix cut
 //! it alike. ASCII letters and spaces never occur inside a multi-byte UTF-8 sequence, so byte
-//! offsets are valid `str` boundaries. The same cuts as `kvroute.proxy.chunks.cut_points` had.
+//! offsets are valid `str` boundaries.
 
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 

@@ -115,8 +115,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="balancers to measure: service (random backend per connection, like a "
                         "Kubernetes Service), router (kvroute serve, fed by the workers' KV events) "
                         "(default %(default)s)")
-    parser.add_argument("--data-plane", choices=("aiohttp", "native"), default="aiohttp",
-                        help="the router's data plane, as kvroute serve --data-plane (default %(default)s)")
     parser.add_argument("--router-policy", default=ROUTER_POLICY, choices=sorted(POLICIES),
                         help="the router topology's policy, also simulated for its prediction "
                         "(default %(default)s)")
@@ -196,7 +194,6 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         trials=trials,
         topologies=topologies,
         router_policy=args.router_policy,
-        router_data_plane=args.data_plane,
         timing=args.timing or ("cpu-tiny" if args.engine == "vllm" else "reference-gpu"),
         time_scale=args.time_scale if args.engine == "emulator" else 1.0,
         seed=args.seed,

@@ -14,7 +14,7 @@ from kvroute.blocks import GPU_BLOCK_SIZE
 from kvroute.commands._common import add_policy_option_argument, parse_policy_options
 from kvroute.errors import UserError
 from kvroute.kvevents import EventsSettings, EventsSource
-from kvroute.proxy.app import (
+from kvroute.proxy.config import (
     BODY_ENVELOPE_BYTES,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_FIRST_BYTE_TIMEOUT_S,
@@ -23,17 +23,15 @@ from kvroute.proxy.app import (
     DEFAULT_MAX_BODY_BYTES,
     DEFAULT_OFFLOAD_BYTES,
     DEFAULT_PREDICTED_CAPACITY_BLOCKS,
+    DEFAULT_PROMPT_CACHE_BYTES,
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
     EVENTS_PREDICTED_TTL_S,
     MAX_JSON_DEPTH,
-    Router,
     RouterConfig,
-    tune_gc_for_serving,
 )
 from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
-from kvroute.proxy.edge import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
-from kvroute.proxy.native import DATA_PLANES, NativeRouterRunner
-from kvroute.proxy.prompts import DEFAULT_PROMPT_CACHE_BYTES
+from kvroute.proxy.resources import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
+from kvroute.proxy.router import Router
 from kvroute.routing.policies import POLICIES
 from kvroute.units import parse_bytes
 
@@ -80,8 +78,8 @@ parentheses). A request head must arrive within --header-timeout and its body wi
 or gets a 503 and is closed (kvroute_router_connections_refused), instead of the descriptors
 running out and the port going silent. Bodies over --max-body-bytes get 413 before they are read, compressed ones
 415 (never expanded), JSON nested deeper than %(depth)d levels 400
-(kvroute_router_rejected_requests). Bodies over --offload-bytes are parsed and tokenized off
-the event loop. Tokenization caches are bounded in bytes (--prompt-cache-bytes). Health
+(kvroute_router_rejected_requests). Bodies over --offload-bytes are parsed and tokenized on
+a blocking thread, never on one serving other connections. Tokenization caches are bounded in bytes (--prompt-cache-bytes). Health
 checks never follow redirects (a 3xx is unhealthy).
 
 Security: only the workers given or discovered are ever contacted, at the router's own paths;
@@ -114,12 +112,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     listen = parser.add_argument_group("listening")
     listen.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
     listen.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: %(default)s)")
-    listen.add_argument("--data-plane", choices=DATA_PLANES, default="aiohttp",
-                        help="aiohttp: the Python router; native: the same router with its HTTP path in Rust "
-                             "(tokio + hyper, all cores, no interpreter per request; the same flags and "
-                             "behaviour) (default: %(default)s)")
     listen.add_argument("--threads", type=int, default=None, metavar="N",
-                        help="--data-plane native: threads serving requests (default: one per core)")
+                        help="threads serving requests (default: one per core)")
 
     workers = parser.add_argument_group("workers (one source)")
     workers.add_argument("--worker", action="append", default=[], metavar="URL",
@@ -210,12 +204,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "the hard one: each connection with a request in flight also holds one to a "
                         "worker, so the descriptors never run out (448 under ulimit -n 1024)")
     limits.add_argument("--offload-bytes", default=f"{DEFAULT_OFFLOAD_BYTES >> 10}KiB", metavar="SIZE",
-                        help="larger bodies are parsed, tokenized and hashed on a thread, one at "
-                        "a time, so that other clients are not kept waiting (default: %(default)s)")
+                        help="larger bodies are parsed, tokenized and hashed on a blocking thread, "
+                        "never on one serving other connections, and at most 2 of them are held in "
+                        "memory at once (the others wait before being read) (default: %(default)s)")
     limits.add_argument("--prompt-cache-bytes", default=f"{DEFAULT_PROMPT_CACHE_BYTES >> 20}MiB", metavar="SIZE",
-                        help="memory bound of the tokenization caches (message segments, prompt "
-                        "heads' block hashes, text pieces); an entry over an eighth of its share "
-                        "is not cached (default: %(default)s)")
+                        help="memory bound of the tokenizer's caches (text pieces and words, so "
+                        "that a shared prefix is tokenized once) (default: %(default)s)")
     limits.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
                         help="on SIGTERM, wait this long for in-flight requests (default: %(default)s)")
     limits.add_argument("--max-attempts", type=int, default=3,
@@ -313,14 +307,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise UserError("--eject-after and --eject-base must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise UserError("--api-key must not be empty")
-    if args.data_plane == "native":
-        threads = args.threads if args.threads is not None else (os.cpu_count() or 1)
-        if threads < 1:
-            raise UserError(f"--threads must be >= 1, got {threads}")
-    elif args.threads is not None:
-        raise UserError("--threads is for --data-plane native (the aiohttp router runs on one core)")
-    else:
-        threads = 1
+    threads = args.threads if args.threads is not None else (os.cpu_count() or 1)
+    if threads < 1:
+        raise UserError(f"--threads must be >= 1, got {threads}")
     return RouterConfig(
         workers=args.worker,
         discovery=discovery,
@@ -355,7 +344,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         worker_api_key=args.worker_api_key,
         retention=args.retention,
         retention_capacity_blocks=args.retention_capacity_blocks,
-        data_plane=args.data_plane,
         threads=threads,
     )
 
@@ -366,31 +354,18 @@ async def _serve(config: RouterConfig) -> None:
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(signum, stop.set)
-    router: Router | NativeRouterRunner | None = None
+    router: Router | None = None
     try:
         raise_fd_limit()  # before start: the connection limit is derived from it
-        return_freed_memory_promptly()  # the native server's buffers come from the same malloc
-        if config.data_plane == "native":
-            router = NativeRouterRunner(config)
-            await router.start()
-            plane, max_connections = f"native data plane ({config.threads} threads)", router.max_connections
-        else:
-            try:
-                router = Router(config)
-            except ValueError as exc:
-                raise UserError(str(exc)) from None
-            # The event loop waits at most 1 ms (not 5) for the GIL while the offload thread
-            # parses a large body, so other clients' requests are not queued behind it.
-            sys.setswitchinterval(0.001)
-            await router.start()
-            tune_gc_for_serving()
-            plane, max_connections = "aiohttp", router.connection_limits.max_connections
+        return_freed_memory_promptly()  # a 50 MB body's buffers go back to the system when freed
+        router = Router(config)
+        await router.start()
         workers = ", ".join(router.worker_statuses()) or "none yet"
         # The first line names the bound port, so a script that asked for port 0 can read it.
-        print(f"kvroute serve: listening on {router.url}, policy {config.policy}, {plane}, "
-              f"workers: {workers}", flush=True)
+        print(f"kvroute serve: listening on {router.url}, policy {config.policy}, "
+              f"{config.threads} threads, workers: {workers}", flush=True)
         print(f"kvroute serve: max body {router.max_body_bytes} bytes ({router.max_body_source}), "
-              f"max {max_connections} connections", file=sys.stderr, flush=True)
+              f"max {router.max_connections} connections", file=sys.stderr, flush=True)
         await stop.wait()
         print(f"kvroute serve: draining {router.in_flight} in-flight requests", file=sys.stderr, flush=True)
         await router.drain()

@@ -21,8 +21,8 @@ The work is native: a ``kvroute._native.KvEventConsumer`` (``kvroute-io``'s cons
 the one ``kvroute serve`` feeds its index with) owns the sockets, runs the sequence tracker
 (``kvroute-core``'s ``kvevents::sequence``) and decodes; made without an index it posts every
 item to an outbox, which this class turns into the items below. The router itself does not
-use this class: its consumer applies batches to the index on its own thread (see
-``kvroute.proxy.pool``); this is the item-level view, for tests and tools.
+use this class: its consumer applies batches to the index on its own thread
+(``crates/kvroute-serve``); this is the item-level view, for tests and tools.
 """
 
 from __future__ import annotations

@@ -1,16 +1,18 @@
 """The live router (``kvroute serve``): an OpenAI-compatible proxy that sends each request to
 the worker holding most of its prefix, fed by the workers' KV events or by its own predictions.
 
-* :mod:`.app` — ``RouterConfig``, ``Router``, ``start_router`` (HTTP routes, forwarding, drain).
-* :mod:`.pool` — worker membership, health checks, load accounting, the native KV event consumer.
-* :mod:`.discovery` — ``Endpoint`` and the ``Discovery`` sources (static, file, DNS).
-* :mod:`.prompts` — request body to token ids to block hashes, exactly as the engine tokenizes.
-* :mod:`.metrics` — the router's Prometheus metrics.
+* :mod:`.router` — ``Router``, ``start_router``: the native data plane, started and inspected.
+* :mod:`.config` — ``RouterConfig``: every setting, its default, the derived body limit.
+* :mod:`.discovery` — ``Endpoint`` and the ``Discovery`` sources (static, file, DNS);
+  :mod:`.k8s` — Kubernetes EndpointSlices.
+* :mod:`.resources` — the process's descriptor limit and malloc, set before serving.
+* :mod:`.status` — a worker's state and a metric's value, as the router reports them.
 """
 
 from kvroute.kvevents import EventsSettings, EventsSource
-from kvroute.proxy.app import WORKER_HEADER, Router, RouterConfig, start_router
+from kvroute.proxy.config import RouterConfig
 from kvroute.proxy.discovery import DnsDiscovery, Endpoint, FileDiscovery, StaticDiscovery
+from kvroute.proxy.router import WORKER_HEADER, Router, start_router
 
 __all__ = [
     "DnsDiscovery",

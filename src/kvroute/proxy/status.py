@@ -1,7 +1,6 @@
-"""What a running router shows about itself, the same way on both data planes: each worker's
-state (:class:`WorkerStatus`) and any metric's value read from its ``/metrics`` text
-(:func:`metric_value`). Tests, benchmarks and the soak run read routers through these, so
-they hold for the aiohttp router and the native one alike."""
+"""What a running router shows about itself: each worker's state (:class:`WorkerStatus`) and
+any metric's value read from its ``/metrics`` text (:func:`metric_value`). Tests, benchmarks
+and the soak run read the router through these."""
 
 from __future__ import annotations
 

@@ -1,18 +1,20 @@
-"""The native data plane (``kvroute serve --data-plane native``): the router's HTTP path in
-Rust (``crates/kvroute-serve``: tokio and hyper), started from a :class:`RouterConfig`.
+"""The live router (``kvroute serve``): an OpenAI-compatible HTTP proxy that sends each request
+to the worker holding most of its prefix, fed by the workers' KV events or by its own
+predictions.
 
-Every request is served on the native server's own threads, without the interpreter: the
-edge limits, parsing the body, hashing the prompt, the routing step (the same
-``kvroute_core`` step as the aiohttp router and the simulator), forwarding, relaying the answer
-frame by frame, retries before the first byte, health checks and outlier ejection. Python
-only turns the configuration into the server's arguments and, for a discovery source (worker
-file, DNS, Kubernetes), follows it and hands each complete list over.
+The data plane is native (``crates/kvroute-serve``: tokio and hyper) and serves every request
+on its own threads, without the interpreter: the edge limits, parsing the body, tokenizing and
+hashing the prompt, the routing step (the same ``kvroute_core`` step as the simulator),
+forwarding, relaying the answer event by event, retries before the first byte, health checks
+and outlier ejection. Python turns the configuration into the server's arguments and, for a
+discovery source that changes (worker file, DNS, Kubernetes), follows it and hands each
+complete worker list over.
 
 The workers' KV events are followed by the native consumer (``kvroute-io``) on a thread of
-its own, applied to the index the routing step reads; chats are rendered with the tokenizer's
-chat template; retention (``--retention on|auto``) runs the same state machine and sends its
-refreshes from the native server; without ``--tokenizer`` prompts are tokenized with kvroute's
-synthetic tokenizer, natively, as here.
+its own and applied to the index the routing step reads; chats are rendered with the
+tokenizer's chat template; retention (``--retention on|auto``) sends its refreshes from the
+native server; without ``--tokenizer`` prompts are tokenized with kvroute's synthetic
+tokenizer (the emulator's).
 """
 
 from __future__ import annotations
@@ -26,30 +28,30 @@ from typing import Any
 from kvroute._native import NativeRouter
 from kvroute.errors import UserError
 from kvroute.kvevents import EventsSettings
-from kvroute.proxy.app import (
+from kvroute.proxy.config import (
     RouterConfig,
-    _longest_token_bytes,
     body_limit,
+    longest_token_bytes,
     predicted_settings,
     retention_capacity,
     tokenizer_max_length,
 )
 from kvroute.proxy.discovery import Endpoint, StaticDiscovery
-from kvroute.proxy.edge import default_max_connections
+from kvroute.proxy.resources import default_max_connections
 from kvroute.proxy.status import WorkerStatus, metric_value
 from kvroute.routing.index import KvIndex
 from kvroute.tokens import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
-#: The data planes ``kvroute serve --data-plane`` offers.
-DATA_PLANES = ("aiohttp", "native")
+#: Response header naming the worker that served the request.
+WORKER_HEADER = "x-kvroute-worker"
 
 
 def _max_body_bytes(config: RouterConfig) -> tuple[int, str]:
-    """The body limit and where it came from, as the aiohttp router derives it."""
+    """The body limit and where it came from (see :func:`kvroute.proxy.config.body_limit`)."""
     max_length = tokenizer_max_length(config.tokenizer)
-    longest = _longest_token_bytes(load_tokenizer(config.tokenizer)) if max_length and config.tokenizer else None
+    longest = longest_token_bytes(load_tokenizer(config.tokenizer)) if max_length and config.tokenizer else None
     return body_limit(config, max_length, longest)
 
 
@@ -76,7 +78,8 @@ def native_arguments(config: RouterConfig, max_body_bytes: int) -> dict[str, Any
         policy_options=dict(config.policy_options) or None, seed=config.seed,
         block_size=config.block_size, hash_seed=config.hash_seed, tokenizer=config.tokenizer,
         prompt_cache_bytes=config.prompt_cache_bytes, predicted_ttl_s=ttl,
-        predicted_capacity_blocks=capacity, events_topic=events.topic,
+        predicted_capacity_blocks=capacity, index_max_bytes=config.index_max_bytes,
+        events_topic=events.topic,
         max_body_bytes=max_body_bytes, max_json_depth=config.max_json_depth,
         offload_bytes=config.offload_bytes, header_timeout_s=config.header_timeout_s,
         keepalive_timeout_s=config.keepalive_timeout_s,
@@ -92,9 +95,9 @@ def native_arguments(config: RouterConfig, max_body_bytes: int) -> dict[str, Any
     )
 
 
-class NativeRouterRunner:
-    """A running native router (``config.threads`` serving threads) and, when
-    ``config.discovery`` is a source that changes, the task that follows it.
+class Router:
+    """A running router (``config.threads`` serving threads) and, when ``config.discovery`` is
+    a source that changes, the task that follows it. Built by :func:`start_router`.
 
     Attributes:
         url: ``http://host:port`` it listens on.
@@ -144,7 +147,7 @@ class NativeRouterRunner:
     def in_flight(self) -> int:
         return self.native.in_flight
 
-    # --- inspection (as kvroute.proxy.app.Router's) --------------------------------------------
+    # --- inspection (for tests and tools; /metrics says the same over HTTP) ---------------------
 
     @property
     def index(self) -> KvIndex:
@@ -191,9 +194,39 @@ class NativeRouterRunner:
             self._follow_task = None
         await asyncio.to_thread(self.native.close)
 
-    async def __aenter__(self) -> NativeRouterRunner:
+    async def __aenter__(self) -> Router:
         await self.start()
         return self
 
     async def __aexit__(self, *exc_info: object) -> None:
         await self.close()
+
+
+class _StartedRouter:
+    """``start_router``'s result: ``async with`` it, or ``await`` it and ``close()`` later."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self._router = Router(config)
+
+    def __await__(self):
+        return self._start().__await__()
+
+    async def _start(self) -> Router:
+        await self._router.start()
+        return self._router
+
+    async def __aenter__(self) -> Router:
+        return await self._start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._router.close()
+
+
+def start_router(config: RouterConfig) -> _StartedRouter:
+    """Start a router in the running event loop.
+
+    ``async with start_router(RouterConfig(workers=[...])) as router:`` serves on
+    ``router.url`` until the block ends; ``router = await start_router(config)`` serves until
+    ``await router.close()``.
+    """
+    return _StartedRouter(config)

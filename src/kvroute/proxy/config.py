@@ -1,0 +1,229 @@
+"""``RouterConfig``: everything ``kvroute serve`` can be told, with the defaults and the limits
+derived from the tokenizer (the body limit); :func:`kvroute.proxy.router.start_router` starts a
+router from one."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from kvroute.blocks import DEFAULT_HASH_SEED, GPU_BLOCK_SIZE
+from kvroute.kvevents import EventsSettings
+from kvroute.proxy.discovery import Discovery
+
+#: Predicted entries' lifetime when KV events confirm (or not) what was routed: long enough to
+#: cover the first events of a burst, short enough that a wrong guess is soon forgotten.
+EVENTS_PREDICTED_TTL_S = 2.0
+#: Predicted entries per worker without events: the reference worker's cache (Qwen3-0.6B bf16,
+#: 1 GiB, block 16: 585 blocks). Set ``predicted_capacity_blocks`` to your workers'
+#: ``num_gpu_blocks``.
+DEFAULT_PREDICTED_CAPACITY_BLOCKS = 585
+#: The index's default memory bound: 256 MiB is 2M (worker, block) entries at 128 bytes each,
+#: e.g. 32 workers with 65k blocks of KV each (an 80 GB GPU serving an 8B model holds ~40k).
+DEFAULT_INDEX_MAX_BYTES = 256 * 2**20#: Bodies larger than this are parsed, tokenized and hashed on a blocking thread, so that a
+#: huge prompt never holds a thread that serves other connections.
+DEFAULT_OFFLOAD_BYTES = 256 * 1024
+#: Bytes the tokenizer's caches of text pieces may hold together, whatever their entry count.
+DEFAULT_PROMPT_CACHE_BYTES = 64 << 20
+#: Request bodies without a tokenizer maximum length to derive a limit from (``--max-body-bytes``).
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+#: Bytes of request body outside the prompt a derived body limit allows: sampling
+#: parameters, message wrappers, tool definitions.
+BODY_ENVELOPE_BYTES = 1024 * 1024
+#: Deepest JSON nesting accepted. OpenAI bodies nest a handful of levels (messages, content
+#: parts, tool schemas a few more); refusing deeper ones before any recursive code sees them
+#: keeps every later step (chat template, content flattening) far from Python's recursion limit.
+MAX_JSON_DEPTH = 64
+#: A streamed answer's first-byte wait is its response headers, which vLLM sends before the
+#: prefill; a non-streamed answer's first byte is the whole answer, so this bounds its whole
+#: generation: a 130k-token prefill (~30 s on an H100 for an 8B model, minutes on smaller
+#: GPUs) plus 8k tokens decoded at 20 tokens/s is ~450 s.
+DEFAULT_FIRST_BYTE_TIMEOUT_S = 600.0
+#: The longest silence of a healthy stream is the wait for its first token: queueing plus
+#: prefill. A 130k-token prompt's prefill is dominated by attention over its length: ~30 s on
+#: an H100 for an 8B model, ~3 min on an L4-class GPU. 300 s never cuts such a prefill and still
+#: ends the streams of a stopped or wedged worker.
+DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
+#: Seconds for a request head to arrive (Go servers commonly use 10 s for ReadHeaderTimeout;
+#: a head is at most a few KiB).
+DEFAULT_HEADER_TIMEOUT_S = 10.0
+#: Seconds for a whole request body to arrive once its head has: 64 MiB at ~1 MiB/s, a 130k
+#: token prompt (~0.5 MB) at ~8 KiB/s.
+DEFAULT_BODY_TIMEOUT_S = 60.0
+#: Seconds an idle kept-alive client connection stays open. Above the 60 s idle timeout of
+#: common load balancers (AWS ALB, GCP), so a balancer never sends on a connection the router
+#: is closing; clients that pool connections close theirs sooner (httpx: 5 s).
+DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+
+@dataclass
+class RouterConfig:
+    """Everything ``kvroute serve`` can be told; the same object drives ``start_router``.
+
+    Attributes:
+        workers: worker URLs (``http://host:port``, optionally ending in ``/v1``); used when
+            ``discovery`` is None.
+        discovery: a discovery source (file, DNS, Kubernetes) instead of ``workers``.
+        policy: ``random``, ``round-robin``, ``least-loaded``, ``prefix-hash`` or ``kv-aware``.
+        policy_options: keyword options for ``make_policy`` (e.g. ``load_factor``).
+        seed: seeds the policy's random choices (None: unseeded).
+        host, port: where to listen (port 0: an ephemeral port, see ``Router.url``).
+        tokenizer: the engines' tokenizer directory (exact matching); None uses the built-in
+            synthetic tokenizer (exact only against emulated workers without a tokenizer).
+        block_size: the engines' KV block size (vLLM: 16 on GPU, 128 on CPU).
+        hash_seed: root of the router's own block hash chain.
+        events: where workers publish KV events (None / empty: predicted mode only).
+        predicted_ttl_s: how long a routing decision counts as cached without events to
+            confirm it; default :data:`EVENTS_PREDICTED_TTL_S` with events, none without.
+        index_max_bytes: the index's memory bound over event-backed entries (least recently
+            touched dropped beyond it, counted in ``kvroute_router_index_evicted_blocks``);
+            None: unbounded. Default :data:`DEFAULT_INDEX_MAX_BYTES`.
+        predicted_capacity_blocks: per-worker bound of predicted entries (LRU); without
+            events it models the worker's cache, so set it to the workers' ``num_gpu_blocks``
+            (default :data:`DEFAULT_PREDICTED_CAPACITY_BLOCKS`); with events default unbounded
+            (the TTL bounds them).
+        health_interval_s / health_timeout_s: ``GET /health`` period and limit (0: no checks).
+        connect_timeout_s: a worker that does not accept a connection this fast is skipped.
+        max_attempts: workers tried per request before giving up (retries before first byte).
+        max_body_bytes: larger request bodies get 413, before they are read when they declare
+            their length. None: derived from the tokenizer's maximum length when it has one
+            (:func:`derived_max_body_bytes`), else :data:`DEFAULT_MAX_BODY_BYTES`.
+        drain_timeout_s: how long a drain waits for in-flight requests.
+        first_byte_timeout_s: how long a worker may take to send its response headers (a
+            stream's start; a non-streamed request's whole answer, so set it above the longest
+            non-streamed generation); a worker that misses it has the request taken back and
+            sent to another one. None: no limit. Default :data:`DEFAULT_FIRST_BYTE_TIMEOUT_S`.
+        stream_idle_timeout_s: most seconds between two chunks of a streamed answer (the
+            first one included) before the stream is ended with an error event. None: no
+            limit. Default :data:`DEFAULT_STREAM_IDLE_TIMEOUT_S`.
+        header_timeout_s / keepalive_timeout_s / max_connections: what one client connection
+            may hold; ``max_connections`` None:
+            :func:`kvroute.proxy.resources.default_max_connections`.
+        body_timeout_s: seconds for a request body to arrive in full (408 beyond).
+        max_json_depth: deeper bodies get 400 (:data:`MAX_JSON_DEPTH`).
+        offload_bytes: larger bodies are parsed, tokenized and hashed on a worker thread.
+        eject_after_failures: consecutive failures that eject a worker (0: never by count).
+        eject_base_s: first ejection's length; each further one in a row adds as much.
+        api_key: if set, clients must send ``Authorization: Bearer <api_key>``.
+        metrics_public: with ``api_key``, leave ``/metrics`` open too (for a scraper
+            without the key); ``/health`` is always open.
+        forward_authorization: pass the client's ``Authorization`` header to the workers.
+        worker_api_key: send ``Authorization: Bearer <worker_api_key>`` to the workers
+            (overrides a forwarded one).
+        prompt_cache_bytes: memory bound of the tokenizer's caches of text pieces (shared
+            prefixes are tokenized once).
+        retention: ``off``, ``on`` or ``auto``: refresh the prefixes each worker's LRU would
+            evict (the core's retention model, as in ``kvroute sim --retention``).
+        retention_capacity_blocks: each worker's usable KV blocks for the retention's model;
+            None: ``predicted_capacity_blocks`` (or its default) less the null block.
+        threads: the threads serving requests (``kvroute serve`` defaults to one per core).
+    """
+
+    workers: Sequence[str] = ()
+    discovery: Discovery | None = None
+    policy: str = "kv-aware"
+    policy_options: dict[str, Any] = field(default_factory=dict)
+    seed: int | None = None
+    host: str = "127.0.0.1"
+    port: int = 0
+    tokenizer: str | None = None
+    block_size: int = GPU_BLOCK_SIZE
+    hash_seed: int = DEFAULT_HASH_SEED
+    events: EventsSettings | None = None
+    predicted_ttl_s: float | None = None
+    predicted_capacity_blocks: int | None = None
+    index_max_bytes: int | None = DEFAULT_INDEX_MAX_BYTES
+    health_interval_s: float = 2.0
+    health_timeout_s: float = 1.0
+    connect_timeout_s: float = 2.0
+    max_attempts: int = 3
+    max_body_bytes: int | None = None
+    drain_timeout_s: float = 30.0
+    first_byte_timeout_s: float | None = DEFAULT_FIRST_BYTE_TIMEOUT_S
+    stream_idle_timeout_s: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S
+    header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
+    body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
+    keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    max_connections: int | None = None
+    max_json_depth: int = MAX_JSON_DEPTH
+    offload_bytes: int = DEFAULT_OFFLOAD_BYTES
+    eject_after_failures: int = 3
+    eject_base_s: float = 5.0
+    api_key: str | None = None
+    metrics_public: bool = False
+    forward_authorization: bool = False
+    worker_api_key: str | None = None
+    prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
+    retention: str = "off"
+    retention_capacity_blocks: int | None = None
+    threads: int = 1
+
+
+def predicted_settings(config: RouterConfig) -> tuple[float | None, int | None]:
+    """The index's predicted-entry TTL and per-worker capacity for ``config``: with KV events,
+    predictions only bridge until the events arrive (:data:`EVENTS_PREDICTED_TTL_S`, no
+    capacity); without, they model each worker's cache (capacity, no TTL)."""
+    if config.events is not None and config.events.enabled:
+        ttl = EVENTS_PREDICTED_TTL_S if config.predicted_ttl_s is None else config.predicted_ttl_s
+        return ttl, config.predicted_capacity_blocks
+    return config.predicted_ttl_s, config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
+
+
+def body_limit(config: RouterConfig, max_length: int | None, longest: int | None) -> tuple[int, str]:
+    """The request body limit and where it came from: ``--max-body-bytes``, else derived from
+    the tokenizer's maximum length and longest token (:func:`derived_max_body_bytes`), else
+    :data:`DEFAULT_MAX_BODY_BYTES`."""
+    if config.max_body_bytes is not None:
+        return config.max_body_bytes, "--max-body-bytes"
+    if max_length and longest:
+        return (derived_max_body_bytes(max_length, longest),
+                f"derived: {max_length} tokens x max(3 x {longest}, 12) bytes + 1 MiB")
+    return DEFAULT_MAX_BODY_BYTES, "default: the tokenizer states no maximum length"
+
+
+def retention_capacity(config: RouterConfig) -> int:
+    """Each worker's usable KV blocks for retention's model: ``retention_capacity_blocks``, else
+    the predicted capacity (or the reference worker's) less the null block."""
+    return config.retention_capacity_blocks or (
+        (config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS) - 1
+    )
+
+
+def tokenizer_max_length(directory: str | None) -> int | None:
+    """The ``model_max_length`` of a Hugging Face tokenizer directory, when it states a real
+    one (``transformers`` writes a 1e30 sentinel when it does not know); None otherwise."""
+    if directory is None:
+        return None
+    try:
+        config = json.loads((Path(directory) / "tokenizer_config.json").read_text("utf-8"))
+    except (OSError, ValueError):
+        return None
+    value = config.get("model_max_length") if isinstance(config, dict) else None
+    if isinstance(value, (int, float)) and 0 < value < 10**8:
+        return int(value)
+    return None
+
+
+def derived_max_body_bytes(max_length: int, longest_token_bytes: int) -> int:
+    """The largest body a prompt of ``max_length`` tokens can need, plus an envelope.
+
+    One token takes at most its longest vocabulary entry's bytes as text, three times that
+    when a client escapes non-ASCII text as ``\\uXXXX`` (a 2-byte character becomes 6 bytes,
+    a 4-byte one 12), or 12 bytes as a token id (ten digits, a comma, a space):
+
+        limit = max_length * max(3 * longest_token_bytes, 12) + BODY_ENVELOPE_BYTES
+
+    capped at :data:`DEFAULT_MAX_BODY_BYTES`. A batch of prompts counts as their sum (raise
+    ``--max-body-bytes`` for large batches)."""
+    per_token = max(3 * longest_token_bytes, 12)
+    return min(max_length * per_token + BODY_ENVELOPE_BYTES, DEFAULT_MAX_BODY_BYTES)
+
+
+def longest_token_bytes(tokenizer: Any) -> int | None:
+    inner = getattr(tokenizer, "_tokenizer", None)
+    if inner is None or not hasattr(inner, "get_vocab"):
+        return None
+    vocab = inner.get_vocab(with_added_tokens=True)
+    return max((len(token.encode("utf-8")) for token in vocab), default=None)
