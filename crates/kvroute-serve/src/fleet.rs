@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use kvroute_core::blocks::BlockHasher;
 use kvroute_core::index::{KvIndex, MemoryBound};
-use kvroute_core::policies::Policy;
+use kvroute_core::policies::{Policy, WorkerState};
 use kvroute_core::retention::{Refresh, Retention, RetentionConfig, RetentionStats};
 use kvroute_core::routing::RoutingStep;
 use kvroute_io::consumer::{SharedIndex, lock_index};
@@ -397,6 +397,13 @@ impl Fleet {
     pub fn load(&self, slot: usize) -> (i64, i64) {
         let s = self.routing.state(slot);
         (s.in_flight, s.in_flight_tokens)
+    }
+
+    /// The routing step's whole view of `slot`: its name, load and cached blocks (as of the
+    /// last decision whose policy looked at the overlaps), what a policy sees; for comparing
+    /// the router's step with the simulator's (`tests/routing_parity.rs`).
+    pub fn state(&self, slot: usize) -> &WorkerState {
+        self.routing.state(slot)
     }
 }
 
