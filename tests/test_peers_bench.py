@@ -102,10 +102,8 @@ def test_router_settings_parse_into_separate_entries():
 
 
 def test_kvroute_runs_with_its_defaults_only():
-    # Its only other setting picks the data plane (an HTTP stack), never a routing knob.
-    assert list(peers.SETTINGS["kvroute"]) == ["defaults", "native"]
+    assert list(peers.SETTINGS["kvroute"]) == ["defaults"]
     assert peers.SETTINGS["kvroute"]["defaults"].args == ()
-    assert peers.SETTINGS["kvroute"]["native"].args == ("--data-plane", "native")
     with pytest.raises(ValueError, match="no setting 'tuned'"):
         peers.parse_router_entries("kvroute:tuned")
 
