@@ -92,8 +92,16 @@ pub fn write_float(out: &mut impl Write, x: f64) -> fmt::Result {
     if x.is_infinite() {
         return out.write_str(if x > 0.0 { "inf" } else { "-inf" });
     }
-    // Rust's `{:e}` writes the shortest round-trip digits: "-1.2345e-7", "1e16".
-    let scientific = format!("{x:e}");
+    // Rust's `{:e}` writes the shortest round-trip digits ("-1.2345e-7", "1e16"), but where two
+    // such strings are equally close to `x` it may take the upper one (8796093022208.3125:
+    // "…313"), and Python the even one ("…312"). Formatting to that many digits rounds the
+    // exact value half to even, which is Python's choice, and still round-trips (the closest
+    // string of that length lies within `x`'s rounding interval if any does).
+    let shortest = format!("{x:e}");
+    let digit_count = shortest
+        .split_once('e')
+        .map_or(0, |(m, _)| m.bytes().filter(u8::is_ascii_digit).count());
+    let scientific = format!("{x:.*e}", digit_count.saturating_sub(1));
     let (mantissa, exponent) = scientific
         .split_once('e')
         .expect("`{:e}` always writes an exponent");
