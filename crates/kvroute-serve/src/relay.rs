@@ -4,12 +4,12 @@
 //! (never the client's path, a header or a body field); redirects are never followed (hyper's
 //! client does not); only a fixed list of request headers is forwarded.
 //!
-//! A streamed answer is relayed frame by frame through a small channel (its capacity is the
-//! back-pressure: a slow client slows its worker, not the router's memory), each frame awaited
-//! at most `stream_idle_timeout`. When the worker dies or goes silent mid-stream the client
+//! A streamed answer is relayed frame by frame by a body the client's connection polls and
+//! that polls the worker's ([`RelayBody`]: a slow client slows its worker, not the router's
+//! memory), each frame awaited at most `stream_idle_timeout`. When the worker dies or goes silent mid-stream the client
 //! gets an SSE error event and the end of the stream (no `[DONE]`): never a silently truncated
-//! answer. When the client leaves, the channel closes, the upstream body is dropped with its
-//! connection, and vLLM aborts the request.
+//! answer. When the client leaves, the body is dropped with the worker's connection, and vLLM
+//! aborts the request.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -22,7 +22,6 @@ use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
-use tokio::sync::mpsc;
 
 /// The client to the workers (pooled keep-alive connections).
 pub type Upstream = Client<HttpConnector, Full<Bytes>>;
@@ -177,36 +176,6 @@ impl Ending {
     }
 }
 
-/// A response body fed by a channel (what [`pump`] writes into).
-pub struct ChannelBody {
-    rx: mpsc::Receiver<Bytes>,
-}
-
-impl HttpBody for ChannelBody {
-    type Data = Bytes;
-    type Error = Infallible;
-
-    fn poll_frame(
-        mut self: Pin<&mut Self>,
-        cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
-        self.rx.poll_recv(cx).map(|b| b.map(|b| Ok(Frame::data(b))))
-    }
-
-    fn size_hint(&self) -> SizeHint {
-        SizeHint::default()
-    }
-}
-
-/// Frames queued between a worker and a slow client.
-const RELAY_FRAMES: usize = 8;
-
-/// A channel body and its sending end.
-pub fn channel() -> (mpsc::Sender<Bytes>, ChannelBody) {
-    let (tx, rx) = mpsc::channel(RELAY_FRAMES);
-    (tx, ChannelBody { rx })
-}
-
 /// The next data frame of `body`, waiting at most `idle` (None: without limit). `Ok(None)` at
 /// the end of the body; `Err` with why it broke.
 async fn next_data(body: &mut Incoming, idle: Option<Duration>) -> Result<Option<Bytes>, Ending> {
@@ -244,56 +213,160 @@ pub fn events_end(data: &[u8]) -> usize {
     lf.max(crlf)
 }
 
-/// Relay the event stream `body` into `tx` until it ends, whole events at a time (a worker
-/// dying mid-event never leaves the client half an event to choke on); on a broken or silent
-/// worker, send the SSE error event last. `first_data` runs at the first bytes (vLLM sends the
-/// head before the prefill, so they, not the head, mark the end of the prefill).
-pub async fn pump(
-    mut body: Incoming,
-    tx: mpsc::Sender<Bytes>,
+/// What a relayed stream tells the request that started it: its first bytes (vLLM sends the
+/// head before the prefill, so they, not the head, mark the end of the prefill) and how it
+/// ended (dropped unfinished, which is the client leaving, counts as [`Ending::ClientLeft`]).
+pub trait StreamHooks: Send + Sync {
+    fn first_data(&mut self);
+    fn ended(self: Box<Self>, ending: Ending);
+}
+
+/// A worker's event stream relayed as the client's response body, whole events at a time (a
+/// worker dying mid-event never leaves the client half an event to choke on); on a broken or
+/// silent worker the SSE error event comes last.
+///
+/// The client's connection polls it and it polls the worker's body: no task or channel
+/// between them, so a chunk costs one wake-up, and a slow client slows its worker (hyper
+/// polls for the next chunk only once it has written the last), never the router's memory.
+/// The idle timeout runs while it waits for the worker, from the moment it starts to.
+pub struct RelayBody {
+    upstream: Incoming,
     idle: Option<Duration>,
-    worker: &str,
-    first_data: impl FnOnce(),
-) -> Ending {
-    let mut first_data = Some(first_data);
-    let mut pending = BytesMut::new();
-    loop {
-        let ending = match next_data(&mut body, idle).await {
-            Ok(Some(data)) => {
-                if let Some(f) = first_data.take() {
-                    f();
-                }
-                let whole = if pending.is_empty() && data.ends_with(b"\n\n") {
-                    data // the usual chunk: whole events, no copy
-                } else {
-                    pending.extend_from_slice(&data);
-                    let cut = events_end(&pending);
-                    if cut == 0 {
+    /// Armed while waiting for the worker (None: not waiting, or no idle timeout).
+    silence: Option<Pin<Box<tokio::time::Sleep>>>,
+    waiting: bool,
+    /// Bytes of an event not yet complete.
+    pending: BytesMut,
+    worker: String,
+    hooks: Option<Box<dyn StreamHooks>>,
+    /// The SSE error event still to send, then the end.
+    error: Option<Bytes>,
+    done: bool,
+}
+
+impl RelayBody {
+    /// Relay `upstream` from `worker`, at most `idle` between two chunks (None: no limit).
+    pub fn new(
+        upstream: Incoming,
+        idle: Option<Duration>,
+        worker: &str,
+        hooks: Box<dyn StreamHooks>,
+    ) -> Self {
+        Self {
+            upstream,
+            idle,
+            silence: None,
+            waiting: false,
+            pending: BytesMut::new(),
+            worker: worker.to_owned(),
+            hooks: Some(hooks),
+            error: None,
+            done: false,
+        }
+    }
+
+    fn end(&mut self, ending: Ending) {
+        if let Some(hooks) = self.hooks.take() {
+            hooks.ended(ending);
+        }
+        if matches!(ending, Ending::Died | Ending::Silent) {
+            let message = format!(
+                "worker {} failed mid-stream: {}",
+                self.worker,
+                ending.problem(self.idle)
+            );
+            self.error = Some(sse_error(&message));
+        }
+        self.done = true;
+    }
+
+    /// Whether the worker has been silent for the idle timeout (arming it when the wait starts).
+    fn silent_for_too_long(&mut self, cx: &mut Context<'_>) -> bool {
+        let Some(idle) = self.idle else {
+            return false;
+        };
+        if !self.waiting {
+            self.waiting = true;
+            let deadline = tokio::time::Instant::now() + idle;
+            match &mut self.silence {
+                Some(sleep) => sleep.as_mut().reset(deadline),
+                None => self.silence = Some(Box::pin(tokio::time::sleep_until(deadline))),
+            }
+        }
+        self.silence
+            .as_mut()
+            .is_some_and(|sleep| sleep.as_mut().poll(cx).is_ready())
+    }
+}
+
+impl HttpBody for RelayBody {
+    type Data = Bytes;
+    type Error = Infallible;
+
+    fn poll_frame(
+        mut self: Pin<&mut Self>,
+        cx: &mut Context<'_>,
+    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+        let this = &mut *self;
+        loop {
+            if this.done {
+                return Poll::Ready(this.error.take().map(|e| Ok(Frame::data(e))));
+            }
+            let data = match Pin::new(&mut this.upstream).poll_frame(cx) {
+                Poll::Pending => {
+                    if this.silent_for_too_long(cx) {
+                        this.end(Ending::Silent);
                         continue;
                     }
-                    pending.split_to(cut).freeze()
-                };
-                if tx.send(whole).await.is_err() {
-                    return Ending::ClientLeft;
+                    return Poll::Pending;
                 }
-                continue;
-            }
-            Ok(None) => {
-                // A worker that ended without a final blank line: its last bytes still go.
-                if !pending.is_empty() && tx.send(pending.freeze()).await.is_err() {
-                    return Ending::ClientLeft;
+                Poll::Ready(None) => {
+                    this.end(Ending::Complete);
+                    // A worker that ended without a final blank line: its last bytes still go.
+                    if this.pending.is_empty() {
+                        return Poll::Ready(None);
+                    }
+                    return Poll::Ready(Some(Ok(Frame::data(this.pending.split().freeze()))));
                 }
-                return Ending::Complete;
+                Poll::Ready(Some(Err(_))) => {
+                    this.end(Ending::Died);
+                    continue;
+                }
+                Poll::Ready(Some(Ok(frame))) => match frame.into_data() {
+                    Ok(data) => data,
+                    Err(_) => continue, // trailers carry nothing the client needs
+                },
+            };
+            this.waiting = false;
+            if let Some(hooks) = this.hooks.as_mut() {
+                hooks.first_data();
             }
-            Err(e) => e,
-        };
-        let message = format!(
-            "worker {worker} failed mid-stream: {}",
-            ending.problem(idle)
-        );
-        // The client may be gone too; the worker's failure is what is reported.
-        let _ = tx.send(sse_error(&message)).await;
-        return ending;
+            if this.pending.is_empty() && data.ends_with(b"\n\n") {
+                return Poll::Ready(Some(Ok(Frame::data(data)))); // whole events, no copy
+            }
+            this.pending.extend_from_slice(&data);
+            let cut = events_end(&this.pending);
+            if cut > 0 {
+                return Poll::Ready(Some(Ok(Frame::data(this.pending.split_to(cut).freeze()))));
+            }
+        }
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.done && self.error.is_none()
+    }
+
+    fn size_hint(&self) -> SizeHint {
+        SizeHint::default()
+    }
+}
+
+impl Drop for RelayBody {
+    fn drop(&mut self) {
+        // Dropped before the end: the client left (hyper drops the body with its connection).
+        if let Some(hooks) = self.hooks.take() {
+            hooks.ended(Ending::ClientLeft);
+        }
     }
 }
 

@@ -35,7 +35,7 @@ use crate::edge::{self, Body};
 use crate::fleet::{Fleet, Membership};
 use crate::metrics::{Metrics, Open};
 use crate::prompt::{Prompt, Prompts, Route};
-use crate::relay::{self, Ending, RefreshUpstream, SignalBody, Upstream};
+use crate::relay::{self, Ending, RefreshUpstream, RelayBody, SignalBody, Upstream};
 
 /// Response header naming the worker that served the request.
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
@@ -759,6 +759,30 @@ impl Drop for Load {
     }
 }
 
+/// A streamed answer's accounting, told by its [`RelayBody`]: the load it puts on its worker
+/// until it ends, how it ended, and the request in flight until then.
+struct Streamed {
+    shared: Arc<Shared>,
+    worker: String,
+    load: Load,
+    _in_flight: InFlight,
+}
+
+impl relay::StreamHooks for Streamed {
+    fn first_data(&mut self) {
+        self.load.first_byte();
+    }
+
+    fn ended(self: Box<Self>, ending: Ending) {
+        match ending {
+            Ending::Complete => {}
+            Ending::ClientLeft => self.shared.metrics.client_disconnect(&self.worker),
+            Ending::Died | Ending::Silent => self.shared.broke(&self.worker, "stream", ending),
+        }
+        // The load and the request in flight end here, with self.
+    }
+}
+
 async fn generate(
     shared: &Arc<Shared>,
     request: Request<Incoming>,
@@ -944,20 +968,14 @@ async fn forward(
             .get(CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         if event_stream {
-            let (tx, body_rx) = relay::channel();
-            let (s, name) = (shared.clone(), choice.name.clone());
-            tokio::spawn(async move {
-                let ending = relay::pump(body, tx, idle, &name, || load.first_byte()).await;
-                match ending {
-                    Ending::Complete => {}
-                    Ending::ClientLeft => s.metrics.client_disconnect(&name),
-                    Ending::Died | Ending::Silent => s.broke(&name, "stream", ending),
-                }
-                drop(load);
-                drop(in_flight);
+            let hooks = Box::new(Streamed {
+                shared: shared.clone(),
+                worker: choice.name.clone(),
+                load,
+                _in_flight: in_flight,
             });
-            let mut response =
-                answered(parts.status, &parts.headers, body_rx.boxed(), &choice.name);
+            let body = RelayBody::new(body, idle, &choice.name, hooks);
+            let mut response = answered(parts.status, &parts.headers, body.boxed(), &choice.name);
             response
                 .headers_mut()
                 .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
