@@ -17,13 +17,9 @@ import aiohttp
 import pytest
 from aiohttp import web
 
+from kvroute._native import DEFAULT_MAX_BODY_BYTES
 from kvroute.proxy import RouterConfig, start_router
-from kvroute.proxy.config import (
-    DEFAULT_FIRST_BYTE_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
-    DEFAULT_STREAM_IDLE_TIMEOUT_S,
-    derived_max_body_bytes,
-)
+from kvroute.proxy.config import DEFAULT_FIRST_BYTE_TIMEOUT_S, DEFAULT_STREAM_IDLE_TIMEOUT_S
 from kvroute.proxy.resources import default_max_connections
 
 
@@ -209,20 +205,23 @@ async def test_bodies_over_the_limit_413_before_reading_and_compressed_ones_415(
 
 
 async def test_the_body_limit_is_derived_from_the_tokenizers_max_length(tiny_model_dir):
-    assert derived_max_body_bytes(8192, 22) == 8192 * 66 + 2**20
-    assert derived_max_body_bytes(8192, 2) == 8192 * 12 + 2**20  # ids take 12 bytes each
-    assert derived_max_body_bytes(10**6, 100) == DEFAULT_MAX_BODY_BYTES  # capped
+    """N tokens of the longest vocabulary entry, \\u-escaped (three times its bytes) or as ids
+    (12 bytes each), plus 1 MiB for the rest of the body."""
 
-    async def limit(**options) -> int:
+    async def limit(**options) -> tuple[int, str]:
         config = RouterConfig(workers=["http://127.0.0.1:9"], health_interval_s=0, **options)
         async with start_router(config) as router:
-            return router.max_body_bytes
+            return router.max_body_bytes, router.max_body_source
 
-    tokenizer_config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())
-    derived = await limit(tokenizer=str(tiny_model_dir))
-    assert tokenizer_config["model_max_length"] * 12 + 2**20 <= derived < DEFAULT_MAX_BODY_BYTES
-    assert await limit() == DEFAULT_MAX_BODY_BYTES
-    assert await limit(tokenizer=str(tiny_model_dir), max_body_bytes=5) == 5
+    max_length = json.loads((tiny_model_dir / "tokenizer_config.json").read_text())["model_max_length"]
+    tokenizer = json.loads((tiny_model_dir / "tokenizer.json").read_text())
+    vocab = [*tokenizer["model"]["vocab"], *(t["content"] for t in tokenizer["added_tokens"])]
+    longest = max(len(token.encode()) for token in vocab)
+    derived, source = await limit(tokenizer=str(tiny_model_dir))
+    assert derived == max_length * max(3 * longest, 12) + 2**20 < DEFAULT_MAX_BODY_BYTES
+    assert source.startswith(f"derived: {max_length} tokens")
+    assert await limit() == (DEFAULT_MAX_BODY_BYTES, "default: the tokenizer states no maximum length")
+    assert await limit(tokenizer=str(tiny_model_dir), max_body_bytes=5) == (5, "--max-body-bytes")
 
 
 @pytest.fixture(scope="module")

@@ -137,7 +137,7 @@ impl NativeRouter {
         policy_options = None, seed = None, block_size = 16, hash_seed = 0, tokenizer = None,
         prompt_cache_bytes = 64 << 20, predicted_ttl_s = None, predicted_capacity_blocks = Some(585),
         index_max_bytes = Some(256 << 20),
-        max_body_bytes = 64 << 20, max_json_depth = 64, offload_bytes = 256 * 1024, header_timeout_s = 10.0, keepalive_timeout_s = 75.0, body_timeout_s = 60.0,
+        max_body_bytes = None, max_json_depth = 64, offload_bytes = 256 * 1024, header_timeout_s = 10.0, keepalive_timeout_s = 75.0, body_timeout_s = 60.0,
         max_connections = 4096, connect_timeout_s = 2.0, first_byte_timeout_s = Some(600.0),
         stream_idle_timeout_s = Some(300.0), max_attempts = 3, health_interval_s = 2.0,
         health_timeout_s = 1.0, eject_after_failures = 3, eject_base_s = 5.0, api_key = None,
@@ -161,7 +161,7 @@ impl NativeRouter {
         predicted_ttl_s: Option<f64>,
         predicted_capacity_blocks: Option<usize>,
         index_max_bytes: Option<usize>,
-        max_body_bytes: usize,
+        max_body_bytes: Option<usize>,
         max_json_depth: usize,
         offload_bytes: usize,
         header_timeout_s: f64,
@@ -304,6 +304,18 @@ impl NativeRouter {
         Ok(Some(crate::routing::retention_stats_dict(py, &stats)?))
     }
 
+    /// The request body limit (bytes): as given, else derived from the tokenizer.
+    #[getter]
+    fn max_body_bytes(&self) -> PyResult<usize> {
+        self.with(|s| s.body_limit().bytes)
+    }
+
+    /// Where :attr:`max_body_bytes` came from, for the start-up line.
+    #[getter]
+    fn max_body_source(&self) -> PyResult<String> {
+        self.with(|s| s.body_limit().source.clone())
+    }
+
     /// Requests in flight.
     #[getter]
     fn in_flight(&self) -> PyResult<usize> {
@@ -327,6 +339,14 @@ impl NativeRouter {
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add(
+        "DEFAULT_MAX_BODY_BYTES",
+        kvroute_serve::edge::DEFAULT_MAX_BODY_BYTES,
+    )?;
+    m.add(
+        "BODY_ENVELOPE_BYTES",
+        kvroute_serve::edge::BODY_ENVELOPE_BYTES,
+    )?;
     m.add(
         "EVENTS_COALESCE_S",
         kvroute_serve::server::EVENTS_COALESCE.as_secs_f64(),

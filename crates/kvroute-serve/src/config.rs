@@ -131,7 +131,8 @@ pub struct ServeConfig {
     /// touched are dropped beyond it); None: unbounded.
     pub index_max_bytes: Option<usize>,
     /// Request bodies larger than this get 413 (before they are read when they say so).
-    pub max_body_bytes: usize,
+    /// None: derived from the tokenizer ([`crate::edge::BodyLimit`]).
+    pub max_body_bytes: Option<usize>,
     /// Deeper JSON bodies get 400.
     pub max_json_depth: usize,
     /// Larger bodies are parsed and tokenized on a blocking thread, so that a huge prompt
@@ -188,7 +189,7 @@ impl Default for ServeConfig {
             predicted_ttl_s: None,
             predicted_capacity_blocks: Some(585),
             index_max_bytes: Some(256 << 20),
-            max_body_bytes: 64 << 20,
+            max_body_bytes: None,
             max_json_depth: 64,
             offload_bytes: 256 * 1024,
             header_timeout: Duration::from_secs(10),
@@ -248,7 +249,7 @@ impl ServeConfig {
         if self.max_connections < 1 {
             return err("max connections must be at least 1".into());
         }
-        if self.max_body_bytes < 1 {
+        if self.max_body_bytes == Some(0) {
             return err("max body bytes must be at least 1".into());
         }
         if self.max_json_depth < 2 {

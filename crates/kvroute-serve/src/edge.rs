@@ -23,6 +23,57 @@ use hyper::{Request, Response, StatusCode};
 
 use crate::metrics::Metrics;
 
+/// Request bodies without a tokenizer maximum length to derive a limit from.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 64 << 20;
+/// Bytes of request body outside the prompt a derived limit allows: sampling parameters,
+/// message wrappers, tool definitions.
+pub const BODY_ENVELOPE_BYTES: usize = 1 << 20;
+
+/// The request body limit and where it came from (for the start-up line).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct BodyLimit {
+    pub bytes: usize,
+    pub source: String,
+}
+
+impl BodyLimit {
+    /// `given` (`--max-body-bytes`), else derived from the tokenizer's `(maximum length, longest
+    /// token's bytes)` ([`derived_max_body_bytes`]), else [`DEFAULT_MAX_BODY_BYTES`].
+    pub fn new(given: Option<usize>, tokenizer: Option<(usize, usize)>) -> Self {
+        let (bytes, source) = match (given, tokenizer) {
+            (Some(bytes), _) => (bytes, "--max-body-bytes".to_owned()),
+            (None, Some((max_length, longest))) => (
+                derived_max_body_bytes(max_length, longest),
+                format!(
+                    "derived: {max_length} tokens x max(3 x {longest}, 12) bytes + {} MiB",
+                    BODY_ENVELOPE_BYTES >> 20
+                ),
+            ),
+            (None, None) => (
+                DEFAULT_MAX_BODY_BYTES,
+                "default: the tokenizer states no maximum length".to_owned(),
+            ),
+        };
+        Self { bytes, source }
+    }
+}
+
+/// The largest body a prompt of `max_length` tokens can need, plus an envelope.
+///
+/// One token takes at most its longest vocabulary entry's bytes as text, three times that
+/// when a client escapes non-ASCII text as `\uXXXX` (a 2-byte character becomes 6 bytes, a
+/// 4-byte one 12), or 12 bytes as a token id (ten digits, a comma, a space):
+/// `max_length * max(3 * longest_token_bytes, 12) + BODY_ENVELOPE_BYTES`, capped at
+/// [`DEFAULT_MAX_BODY_BYTES`]. A batch of prompts counts as their sum (raise
+/// `--max-body-bytes` for large batches).
+pub fn derived_max_body_bytes(max_length: usize, longest_token_bytes: usize) -> usize {
+    let per_token = (3 * longest_token_bytes).max(12);
+    max_length
+        .saturating_mul(per_token)
+        .saturating_add(BODY_ENVELOPE_BYTES)
+        .min(DEFAULT_MAX_BODY_BYTES)
+}
+
 /// What the router answers with: whole bodies and relayed streams alike.
 pub type Body = BoxBody<Bytes, Infallible>;
 
@@ -191,6 +242,29 @@ pub fn bearer_matches(header: Option<&HeaderValue>, key: &[u8]) -> bool {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_body_limit_is_given_derived_from_the_tokenizer_or_the_default() {
+        assert_eq!(derived_max_body_bytes(8192, 22), 8192 * 66 + (1 << 20));
+        assert_eq!(derived_max_body_bytes(8192, 2), 8192 * 12 + (1 << 20)); // ids: 12 bytes each
+        assert_eq!(
+            derived_max_body_bytes(1_000_000, 100),
+            DEFAULT_MAX_BODY_BYTES
+        ); // capped
+        assert_eq!(
+            derived_max_body_bytes(usize::MAX, 100),
+            DEFAULT_MAX_BODY_BYTES
+        );
+        let derived = BodyLimit::new(None, Some((8192, 22)));
+        assert_eq!(derived.bytes, 8192 * 66 + (1 << 20));
+        assert!(
+            derived
+                .source
+                .starts_with("derived: 8192 tokens x max(3 x 22, 12)")
+        );
+        assert_eq!(BodyLimit::new(Some(5), Some((8192, 22))).bytes, 5);
+        assert_eq!(BodyLimit::new(None, None).bytes, DEFAULT_MAX_BODY_BYTES);
+    }
 
     #[test]
     fn the_bearer_token_must_match_exactly() {

@@ -124,12 +124,25 @@ pub struct Prompts {
     max_text_bytes: usize,
     /// Keep token-id prompts' ids for retention.
     keep_ids: bool,
+    /// The tokenizer's maximum length (`model_max_length`) and longest vocabulary entry in
+    /// bytes, when it states the first: what the body limit is derived from.
+    limits: Option<(usize, usize)>,
 }
 
 /// The tokenizer in pieces where its pipeline allows, whole otherwise.
 enum Encoder {
     Pieces(Box<TextChunker>),
     Whole(Box<Tokenizer>),
+}
+
+/// The `model_max_length` a tokenizer directory's `tokenizer_config.json` states, when it is a
+/// real one (`transformers` writes a 1e30 sentinel when it does not know).
+fn model_max_length(dir: &Path) -> Option<usize> {
+    let text = std::fs::read_to_string(dir.join("tokenizer_config.json")).ok()?;
+    let config: Value = serde_json::from_str(&text).ok()?;
+    let value = config.get("model_max_length")?.as_f64()?;
+    // Truncated as Python's int() does.
+    (value > 0.0 && value < 1e8).then_some(value as usize)
 }
 
 /// Longest token-id prompt hashed (more ids than any engine accepts are routed untokenized).
@@ -152,6 +165,7 @@ impl Prompts {
             Some(dir) => crate::chat::load_template(dir)?,
             None => None,
         };
+        let mut longest_token_bytes = None;
         let chunker = match tokenizer_dir {
             None => None,
             Some(dir) => {
@@ -159,6 +173,7 @@ impl Prompts {
                 let tokenizer = Tokenizer::from_file(&file).map_err(|e| {
                     ConfigError(format!("cannot load the tokenizer {}: {e}", file.display()))
                 })?;
+                longest_token_bytes = tokenizer.get_vocab(true).keys().map(String::len).max();
                 let config = ChunkerConfig {
                     piece_cache_bytes: cache_bytes / 2,
                     word_cache_bytes: cache_bytes / 8,
@@ -172,6 +187,9 @@ impl Prompts {
                 ))
             }
         };
+        let limits = tokenizer_dir
+            .and_then(model_max_length)
+            .zip(longest_token_bytes);
         let synthetic = tokenizer_dir.is_none().then(|| {
             SyntheticTokenizer::new(SYNTHETIC_VOCAB).expect("a vocabulary past the specials")
         });
@@ -184,7 +202,13 @@ impl Prompts {
             max_prompt_tokens: MAX_PROMPT_TOKENS,
             max_text_bytes: MAX_TEXT_BYTES,
             keep_ids,
+            limits,
         })
+    }
+
+    /// The tokenizer's `(maximum length, longest token's bytes)`, when it states a maximum.
+    pub fn tokenizer_limits(&self) -> Option<(usize, usize)> {
+        self.limits
     }
 
     /// The refusal of a body nested deeper than the limit.

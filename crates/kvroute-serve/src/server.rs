@@ -82,6 +82,8 @@ static REFUSED: LazyLock<Vec<u8>> = LazyLock::new(|| {
 /// What every connection and task shares.
 struct Shared {
     config: ServeConfig,
+    /// `config.max_body_bytes`, or what it is derived from the tokenizer.
+    body_limit: edge::BodyLimit,
     fleet: Mutex<Fleet>,
     prompts: Prompts,
     metrics: Metrics,
@@ -253,6 +255,7 @@ impl Server {
         let upstream = runtime.block_on(async { relay::client(config.connect_timeout) });
         let refresh_upstream = runtime.block_on(async { relay::client(config.connect_timeout) });
         let shared = Arc::new(Shared {
+            body_limit: edge::BodyLimit::new(config.max_body_bytes, prompts.tokenizer_limits()),
             fleet: Mutex::new(fleet),
             prompts,
             metrics: Metrics::default(),
@@ -332,6 +335,11 @@ impl Server {
     /// Retention's counters (None when it is off).
     pub fn retention_stats(&self) -> Option<kvroute_core::retention::RetentionStats> {
         self.shared.fleet().retention_stats()
+    }
+
+    /// The request body limit and where it came from.
+    pub fn body_limit(&self) -> &edge::BodyLimit {
+        &self.shared.body_limit
     }
 
     /// Requests in flight.
@@ -792,11 +800,9 @@ async fn generate(
         return draining();
     }
     let client_headers = request.headers().clone();
-    if let Some(refusal) = edge::refuse_early(
-        &client_headers,
-        shared.config.max_body_bytes,
-        &shared.metrics,
-    ) {
+    if let Some(refusal) =
+        edge::refuse_early(&client_headers, shared.body_limit.bytes, &shared.metrics)
+    {
         return refusal;
     }
     // A large body: at most LARGE_BODIES in memory at once (the others wait before reading),
@@ -810,7 +816,7 @@ async fn generate(
     };
     let raw = match edge::read_body(
         request,
-        shared.config.max_body_bytes,
+        shared.body_limit.bytes,
         shared.config.body_timeout,
         &shared.metrics,
     )

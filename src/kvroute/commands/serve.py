@@ -10,17 +10,16 @@ import signal
 import sys
 
 from kvroute import aio
+from kvroute._native import BODY_ENVELOPE_BYTES, DEFAULT_MAX_BODY_BYTES
 from kvroute.blocks import GPU_BLOCK_SIZE
 from kvroute.commands._common import add_policy_option_argument, parse_policy_options
 from kvroute.errors import UserError
 from kvroute.kvevents import EventsSettings, EventsSource
 from kvroute.proxy.config import (
-    BODY_ENVELOPE_BYTES,
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_FIRST_BYTE_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
     DEFAULT_KEEPALIVE_TIMEOUT_S,
-    DEFAULT_MAX_BODY_BYTES,
     DEFAULT_OFFLOAD_BYTES,
     DEFAULT_PREDICTED_CAPACITY_BLOCKS,
     DEFAULT_PROMPT_CACHE_BYTES,

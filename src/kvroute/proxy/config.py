@@ -1,13 +1,10 @@
-"""``RouterConfig``: everything ``kvroute serve`` can be told, with the defaults and the limits
-derived from the tokenizer (the body limit); :func:`kvroute.proxy.router.start_router` starts a
-router from one."""
+"""``RouterConfig``: everything ``kvroute serve`` can be told, with its defaults;
+:func:`kvroute.proxy.router.start_router` starts a router from one."""
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from kvroute.blocks import DEFAULT_HASH_SEED, GPU_BLOCK_SIZE
@@ -28,11 +25,6 @@ DEFAULT_INDEX_MAX_BYTES = 256 * 2**20#: Bodies larger than this are parsed, toke
 DEFAULT_OFFLOAD_BYTES = 256 * 1024
 #: Bytes the tokenizer's caches of text pieces may hold together, whatever their entry count.
 DEFAULT_PROMPT_CACHE_BYTES = 64 << 20
-#: Request bodies without a tokenizer maximum length to derive a limit from (``--max-body-bytes``).
-DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
-#: Bytes of request body outside the prompt a derived body limit allows: sampling
-#: parameters, message wrappers, tool definitions.
-BODY_ENVELOPE_BYTES = 1024 * 1024
 #: Deepest JSON nesting accepted. OpenAI bodies nest a handful of levels (messages, content
 #: parts, tool schemas a few more); refusing deeper ones before any recursive code sees them
 #: keeps every later step (chat template, content flattening) far from Python's recursion limit.
@@ -88,8 +80,8 @@ class RouterConfig:
         connect_timeout_s: a worker that does not accept a connection this fast is skipped.
         max_attempts: workers tried per request before giving up (retries before first byte).
         max_body_bytes: larger request bodies get 413, before they are read when they declare
-            their length. None: derived from the tokenizer's maximum length when it has one
-            (:func:`derived_max_body_bytes`), else :data:`DEFAULT_MAX_BODY_BYTES`.
+            their length. None: derived from the tokenizer's maximum length when it states one,
+            else ``kvroute._native.DEFAULT_MAX_BODY_BYTES`` (see ``kvroute serve --help``).
         drain_timeout_s: how long a drain waits for in-flight requests.
         first_byte_timeout_s: how long a worker may take to send its response headers (a
             stream's start; a non-streamed request's whole answer, so set it above the longest
@@ -171,59 +163,9 @@ def predicted_settings(config: RouterConfig) -> tuple[float | None, int | None]:
     return config.predicted_ttl_s, config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS
 
 
-def body_limit(config: RouterConfig, max_length: int | None, longest: int | None) -> tuple[int, str]:
-    """The request body limit and where it came from: ``--max-body-bytes``, else derived from
-    the tokenizer's maximum length and longest token (:func:`derived_max_body_bytes`), else
-    :data:`DEFAULT_MAX_BODY_BYTES`."""
-    if config.max_body_bytes is not None:
-        return config.max_body_bytes, "--max-body-bytes"
-    if max_length and longest:
-        return (derived_max_body_bytes(max_length, longest),
-                f"derived: {max_length} tokens x max(3 x {longest}, 12) bytes + 1 MiB")
-    return DEFAULT_MAX_BODY_BYTES, "default: the tokenizer states no maximum length"
-
-
 def retention_capacity(config: RouterConfig) -> int:
     """Each worker's usable KV blocks for retention's model: ``retention_capacity_blocks``, else
     the predicted capacity (or the reference worker's) less the null block."""
     return config.retention_capacity_blocks or (
         (config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS) - 1
     )
-
-
-def tokenizer_max_length(directory: str | None) -> int | None:
-    """The ``model_max_length`` of a Hugging Face tokenizer directory, when it states a real
-    one (``transformers`` writes a 1e30 sentinel when it does not know); None otherwise."""
-    if directory is None:
-        return None
-    try:
-        config = json.loads((Path(directory) / "tokenizer_config.json").read_text("utf-8"))
-    except (OSError, ValueError):
-        return None
-    value = config.get("model_max_length") if isinstance(config, dict) else None
-    if isinstance(value, (int, float)) and 0 < value < 10**8:
-        return int(value)
-    return None
-
-
-def derived_max_body_bytes(max_length: int, longest_token_bytes: int) -> int:
-    """The largest body a prompt of ``max_length`` tokens can need, plus an envelope.
-
-    One token takes at most its longest vocabulary entry's bytes as text, three times that
-    when a client escapes non-ASCII text as ``\\uXXXX`` (a 2-byte character becomes 6 bytes,
-    a 4-byte one 12), or 12 bytes as a token id (ten digits, a comma, a space):
-
-        limit = max_length * max(3 * longest_token_bytes, 12) + BODY_ENVELOPE_BYTES
-
-    capped at :data:`DEFAULT_MAX_BODY_BYTES`. A batch of prompts counts as their sum (raise
-    ``--max-body-bytes`` for large batches)."""
-    per_token = max(3 * longest_token_bytes, 12)
-    return min(max_length * per_token + BODY_ENVELOPE_BYTES, DEFAULT_MAX_BODY_BYTES)
-
-
-def longest_token_bytes(tokenizer: Any) -> int | None:
-    inner = getattr(tokenizer, "_tokenizer", None)
-    if inner is None or not hasattr(inner, "get_vocab"):
-        return None
-    vocab = inner.get_vocab(with_added_tokens=True)
-    return max((len(token.encode("utf-8")) for token in vocab), default=None)

@@ -28,31 +28,16 @@ from typing import Any
 from kvroute._native import NativeRouter
 from kvroute.errors import UserError
 from kvroute.kvevents import EventsSettings
-from kvroute.proxy.config import (
-    RouterConfig,
-    body_limit,
-    longest_token_bytes,
-    predicted_settings,
-    retention_capacity,
-    tokenizer_max_length,
-)
+from kvroute.proxy.config import RouterConfig, predicted_settings, retention_capacity
 from kvroute.proxy.discovery import Endpoint, StaticDiscovery
 from kvroute.proxy.resources import default_max_connections
 from kvroute.proxy.status import WorkerStatus, metric_value
 from kvroute.routing.index import KvIndex
-from kvroute.tokens import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
 #: Response header naming the worker that served the request.
 WORKER_HEADER = "x-kvroute-worker"
-
-
-def _max_body_bytes(config: RouterConfig) -> tuple[int, str]:
-    """The body limit and where it came from (see :func:`kvroute.proxy.config.body_limit`)."""
-    max_length = tokenizer_max_length(config.tokenizer)
-    longest = longest_token_bytes(load_tokenizer(config.tokenizer)) if max_length and config.tokenizer else None
-    return body_limit(config, max_length, longest)
 
 
 def worker_specs(config: RouterConfig, endpoints: Sequence[Endpoint]) -> list[tuple]:
@@ -67,7 +52,7 @@ def worker_specs(config: RouterConfig, endpoints: Sequence[Endpoint]) -> list[tu
     return specs
 
 
-def native_arguments(config: RouterConfig, max_body_bytes: int) -> dict[str, Any]:
+def native_arguments(config: RouterConfig) -> dict[str, Any]:
     """``NativeRouter``'s keyword arguments for ``config`` (the workers apart)."""
     events = config.events or EventsSettings()
     ttl, capacity = predicted_settings(config)
@@ -80,7 +65,7 @@ def native_arguments(config: RouterConfig, max_body_bytes: int) -> dict[str, Any
         prompt_cache_bytes=config.prompt_cache_bytes, predicted_ttl_s=ttl,
         predicted_capacity_blocks=capacity, index_max_bytes=config.index_max_bytes,
         events_topic=events.topic,
-        max_body_bytes=max_body_bytes, max_json_depth=config.max_json_depth,
+        max_body_bytes=config.max_body_bytes, max_json_depth=config.max_json_depth,
         offload_bytes=config.offload_bytes, header_timeout_s=config.header_timeout_s,
         keepalive_timeout_s=config.keepalive_timeout_s,
         body_timeout_s=config.body_timeout_s,
@@ -107,8 +92,7 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        self.max_body_bytes, self.max_body_source = _max_body_bytes(config)
-        arguments = native_arguments(config, self.max_body_bytes)
+        arguments = native_arguments(config)
         discovery = config.discovery or StaticDiscovery(config.workers)  # validates the URLs
         if isinstance(discovery, StaticDiscovery):
             workers, self._discovery = worker_specs(config, discovery.endpoints), None
@@ -121,6 +105,8 @@ class Router:
         self._follow_task: asyncio.Task | None = None
         host = f"[{config.host}]" if ":" in config.host else config.host
         self.url = f"http://{host}:{self.native.port}"
+        self.max_body_bytes: int = self.native.max_body_bytes
+        self.max_body_source: str = self.native.max_body_source
         self.max_connections = arguments["max_connections"]
 
     async def start(self) -> None:
