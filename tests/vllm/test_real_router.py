@@ -53,6 +53,7 @@ from kvroute.proxy import (
     RouterConfig,
     start_router,
 )
+from kvroute.tokens import flatten_message_content, load_tokenizer
 
 pytestmark = pytest.mark.vllm
 
@@ -228,7 +229,6 @@ async def test_router_index_follows_real_kv_events(vllm_fleet):
         workers = list(mirrors)
         prompt = fresh_prompt()
         hashes = hasher.hash_blocks(prompt)
-        assert router.hasher.completion({"prompt": prompt}).block_hashes == hashes
         body = {"model": vllm_fleet.model, "prompt": prompt, "max_tokens": 1}
         _, serving = await _post(router.url, "/v1/completions", body)
         assert serving in workers
@@ -319,6 +319,14 @@ async def test_router_chat_hashes_equal_the_blocks_vllm_stored(vllm_fleet):
         return {"model": vllm_fleet.model, "max_tokens": 1,
                 "messages": [system, {"role": "user", "content": question}]}
 
+    tokenizer = load_tokenizer(str(vllm_fleet.install.model_dir))
+    hasher = BlockHasher(bs)
+
+    def engine_prompt(body: dict) -> list[int]:
+        """The chat's tokens as vLLM computes them: content parts joined, template applied."""
+        text = tokenizer.apply_chat_template(flatten_message_content(body["messages"]))
+        return tokenizer.encode(text, add_special_tokens=False)
+
     async with _mirrors(vllm_fleet.servers, bs) as mirrors, start_router(_router_config(vllm_fleet)) as router:
         report = []
         previous: list[int] = []
@@ -333,12 +341,13 @@ async def test_router_chat_hashes_equal_the_blocks_vllm_stored(vllm_fleet):
         for question in questions:
             body = chat(question)
             answer, serving = await _post(router.url, "/v1/chat/completions", body)
-            info = router.hasher.chat(chat(question))
-            assert answer["usage"]["prompt_tokens"] == info.num_tokens
-            assert len(info.block_hashes) >= 3, "the prompt should span several blocks"
-            await _await_all_stored(router, mirrors[serving], serving, info.block_hashes)
+            ids = engine_prompt(body)
+            block_hashes = hasher.hash_blocks(ids)
+            assert answer["usage"]["prompt_tokens"] == len(ids)
+            assert len(block_hashes) >= 3, "the prompt should span several blocks"
+            await _await_all_stored(router, mirrors[serving], serving, block_hashes)
             shared = 0
-            while shared < min(len(previous), len(info.block_hashes)) and previous[shared] == info.block_hashes[shared]:
+            while shared < min(len(previous), len(block_hashes)) and previous[shared] == block_hashes[shared]:
                 shared += 1
             if serving_first is None:
                 serving_first = serving
@@ -346,8 +355,8 @@ async def test_router_chat_hashes_equal_the_blocks_vllm_stored(vllm_fleet):
                 # Routed to the worker holding the shared system prompt, which hits exactly there.
                 assert serving == serving_first
                 assert shared >= 1 and _cached_tokens(answer) == shared * bs
-            report.append(f"{info.num_tokens} tokens, {len(info.block_hashes)} blocks, all stored by "
-                          f"vLLM under the router's hashes, {shared} shared, cached_tokens "
+            report.append(f"{len(ids)} tokens, {len(block_hashes)} blocks, all stored by "
+                          f"vLLM under the engine tokens' hashes, {shared} shared, cached_tokens "
                           f"{_cached_tokens(answer)}")
-            previous = info.block_hashes
+            previous = block_hashes
     print("\nchat tokenizer path via the router: " + "; ".join(report))
