@@ -6,10 +6,10 @@
 //!
 //! A streamed answer is relayed frame by frame by a body the client's connection polls and
 //! that polls the worker's ([`RelayBody`]: a slow client slows its worker, not the router's
-//! memory), each frame awaited at most `stream_idle_timeout`. When the worker dies or goes silent mid-stream the client
-//! gets an SSE error event and the end of the stream (no `[DONE]`): never a silently truncated
-//! answer. When the client leaves, the body is dropped with the worker's connection, and vLLM
-//! aborts the request.
+//! memory), each frame awaited at most `stream_idle_timeout`. When the worker dies or goes
+//! silent mid-stream the client gets an SSE error event and the end of the stream (no
+//! `[DONE]`): never a silently truncated answer. When the client leaves, the body is dropped
+//! with the worker's connection, and vLLM aborts the request.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -238,10 +238,10 @@ pub struct RelayBody {
     /// Bytes of an event not yet complete.
     pending: BytesMut,
     worker: String,
+    /// Taken when the stream ends: None once it has.
     hooks: Option<Box<dyn StreamHooks>>,
     /// The SSE error event still to send, then the end.
     error: Option<Bytes>,
-    done: bool,
 }
 
 impl RelayBody {
@@ -261,7 +261,6 @@ impl RelayBody {
             worker: worker.to_owned(),
             hooks: Some(hooks),
             error: None,
-            done: false,
         }
     }
 
@@ -277,7 +276,10 @@ impl RelayBody {
             );
             self.error = Some(sse_error(&message));
         }
-        self.done = true;
+    }
+
+    fn ended(&self) -> bool {
+        self.hooks.is_none()
     }
 
     /// Whether the worker has been silent for the idle timeout (arming it when the wait starts).
@@ -309,7 +311,7 @@ impl HttpBody for RelayBody {
     ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
         let this = &mut *self;
         loop {
-            if this.done {
+            if this.ended() {
                 return Poll::Ready(this.error.take().map(|e| Ok(Frame::data(e))));
             }
             let data = match Pin::new(&mut this.upstream).poll_frame(cx) {
@@ -353,7 +355,7 @@ impl HttpBody for RelayBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.done && self.error.is_none()
+        self.ended() && self.error.is_none()
     }
 
     fn size_hint(&self) -> SizeHint {

@@ -20,14 +20,15 @@ EVENTS_PREDICTED_TTL_S = 2.0
 DEFAULT_PREDICTED_CAPACITY_BLOCKS = 585
 #: The index's default memory bound: 256 MiB is 2M (worker, block) entries at 128 bytes each,
 #: e.g. 32 workers with 65k blocks of KV each (an 80 GB GPU serving an 8B model holds ~40k).
-DEFAULT_INDEX_MAX_BYTES = 256 * 2**20#: Bodies larger than this are parsed, tokenized and hashed on a blocking thread, so that a
+DEFAULT_INDEX_MAX_BYTES = 256 * 2**20
+#: Bodies larger than this are parsed, tokenized and hashed on a blocking thread, so that a
 #: huge prompt never holds a thread that serves other connections.
 DEFAULT_OFFLOAD_BYTES = 256 * 1024
 #: Bytes the tokenizer's caches of text pieces may hold together, whatever their entry count.
 DEFAULT_PROMPT_CACHE_BYTES = 64 << 20
 #: Deepest JSON nesting accepted. OpenAI bodies nest a handful of levels (messages, content
 #: parts, tool schemas a few more); refusing deeper ones before any recursive code sees them
-#: keeps every later step (chat template, content flattening) far from Python's recursion limit.
+#: keeps every later step (chat template, content flattening) far from any recursion limit.
 MAX_JSON_DEPTH = 64
 #: A streamed answer's first-byte wait is its response headers, which vLLM sends before the
 #: prefill; a non-streamed answer's first byte is the whole answer, so this bounds its whole
@@ -49,6 +50,7 @@ DEFAULT_BODY_TIMEOUT_S = 60.0
 #: common load balancers (AWS ALB, GCP), so a balancer never sends on a connection the router
 #: is closing; clients that pool connections close theirs sooner (httpx: 5 s).
 DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+
 
 @dataclass
 class RouterConfig:
