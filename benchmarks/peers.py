@@ -20,7 +20,8 @@ set of workers for every router so each starts with cold caches:
     concurrency 16 through the router, over as many other requests (prompts the router has not
     seen: a router that caches tokenization pays for new text as it would in service), measures
     its CPU time per request: user + system time of the router's process tree
-    (``/proc/<pid>/stat``) over the window ÷ requests.
+    (``/proc/<pid>/stat``) over the window ÷ requests, with the system (kernel) share beside
+    it: loopback TCP, polling and scheduling, which every router pays for the same sockets.
 
 Routers (``--routers NAME[:SETTING],...``; ``--list-settings`` shows every setting's flags):
 
@@ -40,8 +41,11 @@ Routers (``--routers NAME[:SETTING],...``; ``--list-settings`` shows every setti
                    W, but Dynamo's own timing model), so its row is compared as-is;
 * ``floor``        not a router and not in the default list: ``peers/aiohttp_floor.py``, an
                    aiohttp + uvloop proxy that only passes requests to a random worker and
-                   relays the answers. Its CPU per request is what the stack ``kvroute serve``
-                   is built on costs before any routing work.
+                   relays the answers: what a Python relay costs before any routing work;
+* ``haproxy``      not a router either, on request only: HAProxy (``apt-get install haproxy``)
+                   as a plain HTTP relay to a random worker over kept-alive connections. Its
+                   added latency and CPU are one loopback hop through a C proxy on this
+                   machine, the floor under any router's.
 
 ``--warmup on,off`` measures every point with and without the sequential warmup (separate
 rows): on an idle fleet a tree router's ties all break the same way during a sequential
@@ -112,14 +116,14 @@ from kvroute.bench.runner import (
     TrialSink,
 )
 from kvroute.errors import UserError
-from kvroute.fleet import Fleet, cpu_seconds, free_ports, launch_emulated
+from kvroute.fleet import Fleet, cpu_times, free_ports, launch_emulated
 from kvroute.records import RequestRecord, TrialStats
 from kvroute.tokens import load_tokenizer, safe_vocabulary
 from kvroute.workload import LengthDist, WorkloadSpec
 
-ROUTERS = ("service", "kvroute", "sglang", "vllm-router", "dynamo", "floor")
-#: ``floor`` is a reference for the overhead mode, not a router: only on request.
-DEFAULT_ROUTERS = ROUTERS[:-1]
+ROUTERS = ("service", "kvroute", "sglang", "vllm-router", "dynamo", "floor", "haproxy")
+#: ``floor`` and ``haproxy`` are references for the overhead mode, not routers: only on request.
+DEFAULT_ROUTERS = ROUTERS[:-2]
 #: The bare aiohttp + uvloop pass-through proxy that ``floor`` runs.
 FLOOR_PROXY = Path(__file__).resolve().parent / "peers" / "aiohttp_floor.py"
 MODES = ("compare", "overhead", "both")
@@ -169,6 +173,9 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "defaults": Setting("defaults", why="kvroute serve --policy kv-aware as shipped"),
     },
     "floor": {"defaults": Setting("defaults", why="the bare aiohttp + uvloop relay (overhead only)")},
+    "haproxy": {"defaults": Setting("defaults", why=(
+        "HAProxy (Debian's haproxy package), HTTP mode, balance random, keep-alive to the workers "
+        "(http-reuse always), option http-no-delay: one hop through a C relay (overhead only)"))},
     "sglang": {
         "defaults": Setting("defaults", why=(
             "cache_aware as shipped: --cache-threshold 0.3, --balance-abs-threshold 64, "
@@ -614,8 +621,10 @@ class RouterRun:
                         session.get(self.metrics_url) as resp):
                 path.write_text(await resp.text())
 
-    def cpu_seconds(self) -> float:
-        return sum(cpu_seconds(p.pid) for p in self.processes if p.proc.returncode is None)
+    def cpu_times(self) -> tuple[float, float]:
+        """(user, system) CPU seconds so far of the router's processes."""
+        times = [cpu_times(p.pid) for p in self.processes if p.proc.returncode is None]
+        return sum(t[0] for t in times), sum(t[1] for t in times)
 
     async def close(self) -> None:
         await asyncio.gather(*(p.stop() for p in self.processes), return_exceptions=True)
@@ -659,6 +668,13 @@ def router_command(router: str, setting: Setting, env: Env, port: int, backends:
         cmd = [sys.executable, str(FLOOR_PROXY), "--port", str(port)]
         for u in backends.urls:
             cmd += ["--worker", u]
+    elif router == "haproxy":
+        binary = shutil.which("haproxy")
+        if binary is None:
+            raise UserError("haproxy is not on PATH (Debian: apt-get install haproxy)")
+        config = env.run_dir / f"haproxy-{port}.cfg"
+        config.write_text(haproxy_config(port, backends.urls))
+        cmd = [binary, "-db", "-f", str(config)]
     elif router == "sglang":
         peer = _peer(env, router)
         # Both hosts and a local tokenizer, or it resolves one from a model hub (benchmarks/peers/README.md).
@@ -684,6 +700,33 @@ def router_command(router: str, setting: Setting, env: Env, port: int, backends:
     return cmd + list(setting.args) + env.extra_args.get(router, [])
 
 
+def haproxy_config(port: int, workers: Sequence[str]) -> str:
+    """HAProxy as a plain HTTP relay on 127.0.0.1:``port``: each request to a random one of
+    ``workers`` over kept-alive connections, answers streamed through as they come. No
+    routing work at all: what one hop through a C event-loop proxy costs on this machine."""
+    servers = "\n".join(
+        f"    server w{i} {url.removeprefix('http://')}" for i, url in enumerate(workers)
+    )
+    return f"""global
+    maxconn 4096
+defaults
+    mode http
+    timeout connect 5s
+    timeout client 300s
+    timeout server 300s
+    http-reuse always
+    # Forward each streamed chunk at once instead of merging small writes (HAProxy's
+    # documented setting for interactive traffic; without it a first token waits ~2 ms).
+    option http-no-delay
+frontend relay
+    bind 127.0.0.1:{port}
+    default_backend workers
+backend workers
+    balance random
+{servers}
+"""
+
+
 async def launch(entry: RouterEntry, env: Env, timing: str, tag: str) -> RouterRun:
     """Fresh workers and a fresh router in front of them (Dynamo: its own mocker workers).
 
@@ -698,7 +741,7 @@ async def launch(entry: RouterEntry, env: Env, timing: str, tag: str) -> RouterR
     url = f"http://127.0.0.1:{port}"
     log = env.logs / f"{router}-{entry.setting.name}-{tag}.log"
     proc: Process | None = None
-    metrics_url = None if router in ("service", "floor") else url + "/metrics"
+    metrics_url = None if router in ("service", "floor", "haproxy") else url + "/metrics"
     try:
         prometheus = None
         if router in ("sglang", "vllm-router"):
@@ -956,6 +999,8 @@ class OverheadRow:
     direct_e2e_ms: tuple[float, float] | None = None
     router_e2e_ms: tuple[float, float] | None = None
     cpu_us_per_request: float | None = None
+    #: The kernel's share of ``cpu_us_per_request`` (system time: sockets, polling, scheduling).
+    system_us_per_request: float | None = None
     loaded_rps: float | None = None
     failed: int = 0
     error: str | None = None
@@ -980,7 +1025,7 @@ def median_row(rows: Sequence[OverheadRow]) -> OverheadRow:
         pairs = [getattr(r, name) for r in rows if getattr(r, name) is not None]
         if pairs:
             setattr(merged, name, tuple(float(np.median([p[i] for p in pairs])) for i in (0, 1)))
-    for name in ("cpu_us_per_request", "loaded_rps", "machine_load"):
+    for name in ("cpu_us_per_request", "system_us_per_request", "loaded_rps", "machine_load"):
         values = [getattr(r, name) for r in rows if getattr(r, name) is not None]
         if values:
             setattr(merged, name, float(np.median(values)))
@@ -1042,15 +1087,16 @@ async def run_overhead(entry: RouterEntry, env: Env, workload: BenchWorkload, lo
             ok = [r for r in routed if r.ok]
             row.router_ttft_ms = _p50_p99([r.ttft_s for r in ok if r.ttft_s is not None])
             row.router_e2e_ms = _p50_p99([r.e2e_s for r in ok if r.e2e_s is not None])
-            cpu0, t0 = run.cpu_seconds(), time.perf_counter()
+            (user0, sys0), t0 = run.cpu_times(), time.perf_counter()
             loaded = await _collect(via, loaded_requests, loaded_concurrency)
-            cpu1, t1 = run.cpu_seconds(), time.perf_counter()
+            (user1, sys1), t1 = run.cpu_times(), time.perf_counter()
         row.machine_load = os.getloadavg()[0]
         done = [r for r in loaded if r.ok]
         row.requests = len(loaded_requests)
         row.failed = len(routed) - len(ok) + len(loaded) - len(done)
         if done:
-            row.cpu_us_per_request = (cpu1 - cpu0) / len(done) * 1e6
+            row.cpu_us_per_request = (user1 - user0 + sys1 - sys0) / len(done) * 1e6
+            row.system_us_per_request = (sys1 - sys0) / len(done) * 1e6
             row.loaded_rps = len(done) / (t1 - t0)
         if row.failed:
             first = next(r for r in routed + loaded if not r.ok)
@@ -1182,7 +1228,7 @@ def rows_from_results(path: Path) -> list[CompareRow]:
 
 def overhead_table(rows: Sequence[OverheadRow]) -> list[list[str]]:
     out = [["router", "added TTFT p50/p99 ms", "added e2e p50/p99 ms", "router e2e p50/p99 ms",
-            "direct e2e p50/p99 ms", "CPU µs/req", "req/s loaded", "load avg", "note"]]
+            "direct e2e p50/p99 ms", "CPU µs/req", "of it kernel", "req/s loaded", "load avg", "note"]]
     def pair(v: tuple[float, float] | None) -> str:
         return "—" if v is None else f"{v[0]:.2f} / {v[1]:.2f}"
 
@@ -1191,6 +1237,7 @@ def overhead_table(rows: Sequence[OverheadRow]) -> list[list[str]]:
                     pair(r.direct_e2e_ms),
                     _f(r.cpu_us_per_request, 0) + (
                         f" ({', '.join(f'{c:.0f}' for c in r.cpu_rounds)})" if len(r.cpu_rounds) > 1 else ""),
+                    _f(r.system_us_per_request, 0),
                     _f(r.loaded_rps, 1),
                     _f(r.machine_load), (r.error or r.note)[:100]])
     return out
@@ -1227,8 +1274,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     p.add_argument("--routers", default=",".join(DEFAULT_ROUTERS), metavar="NAME[:SETTING][,...]",
                    help="which routers, in order, each with one of its named settings (default "
                         "%(default)s, each at its defaults; NAME:all = every setting of NAME; "
-                        "--list-settings shows them; also: floor, the bare aiohttp + uvloop proxy "
-                        "kvroute serve is built on)")
+                        "--list-settings shows them; also, for --mode overhead: floor, a bare "
+                        "aiohttp + uvloop relay, and haproxy, HAProxy as a plain relay)")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
                    help="measure nothing: print the summary of runs' results.json files (finished "
                         "or interrupted ones; several are pooled, as further runs) as a table and "

@@ -6,6 +6,7 @@ import asyncio
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -15,7 +16,7 @@ import aiohttp
 import pytest
 from aiohttp import web
 
-from kvroute.fleet import cpu_seconds, free_ports
+from kvroute.fleet import cpu_seconds, cpu_times, free_ports
 
 _PATH = Path(__file__).resolve().parents[1] / "benchmarks" / "peers.py"
 _spec = importlib.util.spec_from_file_location("peers_bench", _PATH)
@@ -27,7 +28,8 @@ _spec.loader.exec_module(peers)
 def test_arguments_default_to_the_reference_comparison():
     args = peers.parse_args([])
     assert args.router_list == list(peers.DEFAULT_ROUTERS)
-    assert "floor" not in args.router_list  # a reference, measured only on request
+    assert "floor" not in args.router_list  # references, measured only on request
+    assert "haproxy" not in args.router_list
     assert peers.parse_args(["--routers", "floor,kvroute"]).router_list == ["floor", "kvroute"]
     assert (args.prefixes, args.workers, args.levels, args.mode) == (24, 6, [8, 16], "both")
 
@@ -68,6 +70,9 @@ def test_router_cpu_time_includes_its_children():
             time.sleep(0.05)
         assert cpu_seconds(proc.pid) >= 0.3
         assert cpu_seconds(os.getpid()) > 0
+        user, system = cpu_times(proc.pid)  # the same time, split (the child now sleeps)
+        assert user > 0 and system >= 0
+        assert user + system == pytest.approx(cpu_seconds(proc.pid), abs=0.02)
     finally:
         os.killpg(proc.pid, 9)
         proc.wait()
@@ -285,6 +290,54 @@ async def test_the_floor_proxy_relays_a_stream_chunk_by_chunk(serve_app):
             await proc.wait()
     assert body == b"".join(events)
     assert seen == [{"prompt": "hi", "stream": True}]
+
+
+def test_haproxy_relays_to_every_worker_on_loopback_without_merging_chunks():
+    config = peers.haproxy_config(8100, ["http://127.0.0.1:9001", "http://127.0.0.1:9002"])
+    assert "bind 127.0.0.1:8100" in config
+    assert "server w0 127.0.0.1:9001" in config and "server w1 127.0.0.1:9002" in config
+    assert "option http-no-delay" in config  # a streamed token is not held back to merge writes
+    assert "balance random" in config and "http-reuse always" in config
+
+
+@pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
+async def test_the_haproxy_relay_streams_a_worker_s_answer(serve_app, tmp_path):
+    events = [b"data: %d\n\n" % i for i in range(3)] + [b"data: [DONE]\n\n"]
+
+    async def completions(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        for event in events:
+            await response.write(event)
+            await asyncio.sleep(0.01)
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", completions)
+    async with serve_app(app) as worker:
+        port = free_ports(1)[0]
+        config = tmp_path / "haproxy.cfg"
+        config.write_text(peers.haproxy_config(port, [worker]))
+        proc = await asyncio.create_subprocess_exec(
+            shutil.which("haproxy"), "-db", "-f", str(config),
+            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+        try:
+            async with aiohttp.ClientSession() as session:
+                for _ in range(100):  # until it listens
+                    try:
+                        async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                                json={"prompt": "hi", "stream": True}) as resp:
+                            assert resp.status == 200
+                            body = await resp.read()
+                        break
+                    except aiohttp.ClientConnectorError:
+                        await asyncio.sleep(0.1)
+                else:
+                    pytest.fail("haproxy did not start")
+        finally:
+            proc.terminate()
+            await proc.wait()
+    assert body == b"".join(events)
 
 
 def test_saved_results_report_as_markdown_with_every_concurrency_side_by_side(tmp_path):

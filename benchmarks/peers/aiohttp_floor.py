@@ -1,5 +1,5 @@
-"""The floor of the stack ``kvroute serve`` is built on: an aiohttp + uvloop streaming proxy
-that does nothing but pass requests through.
+"""A Python relay's floor: an aiohttp + uvloop streaming proxy that does nothing but pass
+requests through (``kvroute serve`` was built on this stack before its native data plane).
 
 Each ``/v1/completions`` or ``/v1/chat/completions`` body goes to a random worker over a
 keep-alive aiohttp client session and the answer is relayed as it arrives, chunk by chunk,

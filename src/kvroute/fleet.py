@@ -259,8 +259,16 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 def cpu_seconds(pid: int) -> float:
     """User + system CPU seconds so far of ``pid`` and its live descendants (all threads), from
     Linux /proc: what a server costs, helpers it forked included (benchmarks)."""
+    user, system = cpu_times(pid)
+    return user + system
+
+
+def cpu_times(pid: int) -> tuple[float, float]:
+    """(user, system) CPU seconds so far of ``pid`` and its live descendants, as
+    ``cpu_seconds``. The system share is the kernel's work on the process's behalf (sockets,
+    polling, scheduling): for a relay, the part no user-space code can make cheaper."""
     tick = os.sysconf("SC_CLK_TCK")
-    stats: dict[int, tuple[int, float]] = {}
+    stats: dict[int, tuple[int, float, float]] = {}
     for entry in os.listdir("/proc"):
         if not entry.isdigit():
             continue
@@ -271,15 +279,16 @@ def cpu_seconds(pid: int) -> float:
             continue
         fields = raw[raw.rfind(b")") + 2:].split()
         # fields[0] is state (stat field 3): ppid is field 4, utime 14, stime 15.
-        stats[int(entry)] = (int(fields[1]), (int(fields[11]) + int(fields[12])) / tick)
+        stats[int(entry)] = (int(fields[1]), int(fields[11]) / tick, int(fields[12]) / tick)
     tree, frontier = {pid}, [pid]
     while frontier:
         parent = frontier.pop()
-        for child, (ppid, _) in stats.items():
+        for child, (ppid, _, _) in stats.items():
             if ppid == parent and child not in tree:
                 tree.add(child)
                 frontier.append(child)
-    return sum(stats[p][1] for p in tree if p in stats)
+    mine = [stats[p] for p in tree if p in stats]
+    return sum(s[1] for s in mine), sum(s[2] for s in mine)
 
 
 def cpu_binding(index: int, workers: int, cpus: Sequence[int]) -> str:
