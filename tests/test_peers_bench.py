@@ -252,43 +252,56 @@ def test_dynamo_borrows_the_emulated_direct_baseline():
     assert "direct = emulated worker" in rows[2].note
 
 
-async def test_the_floor_proxy_relays_a_stream_chunk_by_chunk(serve_app):
-    events = [b"data: %d\n\n" % i for i in range(3)] + [b"data: [DONE]\n\n"]
-    seen = []
+#: What the relay tests' worker streams, one event at a time.
+_EVENTS = [b"data: %d\n\n" % i for i in range(3)] + [b"data: [DONE]\n\n"]
+
+
+def _streaming_worker(seen: list) -> web.Application:
+    """A worker that records each completions body and streams ``_EVENTS`` 10 ms apart."""
 
     async def completions(request: web.Request) -> web.StreamResponse:
         seen.append(await request.json())
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
         await response.prepare(request)
-        for event in events:
+        for event in _EVENTS:
             await response.write(event)
             await asyncio.sleep(0.01)
         return response
 
     app = web.Application()
     app.router.add_post("/v1/completions", completions)
-    async with serve_app(app) as worker:
+    return app
+
+
+async def _relayed_stream(port: int, cmd: list[str]) -> bytes:
+    """Start the relay ``cmd`` (listening on ``port``), stream one completion through it once
+    it listens, stop it; the answer's body."""
+    proc = await asyncio.create_subprocess_exec(
+        *cmd, stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
+    try:
+        async with aiohttp.ClientSession() as session:
+            for _ in range(100):  # until it listens
+                try:
+                    async with session.post(f"http://127.0.0.1:{port}/v1/completions",
+                                            json={"prompt": "hi", "stream": True}) as resp:
+                        assert resp.status == 200
+                        assert resp.content_type == "text/event-stream"
+                        return await resp.read()
+                except aiohttp.ClientConnectorError:
+                    await asyncio.sleep(0.1)
+            pytest.fail(f"{cmd[0]} did not start")
+    finally:
+        proc.terminate()
+        await proc.wait()
+
+
+async def test_the_floor_proxy_relays_a_stream_chunk_by_chunk(serve_app):
+    seen: list = []
+    async with serve_app(_streaming_worker(seen)) as worker:
         port = free_ports(1)[0]
-        proc = await asyncio.create_subprocess_exec(
-            sys.executable, str(peers.FLOOR_PROXY), "--port", str(port), "--worker", worker)
-        try:
-            async with aiohttp.ClientSession() as session:
-                for _ in range(100):  # until it listens
-                    try:
-                        async with session.post(f"http://127.0.0.1:{port}/v1/completions",
-                                                json={"prompt": "hi", "stream": True}) as resp:
-                            assert resp.status == 200
-                            assert resp.content_type == "text/event-stream"
-                            body = await resp.read()
-                        break
-                    except aiohttp.ClientConnectorError:
-                        await asyncio.sleep(0.1)
-                else:
-                    pytest.fail("the floor proxy did not start")
-        finally:
-            proc.terminate()
-            await proc.wait()
-    assert body == b"".join(events)
+        body = await _relayed_stream(
+            port, [sys.executable, str(peers.FLOOR_PROXY), "--port", str(port), "--worker", worker])
+    assert body == b"".join(_EVENTS)
     assert seen == [{"prompt": "hi", "stream": True}]
 
 
@@ -302,42 +315,14 @@ def test_haproxy_relays_to_every_worker_on_loopback_without_merging_chunks():
 
 @pytest.mark.skipif(shutil.which("haproxy") is None, reason="haproxy is not installed")
 async def test_the_haproxy_relay_streams_a_worker_s_answer(serve_app, tmp_path):
-    events = [b"data: %d\n\n" % i for i in range(3)] + [b"data: [DONE]\n\n"]
-
-    async def completions(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        for event in events:
-            await response.write(event)
-            await asyncio.sleep(0.01)
-        return response
-
-    app = web.Application()
-    app.router.add_post("/v1/completions", completions)
-    async with serve_app(app) as worker:
+    seen: list = []
+    async with serve_app(_streaming_worker(seen)) as worker:
         port = free_ports(1)[0]
         config = tmp_path / "haproxy.cfg"
         config.write_text(peers.haproxy_config(port, [worker]))
-        proc = await asyncio.create_subprocess_exec(
-            shutil.which("haproxy"), "-db", "-f", str(config),
-            stdout=asyncio.subprocess.DEVNULL, stderr=asyncio.subprocess.DEVNULL)
-        try:
-            async with aiohttp.ClientSession() as session:
-                for _ in range(100):  # until it listens
-                    try:
-                        async with session.post(f"http://127.0.0.1:{port}/v1/completions",
-                                                json={"prompt": "hi", "stream": True}) as resp:
-                            assert resp.status == 200
-                            body = await resp.read()
-                        break
-                    except aiohttp.ClientConnectorError:
-                        await asyncio.sleep(0.1)
-                else:
-                    pytest.fail("haproxy did not start")
-        finally:
-            proc.terminate()
-            await proc.wait()
-    assert body == b"".join(events)
+        body = await _relayed_stream(port, [shutil.which("haproxy"), "-db", "-f", str(config)])
+    assert body == b"".join(_EVENTS)
+    assert seen == [{"prompt": "hi", "stream": True}]
 
 
 def test_saved_results_report_as_markdown_with_every_concurrency_side_by_side(tmp_path):
