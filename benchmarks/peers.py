@@ -121,9 +121,10 @@ from kvroute.records import RequestRecord, TrialStats
 from kvroute.tokens import load_tokenizer, safe_vocabulary
 from kvroute.workload import LengthDist, WorkloadSpec
 
-ROUTERS = ("service", "kvroute", "sglang", "vllm-router", "dynamo", "floor", "haproxy")
-#: ``floor`` and ``haproxy`` are references for the overhead mode, not routers: only on request.
-DEFAULT_ROUTERS = ROUTERS[:-2]
+#: Plain relays that do no routing: references for the overhead mode, measured only on request.
+RELAYS = ("floor", "haproxy")
+ROUTERS = ("service", "kvroute", "sglang", "vllm-router", "dynamo", *RELAYS)
+DEFAULT_ROUTERS = tuple(r for r in ROUTERS if r not in RELAYS)
 #: The bare aiohttp + uvloop pass-through proxy that ``floor`` runs.
 FLOOR_PROXY = Path(__file__).resolve().parent / "peers" / "aiohttp_floor.py"
 MODES = ("compare", "overhead", "both")
@@ -741,7 +742,7 @@ async def launch(entry: RouterEntry, env: Env, timing: str, tag: str) -> RouterR
     url = f"http://127.0.0.1:{port}"
     log = env.logs / f"{router}-{entry.setting.name}-{tag}.log"
     proc: Process | None = None
-    metrics_url = None if router in ("service", "floor", "haproxy") else url + "/metrics"
+    metrics_url = None if router == "service" or router in RELAYS else url + "/metrics"
     try:
         prometheus = None
         if router in ("sglang", "vllm-router"):

@@ -30,6 +30,7 @@ def test_arguments_default_to_the_reference_comparison():
     assert args.router_list == list(peers.DEFAULT_ROUTERS)
     assert "floor" not in args.router_list  # references, measured only on request
     assert "haproxy" not in args.router_list
+    assert set(peers.RELAYS) == {"floor", "haproxy"} and set(peers.RELAYS) <= set(peers.ROUTERS)
     assert peers.parse_args(["--routers", "floor,kvroute"]).router_list == ["floor", "kvroute"]
     assert (args.prefixes, args.workers, args.levels, args.mode) == (24, 6, [8, 16], "both")
 
