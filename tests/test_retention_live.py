@@ -19,6 +19,7 @@ from aiohttp import web
 from kvroute.bench.runner import router_refreshes
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.proxy import RouterConfig, start_router
+from kvroute.tokens import SyntheticTokenizer
 
 MODEL = "Qwen/Qwen3-0.6B"
 #: 64 usable blocks of 16 tokens: 4 prefixes of 10 blocks and their requests' own blocks do
@@ -114,6 +115,45 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
             # What the bench reads as a trial's refreshes; a worker's own /metrics has none.
             assert await router_refreshes(router.url + "/v1") == sent
             assert await router_refreshes(worker.url) is None
+    finally:
+        await worker.close()
+
+
+@pytest.mark.parametrize("route", ["completions", "chat"])
+async def test_text_and_chat_prompts_are_refreshed_from_the_ids_the_router_encoded(route):
+    """A client sending text (or chat messages) gets retention too: the router refreshes the
+    prefix with the ids it encoded, and the engine finds those blocks cached (each refresh
+    computes one token)."""
+    config = EmulatorConfig.for_model(
+        "qwen3-0.6b", timing="instant", max_model_len=1024, num_gpu_blocks_override=BLOCKS
+    )
+    (worker,) = await start_workers(config, 1)
+    tokenizer = SyntheticTokenizer()
+    rng = np.random.default_rng(0)
+    prefixes = [tokenizer.decode(rng.integers(1000, 30000, 160).tolist()) for _ in range(4)]
+    try:
+        rc = RouterConfig(workers=[worker.url], policy="kv-aware", retention="on",
+                          retention_capacity_blocks=BLOCKS - 1, health_interval_s=0)
+        async with start_router(rc) as router, aiohttp.ClientSession() as s:
+            for i in range(40):
+                text = prefixes[i % 4] + " " + tokenizer.decode(rng.integers(1000, 30000, 40).tolist())
+                if route == "chat":
+                    path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}
+                else:
+                    path, body = "/v1/completions", {"prompt": text}
+                async with s.post(f"{router.url}{path}", json={"model": MODEL, "max_tokens": 8, **body}) as r:
+                    assert r.status == 200, await r.text()
+                    await r.read()
+            await _settle(router)
+            text = await _metrics(router.url)
+            sent = metric(text, "kvroute_retention_refreshes_total")
+            assert sent > 0, "4 prefixes of 10 blocks and their requests overflow 64 blocks"
+            assert metric(text, "kvroute_retention_refresh_errors_total") == 0
+            engine = worker.worker.engine
+            assert engine.stats.requests == 40 + sent
+            # Each refresh's prompt is its prefix's full blocks + 1 token, found cached but for
+            # the token: the router's ids are the engine's.
+            assert metric(text, "kvroute_retention_refresh_prompt_tokens_total") >= sent * 33
     finally:
         await worker.close()
 

@@ -11,6 +11,8 @@
 //!   tokenizer's chat template ([`crate::chat`]) and encoded without added special tokens (the
 //!   template wrote them); without a tokenizer, as ChatML for the synthetic tokenizer. A chat
 //!   that cannot be rendered is routed untokenized.
+//! - With retention on, a tokenized prompt (not a batch) keeps its ids ([`Retained`]): a
+//!   refresh of its prefix sends them as token ids, whichever route the prompt came by.
 //!
 //! The body is parsed once with `serde_json` (nesting past its recursion limit is an error, not
 //! a stack overflow) and its depth checked against the router's own limit before any field is
@@ -73,16 +75,18 @@ pub struct Prompt {
     pub block_hashes: Vec<u64>,
     /// Routed without a prefix match (no tokenizer, or longer than any engine takes).
     pub untokenized: bool,
-    /// What retention needs of a completion given as token ids (None otherwise, or when
+    /// What retention needs of a tokenized prompt (None when untokenized, for a batch, or when
     /// retention is off).
     pub retained: Option<Retained>,
 }
 
-/// A completion given as token ids, as retention reads it: a refresh needs the prefix's ids.
+/// A tokenized prompt as retention reads it: a refresh sends the prefix's ids (as token ids
+/// to `/v1/completions`, whatever route the prompt came by: for text and chats, the ids the
+/// router encoded, which are the engine's when its tokenizer and chat template are).
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Retained {
     pub ids: Vec<u32>,
-    /// `max_tokens`, or [`DEFAULT_OUTPUT_TOKENS`].
+    /// `max_tokens` (a chat's `max_completion_tokens` first), or [`DEFAULT_OUTPUT_TOKENS`].
     pub output_tokens: usize,
     /// The body's `model`, sent on with the refreshes.
     pub model: Option<String>,
@@ -122,7 +126,7 @@ pub struct Prompts {
     /// Longest prompt (in tokens, or text bytes) worth tokenizing and hashing.
     max_prompt_tokens: usize,
     max_text_bytes: usize,
-    /// Keep token-id prompts' ids for retention.
+    /// Keep prompts' ids for retention.
     keep_ids: bool,
     /// The tokenizer's maximum length (`model_max_length`) and longest vocabulary entry in
     /// bytes, when it states the first: what the body limit is derived from.
@@ -265,7 +269,9 @@ impl Prompts {
                     (None, None) => None,
                 };
                 Ok(match text {
-                    Some(text) if text.len() <= self.max_text_bytes => self.encoded(&text, false),
+                    Some(text) if text.len() <= self.max_text_bytes => {
+                        self.encoded(&text, false, fields, false)
+                    }
                     _ => untokenized(0),
                 })
             }
@@ -280,7 +286,7 @@ impl Prompts {
                 }
                 match prompt {
                     Some(Value::String(text)) if text.len() <= self.max_text_bytes => {
-                        Ok(self.encoded(text, true))
+                        Ok(self.encoded(text, true, fields, batch))
                     }
                     Some(Value::String(_)) => Ok(untokenized(0)),
                     Some(Value::Array(items)) if !items.is_empty() => {
@@ -297,26 +303,7 @@ impl Prompts {
                                 Some("prompt"),
                             )
                         })?;
-                        let block_hashes = self.hasher.hash_blocks(&ids, None, 0, None);
-                        let tokens = ids.len();
-                        let retained = (self.keep_ids && !batch).then(|| Retained {
-                            output_tokens: fields
-                                .get("max_tokens")
-                                .and_then(Value::as_u64)
-                                .filter(|&n| n > 0)
-                                .map_or(DEFAULT_OUTPUT_TOKENS, |n| n as usize),
-                            model: fields
-                                .get("model")
-                                .and_then(Value::as_str)
-                                .map(str::to_owned),
-                            ids,
-                        });
-                        Ok(Prompt {
-                            tokens,
-                            block_hashes,
-                            untokenized: false,
-                            retained,
-                        })
+                        Ok(self.tokenized(ids, fields, batch))
                     }
                     _ => Err(bad(
                         "prompt: expected a string, a list of token ids, or a list of those",
@@ -341,9 +328,44 @@ impl Prompts {
         Some(SyntheticTokenizer::chat_text(pairs?, add_generation_prompt))
     }
 
+    /// The prompt of these token ids, with what retention needs of it unless it is the first
+    /// of a `batch` (a refresh ahead of a batch would serve only its first prompt).
+    fn tokenized(
+        &self,
+        ids: Vec<u32>,
+        fields: &serde_json::Map<String, Value>,
+        batch: bool,
+    ) -> Prompt {
+        let budget = |key: &str| fields.get(key).and_then(Value::as_u64).filter(|&n| n > 0);
+        let block_hashes = self.hasher.hash_blocks(&ids, None, 0, None);
+        let tokens = ids.len();
+        let retained = (self.keep_ids && !batch).then(|| Retained {
+            output_tokens: budget("max_completion_tokens")
+                .or_else(|| budget("max_tokens"))
+                .map_or(DEFAULT_OUTPUT_TOKENS, |n| n as usize),
+            model: fields
+                .get("model")
+                .and_then(Value::as_str)
+                .map(str::to_owned),
+            ids,
+        });
+        Prompt {
+            tokens,
+            block_hashes,
+            untokenized: false,
+            retained,
+        }
+    }
+
     /// `text` encoded (with the special tokens the tokenizer adds when `add_special_tokens`)
-    /// and hashed; untokenized when the tokenizer fails on it.
-    fn encoded(&self, text: &str, add_special_tokens: bool) -> Prompt {
+    /// and hashed, as [`Prompts::tokenized`]; untokenized when the tokenizer fails on it.
+    fn encoded(
+        &self,
+        text: &str,
+        add_special_tokens: bool,
+        fields: &serde_json::Map<String, Value>,
+        batch: bool,
+    ) -> Prompt {
         let untokenized = Prompt {
             tokens: 0,
             block_hashes: Vec::new(),
@@ -356,12 +378,7 @@ impl Prompts {
             };
             let mut ids = Vec::with_capacity(text.len() / 4);
             synthetic.encode(text, &mut ids);
-            return Prompt {
-                tokens: ids.len(),
-                block_hashes: self.hasher.hash_blocks(&ids, None, 0, None),
-                untokenized: false,
-                retained: None,
-            };
+            return self.tokenized(ids, fields, batch);
         };
         // A poisoned lock means another request panicked mid-encode; the caches stay usable.
         let mut encoder = encoder.lock().unwrap_or_else(|p| p.into_inner());
@@ -374,12 +391,7 @@ impl Prompts {
         };
         drop(encoder);
         match ids {
-            Ok(ids) => Prompt {
-                tokens: ids.len(),
-                block_hashes: self.hasher.hash_blocks(&ids, None, 0, None),
-                untokenized: false,
-                retained: None,
-            },
+            Ok(ids) => self.tokenized(ids, fields, batch),
             Err(_) => untokenized,
         }
     }
@@ -437,6 +449,39 @@ mod tests {
             .parse(Route::Completions, br#"{"prompt": [5]}"#)
             .unwrap();
         assert_eq!(p.retained.unwrap().output_tokens, DEFAULT_OUTPUT_TOKENS);
+    }
+
+    #[test]
+    fn text_and_chat_prompts_carry_their_encoded_ids_for_retention() {
+        let p = prompts();
+        let t = p
+            .parse(
+                Route::Completions,
+                br#"{"prompt": "ba be bi bo", "max_tokens": 5, "model": "m"}"#,
+            )
+            .unwrap();
+        let r = t.retained.unwrap();
+        assert_eq!(
+            (r.ids, r.output_tokens, r.model.as_deref()),
+            (vec![3, 4, 5, 6], 5, Some("m"))
+        );
+        let c = p
+            .parse(
+                Route::Chat,
+                br#"{"messages": [{"role": "user", "content": "hi"}], "max_completion_tokens": 7, "max_tokens": 9}"#,
+            )
+            .unwrap();
+        let r = c.retained.unwrap();
+        assert_eq!((r.ids.len(), r.output_tokens), (c.tokens, 7));
+        let batch = p
+            .parse(Route::Completions, br#"{"prompt": ["ba be", "bi"]}"#)
+            .unwrap();
+        assert!(batch.retained.is_none());
+        let off = Prompts::new(BlockHasher::new(4, 0).unwrap(), None, 1 << 20, 8, false).unwrap();
+        let t = off
+            .parse(Route::Completions, br#"{"prompt": "ba be bi bo"}"#)
+            .unwrap();
+        assert!(t.retained.is_none(), "retention off keeps no ids");
     }
 
     #[test]

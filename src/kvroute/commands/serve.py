@@ -163,7 +163,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
     routing.add_argument("--retention", choices=("off", "on", "auto"), default=DEFAULT_RETENTION,
                          help="refresh the prefixes each worker's LRU would evict with a prefix-only "
-                         "request (max_tokens 1; token-id prompts only): off, on, or auto (only where "
+                         "request (the prefix's token ids, max_tokens 1): off, on, or auto (only where "
                          "it pays); metrics kvroute_retention_* (default: %(default)s)")
     routing.add_argument("--retention-capacity-blocks", type=int, metavar="N",
                          help="each worker's usable KV blocks, for retention's model of its cache "
