@@ -4,7 +4,8 @@ Two measurements, each over the same seeded requests (the reference workload: K 
 2,032 tokens + 339-token unique suffixes = 2,371-token prompts, 64 output tokens), with a fresh
 set of workers for every router so each starts with cold caches:
 
-``compare`` (default K = 24, W = 6, concurrency 8 and 16)
+``compare`` (default K = 24, W = 6, concurrency 8 and 16; ``--zipf`` and ``--prefix-tokens``
+skew the prefixes' popularity or mix their lengths)
     Every router in front of the same kind of emulated workers (``kvroute emulate``, real-time
     ``reference-gpu`` timing, 1 GiB of KV cache each, a local tokenizer written by
     ``kvroute make-tiny-model`` so peers can tokenize). Reports the request hit rate (responses'
@@ -27,7 +28,8 @@ Routers (``--routers NAME[:SETTING],...``; ``--list-settings`` shows every setti
 
 * ``service``      ``kvroute service``: random per TCP connection, the Kubernetes baseline;
 * ``kvroute``      ``kvroute serve --policy kv-aware`` with the workers' KV events and the
-                   tokenizer (exact token matching); its defaults only;
+                   tokenizer (exact token matching); its defaults, and
+                   ``retention-auto`` (``--retention auto``: shipped, not the default);
 * ``sglang``       sglang-router, ``--policy cache_aware`` (prefix tree of routed text);
                    settings ``defaults``, ``tuned`` (tree sized to a worker's KV and evicted
                    every second), ``balance`` (a tight load guard);
@@ -167,11 +169,16 @@ class Setting:
 
 
 #: Every router's selectable settings; the first is what a bare ``--routers NAME`` runs.
-#: kvroute (and the baselines) run as shipped only: the comparison tunes the peers, not kvroute.
+#: kvroute (and the baselines) run as shipped only: the comparison tunes the peers, not kvroute
+#: (``kvroute:retention-auto`` is a shipped mode that is not the default, not a tuning).
 SETTINGS: dict[str, dict[str, Setting]] = {
     "service": {"defaults": Setting("defaults", why="kvroute service: random per TCP connection")},
     "kvroute": {
         "defaults": Setting("defaults", why="kvroute serve --policy kv-aware as shipped"),
+        "retention-auto": Setting("retention-auto", ("--retention", "auto"), (
+            "kvroute serve --retention auto: shipped but not the default; the router also "
+            "refreshes the prefixes each worker's LRU would evict (README, Retention), here to "
+            "measure whether it should be the default (issue 19)")),
     },
     "floor": {"defaults": Setting("defaults", why="the bare aiohttp + uvloop relay (overhead only)")},
     "haproxy": {"defaults": Setting("defaults", why=(
@@ -901,9 +908,11 @@ async def run_point(entry: RouterEntry, env: Env, workload: BenchWorkload, c: in
         row.stats = stats.to_json()
         row.worker_requests = load.loads.get(c, {})
         row.machine_load = os.getloadavg()[0]
+        refreshes = (f", {stats.refreshes / stats.requests:.2f} refreshes a request"
+                     if stats.refreshes and stats.requests else "")
         print(f"  {what}: hit {stats.request_hit_rate:.3f}, TTFT p50/p99 {_f(stats.ttft_p50_ms)}/"
               f"{_f(stats.ttft_p99_ms)} ms, {stats.throughput_rps:.2f} req/s, load max/mean "
-              f"{_f(row.load_max_over_mean, 2)} ({time.monotonic() - started:.0f} s, "
+              f"{_f(row.load_max_over_mean, 2)}{refreshes} ({time.monotonic() - started:.0f} s, "
               f"load avg {row.machine_load:.1f})", flush=True)
     except UserError as exc:
         row.error = str(exc)
@@ -1295,6 +1304,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--requests", type=int, default=None,
                    help="measured requests per point (default the reference's max(200, 20·K))")
     g.add_argument("--seed", type=int, default=0, help="workload seed (default %(default)s)")
+    g.add_argument("--zipf", type=float, default=0.0, metavar="ALPHA",
+                   help="Zipf popularity exponent over the prefixes; 0 = each equally often, as the "
+                        "reference (default %(default)s)")
+    g.add_argument("--prefix-tokens", default="2032", metavar="N|LO:HI",
+                   help="prefix length in tokens: fixed or a uniform range, e.g. 1000:3600 "
+                        "(default %(default)s, the reference's)")
     g.add_argument("--warmup", default="on", metavar="on|off|on,off",
                    help="the sequential warmup (one request per prefix, one at a time) before each "
                         "measured window: on, off, or both as separate rows (default %(default)s)")
@@ -1354,6 +1369,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--rounds must be >= 1")
     if args.runs < 1:
         p.error("--runs must be >= 1")
+    if args.zipf < 0:
+        p.error("--zipf must be >= 0")
+    try:
+        args.prefix_length = LengthDist.parse(args.prefix_tokens)
+    except UserError as exc:
+        p.error(f"--prefix-tokens: {exc}")
     if args.quick:
         args.requests = args.requests or 48
         args.levels = args.levels[:1]
@@ -1361,13 +1382,25 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def describe_workload(args: argparse.Namespace) -> str:
+    """The compare workload in words: prefix lengths and popularity."""
+    popularity = f"Zipf α {args.zipf:g}" if args.zipf else "uniform"
+    return f"prefixes of {args.prefix_tokens} tokens, {popularity}"
+
+
+#: The reference's prefix length.
+REFERENCE_PREFIX = LengthDist.fixed(2032)
+
+
 def make_workload(tokenizer_dir: Path, prefixes: int, requests: int | None, output_tokens: int,
-                  seed: int) -> BenchWorkload:
-    """The reference workload as text prompts that re-tokenize exactly (peers match text)."""
+                  seed: int, zipf: float = 0.0, prefix_tokens: LengthDist = REFERENCE_PREFIX,
+                  ) -> BenchWorkload:
+    """The reference workload (or its Zipf / mixed-length variants) as text prompts that
+    re-tokenize exactly (peers match text)."""
     tokenizer = load_tokenizer(tokenizer_dir)
-    spec = WorkloadSpec(prefixes=prefixes, prefix_tokens=LengthDist.fixed(2032),
+    spec = WorkloadSpec(prefixes=prefixes, prefix_tokens=prefix_tokens,
                         suffix_tokens=LengthDist.fixed(339), output_tokens=output_tokens,
-                        requests=requests, seed=seed)
+                        requests=requests, zipf_alpha=zipf, seed=seed)
     return reference_workload(spec, PromptEncoder("text", MODEL, tokenizer), safe_vocabulary(tokenizer))
 
 
@@ -1402,16 +1435,18 @@ async def main(args: argparse.Namespace) -> int:
                 return 0 if all(i.ok for i in installs.values()) else 1
             env = Env(args.workers, tokenizer, installs, logs, run_dir, args.extra_args)
             if args.mode in ("compare", "both"):
-                workload = make_workload(tokenizer, args.prefixes, args.requests, 64, args.seed)
+                workload = make_workload(tokenizer, args.prefixes, args.requests, 64, args.seed,
+                                         args.zipf, args.prefix_length)
                 print(f"\ncompare: K={args.prefixes}, W={args.workers}, c={args.levels}, "
-                      f"{len(workload.requests)} requests per point", flush=True)
+                      f"{describe_workload(args)}, {len(workload.requests)} requests per point",
+                      flush=True)
                 rows: list[CompareRow] = []
                 results["compare"] = rows
                 for n, c, warm, entry in compare_schedule(args.entries, args.levels, args.warmups, args.runs):
                     rows.append(await run_point(entry, env, workload, c, warm, n, args.timeout))
                     results["compare_summary"] = summarize_compare(rows)
                     _save(out, results)
-                title = f"K={args.prefixes}, W={args.workers}, reference-gpu timing"
+                title = f"K={args.prefixes}, W={args.workers}, {describe_workload(args)}, reference-gpu timing"
                 if args.runs > 1:
                     print_table(f"compare, every run ({title})", compare_table(rows))
                 print_table(f"compare ({title}; median (min–max) of {args.runs} run(s); workers: "

@@ -41,7 +41,8 @@ def test_quick_shrinks_every_pass():
     assert args.levels == [8] and args.requests == 48 and args.overhead_requests == 24
 
 
-@pytest.mark.parametrize("argv", [["--routers", "nginx"], ["--concurrency", "0"], ["-c", "x"], ["--rounds", "0"]])
+@pytest.mark.parametrize("argv", [["--routers", "nginx"], ["--concurrency", "0"], ["-c", "x"], ["--rounds", "0"],
+                                  ["--zipf", "-1"], ["--prefix-tokens", "9:3"], ["--prefix-tokens", "x"]])
 def test_bad_arguments_are_refused(argv, capsys):
     with pytest.raises(SystemExit):
         peers.parse_args(argv)
@@ -107,11 +108,23 @@ def test_router_settings_parse_into_separate_entries():
     assert [e.label for e in args.entries] == ["sglang:tuned", "kvroute:defaults"]
 
 
-def test_kvroute_runs_with_its_defaults_only():
-    assert list(peers.SETTINGS["kvroute"]) == ["defaults"]
+def test_kvroute_runs_as_shipped_only():
+    """kvroute is not tuned: its defaults, and its shipped retention mode that is not the
+    default (to measure whether it should be)."""
+    assert list(peers.SETTINGS["kvroute"]) == ["defaults", "retention-auto"]
     assert peers.SETTINGS["kvroute"]["defaults"].args == ()
+    assert peers.SETTINGS["kvroute"]["retention-auto"].args == ("--retention", "auto")
     with pytest.raises(ValueError, match="no setting 'tuned'"):
         peers.parse_router_entries("kvroute:tuned")
+
+
+def test_the_compare_workload_can_be_skewed_or_mixed_in_length():
+    args = peers.parse_args([])
+    assert (args.zipf, args.prefix_length) == (0.0, peers.REFERENCE_PREFIX)
+    assert peers.describe_workload(args) == "prefixes of 2032 tokens, uniform"
+    args = peers.parse_args(["--zipf", "1.2", "--prefix-tokens", "1000:3600"])
+    assert (args.prefix_length.low, args.prefix_length.high) == (1000, 3600)
+    assert peers.describe_workload(args) == "prefixes of 1000:3600 tokens, Zipf α 1.2"
 
 
 @pytest.mark.parametrize("argv", [["--routers", "sglang:fast"], ["--routers", "kvroute:tuned"],
