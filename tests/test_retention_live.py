@@ -36,12 +36,20 @@ def metric(text: str, name: str) -> float:
     return total
 
 
-async def _drive(url: str, n: int, prefixes: list[np.ndarray], rng) -> None:
+async def _drive(url: str, n: int, prefixes: list[np.ndarray], rng, form: str = "ids") -> None:
+    """``n`` requests, each a prefix (in turn) and 40 random tokens, sent as token ids, or as
+    the synthetic tokenizer's ``text`` or a one-message ``chat`` of that text."""
+    tokenizer = SyntheticTokenizer()
     async with aiohttp.ClientSession() as s:
         for i in range(n):
             prompt = np.concatenate([prefixes[i % len(prefixes)], rng.integers(1000, 30000, 40)])
-            body = {"model": MODEL, "prompt": prompt.tolist(), "max_tokens": 8}
-            async with s.post(f"{url}/v1/completions", json=body) as r:
+            path, body = "/v1/completions", {"prompt": prompt.tolist()}
+            if form == "text":
+                body = {"prompt": tokenizer.decode(prompt.tolist())}
+            elif form == "chat":
+                path = "/v1/chat/completions"
+                body = {"messages": [{"role": "user", "content": tokenizer.decode(prompt.tolist())}]}
+            async with s.post(f"{url}{path}", json={"model": MODEL, "max_tokens": 8, **body}) as r:
                 assert r.status == 200, await r.text()
                 await r.read()
 
@@ -119,40 +127,29 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
         await worker.close()
 
 
-@pytest.mark.parametrize("route", ["completions", "chat"])
-async def test_text_and_chat_prompts_are_refreshed_from_the_ids_the_router_encoded(route):
+@pytest.mark.parametrize("form", ["text", "chat"])
+async def test_text_and_chat_prompts_are_refreshed_from_the_ids_the_router_encoded(form):
     """A client sending text (or chat messages) gets retention too: the router refreshes the
-    prefix with the ids it encoded, and the engine finds those blocks cached (each refresh
-    computes one token)."""
+    prefix as the token ids it encoded (that those ids hash as the engine's is
+    tests/test_router_prompts.py's)."""
     config = EmulatorConfig.for_model(
         "qwen3-0.6b", timing="instant", max_model_len=1024, num_gpu_blocks_override=BLOCKS
     )
     (worker,) = await start_workers(config, 1)
-    tokenizer = SyntheticTokenizer()
     rng = np.random.default_rng(0)
-    prefixes = [tokenizer.decode(rng.integers(1000, 30000, 160).tolist()) for _ in range(4)]
+    prefixes = [rng.integers(1000, 30000, 160) for _ in range(4)]
     try:
         rc = RouterConfig(workers=[worker.url], policy="kv-aware", retention="on",
                           retention_capacity_blocks=BLOCKS - 1, health_interval_s=0)
-        async with start_router(rc) as router, aiohttp.ClientSession() as s:
-            for i in range(40):
-                text = prefixes[i % 4] + " " + tokenizer.decode(rng.integers(1000, 30000, 40).tolist())
-                if route == "chat":
-                    path, body = "/v1/chat/completions", {"messages": [{"role": "user", "content": text}]}
-                else:
-                    path, body = "/v1/completions", {"prompt": text}
-                async with s.post(f"{router.url}{path}", json={"model": MODEL, "max_tokens": 8, **body}) as r:
-                    assert r.status == 200, await r.text()
-                    await r.read()
+        async with start_router(rc) as router:
+            await _drive(router.url, 40, prefixes, rng, form)
             await _settle(router)
             text = await _metrics(router.url)
             sent = metric(text, "kvroute_retention_refreshes_total")
             assert sent > 0, "4 prefixes of 10 blocks and their requests overflow 64 blocks"
             assert metric(text, "kvroute_retention_refresh_errors_total") == 0
-            engine = worker.worker.engine
-            assert engine.stats.requests == 40 + sent
-            # Each refresh's prompt is its prefix's full blocks + 1 token, found cached but for
-            # the token: the router's ids are the engine's.
+            assert worker.worker.engine.stats.requests == 40 + sent
+            # Each refresh is its prefix's full blocks (at least 2 of 16 tokens) + 1 token.
             assert metric(text, "kvroute_retention_refresh_prompt_tokens_total") >= sent * 33
     finally:
         await worker.close()
