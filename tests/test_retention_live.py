@@ -9,6 +9,7 @@ has the failures counted, and client requests are untouched."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 
 import aiohttp
@@ -34,6 +35,30 @@ def metric(text: str, name: str) -> float:
         if line.startswith(name + "{") or line.startswith(name + " "):
             total += float(line.split()[-1])
     return total
+
+
+def _prefixes(rng) -> list[np.ndarray]:
+    """The 4 prefixes of 160 tokens (10 blocks) the clients cycle through."""
+    return [rng.integers(1000, 30000, 160) for _ in range(4)]
+
+
+def _router_config(url: str, mode: str = "on", **more) -> RouterConfig:
+    """A kv-aware router with retention ``mode`` in front of the one worker ``url``."""
+    return RouterConfig(workers=[url], policy="kv-aware", retention=mode,
+                        retention_capacity_blocks=BLOCKS - 1, health_interval_s=0, **more)
+
+
+@contextlib.asynccontextmanager
+async def _emulated_worker():
+    """One emulated worker (instant timing) with ``BLOCKS`` blocks; closed on exit."""
+    config = EmulatorConfig.for_model(
+        "qwen3-0.6b", timing="instant", max_model_len=1024, num_gpu_blocks_override=BLOCKS
+    )
+    (worker,) = await start_workers(config, 1)
+    try:
+        yield worker
+    finally:
+        await worker.close()
 
 
 async def _drive(url: str, n: int, prefixes: list[np.ndarray], rng, form: str = "ids") -> None:
@@ -88,15 +113,10 @@ async def _settle(router) -> None:
 
 @pytest.mark.parametrize("mode", ["on", "off"])
 async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requests(mode):
-    config = EmulatorConfig.for_model(
-        "qwen3-0.6b", timing="instant", max_model_len=1024, num_gpu_blocks_override=BLOCKS
-    )
-    (worker,) = await start_workers(config, 1)
     rng = np.random.default_rng(0)
-    prefixes = [rng.integers(1000, 30000, 160) for _ in range(4)]
-    try:
-        rc = RouterConfig(workers=[worker.url], policy="kv-aware", retention=mode,
-                          retention_capacity_blocks=BLOCKS - 1, health_interval_s=0)
+    prefixes = _prefixes(rng)
+    async with _emulated_worker() as worker:
+        rc = _router_config(worker.url, mode)
         async with start_router(rc) as router:
             await _drive(router.url, 40, prefixes, rng)
             if mode == "off":
@@ -123,8 +143,6 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
             # What the bench reads as a trial's refreshes; a worker's own /metrics has none.
             assert await router_refreshes(router.url + "/v1") == sent
             assert await router_refreshes(worker.url) is None
-    finally:
-        await worker.close()
 
 
 @pytest.mark.parametrize("form", ["text", "chat"])
@@ -132,15 +150,10 @@ async def test_text_and_chat_prompts_are_refreshed_from_the_ids_the_router_encod
     """A client sending text (or chat messages) gets retention too: the router refreshes the
     prefix as the token ids it encoded (that those ids hash as the engine's is
     tests/test_router_prompts.py's)."""
-    config = EmulatorConfig.for_model(
-        "qwen3-0.6b", timing="instant", max_model_len=1024, num_gpu_blocks_override=BLOCKS
-    )
-    (worker,) = await start_workers(config, 1)
     rng = np.random.default_rng(0)
-    prefixes = [rng.integers(1000, 30000, 160) for _ in range(4)]
-    try:
-        rc = RouterConfig(workers=[worker.url], policy="kv-aware", retention="on",
-                          retention_capacity_blocks=BLOCKS - 1, health_interval_s=0)
+    prefixes = _prefixes(rng)
+    async with _emulated_worker() as worker:
+        rc = _router_config(worker.url)
         async with start_router(rc) as router:
             await _drive(router.url, 40, prefixes, rng, form)
             await _settle(router)
@@ -151,8 +164,6 @@ async def test_text_and_chat_prompts_are_refreshed_from_the_ids_the_router_encod
             assert worker.worker.engine.stats.requests == 40 + sent
             # Each refresh is its prefix's full blocks (at least 2 of 16 tokens) + 1 token.
             assert metric(text, "kvroute_retention_refresh_prompt_tokens_total") >= sent * 33
-    finally:
-        await worker.close()
 
 
 async def test_refresh_failures_are_counted_not_retried_and_clients_are_served():
@@ -168,11 +179,9 @@ async def test_refresh_failures_are_counted_not_retried_and_clients_are_served()
 
     runner, url = await _fake_worker(handler)
     rng = np.random.default_rng(1)
-    prefixes = [rng.integers(1000, 30000, 160) for _ in range(4)]
+    prefixes = _prefixes(rng)
     try:
-        rc = RouterConfig(workers=[url], policy="kv-aware", retention="on",
-                          retention_capacity_blocks=BLOCKS - 1, health_interval_s=0,
-                          eject_after_failures=0)
+        rc = _router_config(url, eject_after_failures=0)
         async with start_router(rc) as router:
             await _drive(router.url, 40, prefixes, rng)
             await _settle(router)
@@ -218,10 +227,9 @@ async def test_refreshes_reach_the_worker_before_the_request_they_are_sent_ahead
 
     runner, url = await _fake_worker(handler)
     rng = np.random.default_rng(2)
-    prefixes = [rng.integers(1000, 30000, 160) for _ in range(4)]
+    prefixes = _prefixes(rng)
     try:
-        rc = RouterConfig(workers=[url], policy="kv-aware", retention="on",
-                          retention_capacity_blocks=BLOCKS - 1, health_interval_s=0)
+        rc = _router_config(url)
         async with start_router(rc) as router:
             await _drive(router.url, 40, prefixes, rng)
             await _settle(router)
