@@ -37,22 +37,22 @@ def metric(text: str, name: str) -> float:
     return total
 
 
-def _prefixes(rng) -> list[np.ndarray]:
+def _prefixes(rng, tokens: int = 160) -> list[np.ndarray]:
     """The 4 prefixes of 160 tokens (10 blocks) the clients cycle through."""
-    return [rng.integers(1000, 30000, 160) for _ in range(4)]
+    return [rng.integers(1000, 30000, tokens) for _ in range(4)]
 
 
-def _router_config(url: str, mode: str = "on", **more) -> RouterConfig:
+def _router_config(url: str, mode: str = "on", blocks: int = BLOCKS, **more) -> RouterConfig:
     """A kv-aware router with retention ``mode`` in front of the one worker ``url``."""
     return RouterConfig(workers=[url], policy="kv-aware", retention=mode,
-                        retention_capacity_blocks=BLOCKS - 1, health_interval_s=0, **more)
+                        retention_capacity_blocks=blocks - 1, health_interval_s=0, **more)
 
 
 @contextlib.asynccontextmanager
-async def _emulated_worker():
-    """One emulated worker (instant timing) with ``BLOCKS`` blocks; closed on exit."""
+async def _emulated_worker(blocks: int = BLOCKS):
+    """One emulated worker (instant timing) with ``blocks`` blocks; closed on exit."""
     config = EmulatorConfig.for_model(
-        "qwen3-0.6b", timing="instant", max_model_len=1024, num_gpu_blocks_override=BLOCKS
+        "qwen3-0.6b", timing="instant", max_model_len=1024, num_gpu_blocks_override=blocks
     )
     (worker,) = await start_workers(config, 1)
     try:
@@ -104,9 +104,14 @@ async def _fake_worker(handler) -> tuple[web.AppRunner, str]:
 
 
 async def _settle(router) -> None:
-    """Wait for the refreshes still open."""
+    """Wait for the refreshes still open, and for those issued when a request ended (sent
+    from a task of their own) to be sent or dropped."""
     for _ in range(200):
-        if router.metric("kvroute_retention_refreshes_open") == 0:
+        text = router.metrics_text()
+        handled = (metric(text, "kvroute_retention_refreshes_total")
+                   + metric(text, "kvroute_retention_refreshes_dropped_total"))
+        issued = router.retention_stats()["refreshes"]
+        if metric(text, "kvroute_retention_refreshes_open") == 0 and handled == issued:
             return
         await asyncio.sleep(0.01)
 
@@ -238,3 +243,24 @@ async def test_refreshes_reach_the_worker_before_the_request_they_are_sent_ahead
             assert all(sent - seen == 1 and first_on_connection[seen] for seen, sent in behind)
     finally:
         await runner.cleanup()
+
+
+async def test_auto_sends_nothing_ahead_of_a_request_to_an_idle_worker_but_once_it_is_idle():
+    """A sequential client: every request finds its worker idle, where a refresh written ahead
+    of it would make a step of its own for the request to wait out. ``auto`` holds those back
+    and sends them when the worker's request ends (named with that request's model). Its
+    prefixes are 4 times longer than the other tests' (40 blocks, on 4 × 40 + 25): ``auto``
+    refreshes only prefixes worth more than a refresh costs."""
+    rng = np.random.default_rng(0)
+    prefixes = _prefixes(rng, 640)
+    async with _emulated_worker(185) as worker:
+        async with start_router(_router_config(worker.url, "auto", 185)) as router:
+            await _drive(router.url, 40, prefixes, rng)
+            await _settle(router)
+            stats = router.retention_stats()
+            text = await _metrics(router.url)
+            sent = metric(text, "kvroute_retention_refreshes_total")
+            assert stats["deferred_idle"] > 0
+            assert sent == stats["refreshes"] > 0
+            assert metric(text, "kvroute_retention_refresh_errors_total") == 0
+            assert worker.worker.engine.stats.requests == 40 + sent

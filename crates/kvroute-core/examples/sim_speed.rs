@@ -33,7 +33,7 @@ impl Placement for RoundRobin {
         }
     }
     fn first_token(&mut self, _placed: Placed) {}
-    fn finished(&mut self, _placed: Placed) {}
+    fn finished(&mut self, _placed: Placed, _now: f64) {}
     fn apply_events(&mut self, _worker: usize, _events: &[KvCacheEvent], _now: f64) {}
 }
 

@@ -25,8 +25,8 @@ pub trait Placement {
     fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed;
     /// The request placed as `placed` produced its first token (its prefill is done).
     fn first_token(&mut self, placed: Placed);
-    /// The request placed as `placed` finished.
-    fn finished(&mut self, placed: Placed);
+    /// The request placed as `placed` finished at `now`.
+    fn finished(&mut self, placed: Placed, now: f64);
     /// KV events worker `worker` published at the end of a step ending at `now`.
     fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64);
     /// Whether it takes the workers' KV events as [`HashEvents`] (hashes only, far cheaper

@@ -41,6 +41,15 @@
 //! of prefixes: the new copy evicts one of them, whose next request misses and is re-placed
 //! in turn, a cascade that held the reference workload at c = 16 under 0.95.
 //!
+//! When a refresh goes matters as much as which: an engine steps as soon as anything
+//! arrives, so a refresh written ahead of a request to an *idle* worker makes a step of its
+//! own, which the request then waits out. The router polls at two moments: when it routes a
+//! request ([`Retention::poll_step`]: the refreshes go ahead of it, and on a busy worker both
+//! join its next step), and when a worker's last request finishes ([`Retention::poll_idle`]:
+//! the refreshes find the engine idle, and nobody waits unless a request comes within that
+//! one short step); `auto` sends nothing ahead of a request to an idle worker. `on` keeps to
+//! the first moment.
+//!
 //! Modes ([`RetentionMode`]): `off` never refreshes; `on` refreshes a retained prefix as soon
 //! as it is in danger; `auto` refreshes only when the worker has slack (no prompt waiting for
 //! its prefill in the router's accounting, so the refresh's one token rides in a decode step
@@ -215,6 +224,10 @@ pub struct RetentionStats {
     pub partial: u64,
     /// Refreshes `auto` held back because the worker had a prefill waiting.
     pub deferred_busy: u64,
+    /// Refreshes `auto` held back from a request to an idle worker: written ahead of it, they
+    /// would reach the idle engine first and make a step of their own, which the request
+    /// would wait behind. They go when the worker next falls idle ([`Retention::poll_idle`]).
+    pub deferred_idle: u64,
     /// Refreshes not sent because, pinned for their step beside the running requests, their
     /// blocks could keep a request from being admitted.
     pub deferred_full: u64,
@@ -844,6 +857,27 @@ impl Retention {
         }
     }
 
+    /// [`Retention::poll_step`] for a worker whose last request just finished (call it after
+    /// the routing step counted that, at `now`): `auto`'s refreshes that find it idle, each on
+    /// its own (`incoming_blocks` 0), make a step nobody waits behind unless a request comes
+    /// in the few milliseconds it takes. Nothing while the worker still runs requests, nor in
+    /// the other modes (`on` sends its refreshes ahead of the requests, whatever the load).
+    pub fn poll_idle(
+        &mut self,
+        step: &RoutingStep,
+        index: Option<&mut KvIndex>,
+        worker: usize,
+        now: f64,
+        out: &mut Vec<Refresh>,
+    ) {
+        if self.config.mode == RetentionMode::Auto
+            && worker < step.slot_count()
+            && step.state(worker).in_flight <= 0
+        {
+            self.poll_step(step, index, worker, 0, now, out);
+        }
+    }
+
     /// The refreshes to send to `worker` now, appended to `out`. `load` is the routing step's
     /// accounting of the worker; `held_blocks(hashes)` answers how many leading blocks of a
     /// prefix the index (events and predictions) says the worker still holds, and the most any
@@ -972,6 +1006,14 @@ impl Retention {
                 stats.deferred_busy += 1;
                 continue;
             }
+            if mode == RetentionMode::Auto && incoming_blocks > 0 && load.in_flight == 1 {
+                // Ahead of a request to an idle worker (the load counts that request alone): the
+                // refresh would reach the idle engine first and step alone, and the request
+                // would wait out that step (the emulator's 6 ms base; a forward pass on a
+                // GPU). A busy worker takes both into its next step instead.
+                stats.deferred_idle += 1;
+                continue;
+            }
             // The leading blocks the worker still holds: a prefix whose tail was evicted is
             // refreshed as far as it is held (its next use recomputes only the tail).
             let (held, elsewhere) = held_blocks(&t.hashes);
@@ -1045,7 +1087,8 @@ impl Retention {
 /// is routed by the step (as [`StepPlacement`] does); before it is forwarded, the retention
 /// is asked which of the chosen worker's prefixes that request's new blocks would push out,
 /// and those refreshes are handed to the driver first ([`Placement::refreshes`]), so they
-/// reach the engine just ahead of the request and ride in the step it makes anyway.
+/// reach a busy engine just ahead of the request and ride in its next step; and when a
+/// worker's last request finishes, it is asked again ([`Retention::poll_idle`]).
 pub struct RetainingPlacement<'a> {
     /// The routing step, its index and policy.
     pub placement: StepPlacement<'a>,
@@ -1139,8 +1182,16 @@ impl Placement for RetainingPlacement<'_> {
         self.placement.first_token(placed);
     }
 
-    fn finished(&mut self, placed: Placed) {
-        self.placement.finished(placed);
+    fn finished(&mut self, placed: Placed, now: f64) {
+        self.placement.finished(placed, now);
+        let p = &mut self.placement;
+        self.retention.poll_idle(
+            p.step,
+            p.index.as_deref_mut(),
+            placed.worker,
+            now,
+            &mut self.pending,
+        );
     }
 
     fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
@@ -1409,6 +1460,38 @@ mod tests {
         // Ahead of a request (it rides in that request's step), or on an idle worker: sent.
         assert!(run(&busy, 3).0 > 0);
         assert!(run(&idle(), 0).0 > 0);
+    }
+
+    #[test]
+    fn auto_sends_nothing_ahead_of_a_request_to_an_idle_worker_but_once_it_is_idle() {
+        use crate::blocks::{BlockHasher, DEFAULT_HASH_SEED};
+        // Four prefixes cycling on 45 blocks, each request routed to an idle worker and done
+        // before the next: the refreshes wait for the worker to fall idle.
+        let hasher = BlockHasher::new(BS, DEFAULT_HASH_SEED).unwrap();
+        let mut index = KvIndex::new(hasher, Some(1e9), None, None).unwrap();
+        let mut step = RoutingStep::new(BS);
+        step.add_worker("w");
+        let mut cfg = RetentionConfig::new(RetentionMode::Auto, BS, 45);
+        cfg.refresh_cost_tokens = 1.0;
+        let mut r = Retention::new(cfg);
+        let (mut ahead, mut idle_sent) = (Vec::new(), Vec::new());
+        for i in 0..60u32 {
+            let (tokens, _) = prompt(i % 4, 10, 2 * BS, i);
+            let hashes = hasher.hash_blocks(&tokens, None, 0, None);
+            let routed = step.route_to(Some(&mut index), 0, &hashes, tokens.len(), 0.0);
+            r.poll_step(&step, Some(&mut index), 0, 3, 0.0, &mut ahead);
+            r.routed(0, &hashes, &tokens, routed.overlap, BS, 0.0);
+            // Still running: nothing.
+            let before = idle_sent.len();
+            r.poll_idle(&step, Some(&mut index), 0, 0.0, &mut idle_sent);
+            assert_eq!(idle_sent.len(), before);
+            step.first_token(0, routed.prefill_tokens);
+            step.finished(0);
+            r.poll_idle(&step, Some(&mut index), 0, 0.0, &mut idle_sent);
+        }
+        assert!(ahead.is_empty());
+        assert!(r.stats().deferred_idle > 0);
+        assert!(!idle_sent.is_empty());
     }
 
     #[test]

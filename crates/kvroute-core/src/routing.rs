@@ -396,7 +396,7 @@ impl Placement for StepPlacement<'_> {
         self.step.first_token(placed.worker, placed.prefill_tokens);
     }
 
-    fn finished(&mut self, placed: Placed) {
+    fn finished(&mut self, placed: Placed, _now: f64) {
         self.step.finished(placed.worker);
     }
 
@@ -452,7 +452,7 @@ mod tests {
         let first = p.place(&hashes, 100, 0.0);
         assert_eq!(first.prefill_tokens, 100);
         p.first_token(first);
-        p.finished(first);
+        p.finished(first, 0.0);
         // The prediction credits the same worker with the 6 blocks: 100 − 96 = 4 to prefill.
         let second = p.place(&hashes, 100, 0.1);
         assert_eq!(

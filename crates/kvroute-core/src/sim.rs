@@ -619,10 +619,10 @@ impl<'p> Simulation<'p> {
                         table.resize(key + 1, None);
                     }
                     table[key] = Some(sent);
-                    // A refresh arrives together with the request it was sent ahead of (same
-                    // time, next in the heap): that arrival starts the step they share, as
-                    // vLLM's engine loop takes both into its next step.
-                    if !self.busy[w] && sent.pos != REFRESH {
+                    // An idle engine steps at once, whatever arrived: a refresh sent ahead of a
+                    // request (same time, earlier in the heap) starts a step of its own, which
+                    // the request waits behind, as vLLM's engine loop would.
+                    if !self.busy[w] {
                         self.start_step(w);
                     }
                 }
@@ -655,7 +655,7 @@ impl<'p> Simulation<'p> {
                         if !out.finished {
                             continue;
                         }
-                        self.placement.finished(sent.placed);
+                        self.placement.finished(sent.placed, self.now);
                         let s = &out.summary;
                         let pos = sent.pos;
                         records[pos] = Some(RequestRecord {
@@ -802,7 +802,7 @@ mod tests {
             }
         }
         fn first_token(&mut self, _placed: Placed) {}
-        fn finished(&mut self, placed: Placed) {
+        fn finished(&mut self, placed: Placed, _now: f64) {
             self.in_flight[placed.worker] -= 1;
         }
         fn apply_events(&mut self, _worker: usize, events: &[KvCacheEvent], _now: f64) {

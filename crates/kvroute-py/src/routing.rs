@@ -1346,8 +1346,10 @@ impl PyRetention {
 
     /// The refreshes to send to ``slot`` now, as ``(prompt token ids, block hashes, blocks)``;
     /// each is checked against and recorded in ``routing``'s index. Called with the new
-    /// blocks of a request just routed there (``incoming_blocks``) before it is forwarded:
-    /// the refreshes go first and ride in the step that request makes.
+    /// blocks of a request just routed there (``incoming_blocks``) before it is forwarded
+    /// (the refreshes go first, and a busy worker takes both into its next step; ``auto``
+    /// sends none ahead of a request to an idle one), and with 0 when ``slot``'s last
+    /// request has finished (the refreshes find it idle).
     #[pyo3(signature = (routing, slot, now, incoming_blocks = 0))]
     fn poll(
         &mut self,
@@ -1414,7 +1416,7 @@ impl PyRetention {
     }
 
     /// What it did: ``refreshes``, ``refreshed_blocks``, ``skipped_evicted``, ``partial``,
-    /// ``deferred_busy``, ``deferred_full``, ``declined_value``, ``declined_coverage``,
+    /// ``deferred_busy``, ``deferred_idle``, ``deferred_full``, ``declined_value``, ``declined_coverage``,
     /// ``declined_held_elsewhere``, ``declined_payoff``, ``saved_blocks``, ``lost_blocks``.
     fn stats<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyDict>> {
         retention_stats_dict(py, &self.inner.stats())
@@ -1432,6 +1434,7 @@ pub fn retention_stats_dict<'py>(
     d.set_item("skipped_evicted", s.skipped_evicted)?;
     d.set_item("partial", s.partial)?;
     d.set_item("deferred_busy", s.deferred_busy)?;
+    d.set_item("deferred_idle", s.deferred_idle)?;
     d.set_item("deferred_full", s.deferred_full)?;
     d.set_item("declined_value", s.declined_value)?;
     d.set_item("declined_coverage", s.declined_coverage)?;

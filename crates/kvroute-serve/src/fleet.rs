@@ -58,6 +58,9 @@ pub struct Member {
     pub ejected_until: f64,
     /// Times it was ejected (cumulative, for the metric).
     pub ejected_total: u64,
+    /// The `model` of the last token-id prompt retention saw routed here: what the refreshes
+    /// sent when it falls idle name (retention tracks only prefixes it saw routed).
+    pub refresh_model: Option<String>,
     /// Failed health checks (cumulative, for the metric).
     pub health_failures: u64,
 }
@@ -82,6 +85,17 @@ pub struct Choice {
     /// Leading prompt blocks the index credited it with.
     pub overlap_blocks: usize,
     /// Refreshes retention sends that worker ahead of this request (their prompts).
+    pub refreshes: Vec<Refresh>,
+}
+
+/// Refreshes for a worker whose last request just finished ([`Fleet::finished`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct IdleRefreshes {
+    /// The worker's name and base URL.
+    pub name: String,
+    pub url: String,
+    /// The `model` the refreshes name (that of the last prompt retention saw routed there).
+    pub model: Option<String>,
     pub refreshes: Vec<Refresh>,
 }
 
@@ -200,6 +214,7 @@ impl Fleet {
                 ejections: 0,
                 ejected_until: 0.0,
                 ejected_total: 0,
+                refresh_model: None,
                 health_failures: 0,
             });
         }
@@ -264,9 +279,11 @@ impl Fleet {
             ),
         };
         let mut refreshes = Vec::new();
+        let mut retained_model = None;
         if let Some((r, request)) = retention
             && !block_hashes.is_empty()
         {
+            retained_model = Some(request.model.clone());
             let incoming = (request.ids.len() + request.output_tokens)
                 .div_ceil(self.routing.block_size())
                 .saturating_sub(routed.overlap);
@@ -290,9 +307,12 @@ impl Fleet {
         drop(index);
         let member = self
             .members
-            .iter()
+            .iter_mut()
             .find(|m| m.slot == routed.worker)
             .expect("the step routes among the members' slots");
+        if let Some(model) = retained_model {
+            member.refresh_model = model;
+        }
         Some(Choice {
             name: member.name.clone(),
             url: member.url.clone(),
@@ -317,9 +337,25 @@ impl Fleet {
         self.routing.first_token(slot, prefill_tokens);
     }
 
-    /// The request charged to `slot` ended (answered, failed or abandoned).
-    pub fn finished(&mut self, slot: usize) {
+    /// The request charged to `slot` ended (answered, failed or abandoned) at `now`. With
+    /// retention on, a worker left with no request gets the refreshes it was spared while
+    /// requests were going to it idle (`Retention::poll_idle`): to send now.
+    pub fn finished(&mut self, slot: usize, now: f64) -> Option<IdleRefreshes> {
         self.routing.finished(slot);
+        let retention = self.retention.as_mut()?;
+        let member = self
+            .members
+            .iter()
+            .find(|m| m.slot == slot && m.available(now))?;
+        let mut refreshes = Vec::new();
+        let mut index = lock_index(&self.index);
+        retention.poll_idle(&self.routing, Some(&mut index), slot, now, &mut refreshes);
+        (!refreshes.is_empty()).then(|| IdleRefreshes {
+            name: member.name.clone(),
+            url: member.url.clone(),
+            model: member.refresh_model.clone(),
+            refreshes,
+        })
     }
 
     fn member(&mut self, name: &str) -> Option<&mut Member> {
@@ -431,7 +467,7 @@ mod tests {
         let first = f.route(&hashes, 12, &[], 0.0, None).unwrap();
         assert_eq!(first.overlap_blocks, 0);
         f.first_token(first.slot, first.prefill_tokens);
-        f.finished(first.slot);
+        f.finished(first.slot, 0.05);
         let again = f.route(&hashes, 12, &[], 0.1, None).unwrap();
         assert_eq!(again.name, first.name);
         assert_eq!(again.url, first.url);

@@ -142,6 +142,7 @@ pub struct Metrics {
     overlap_blocks: Histogram,
     prompt_blocks: Histogram,
     routing_seconds: Histogram,
+    refresh_wait_seconds: Histogram,
     requests: Family,
     decisions: Family,
     upstream_errors: Family,
@@ -165,6 +166,7 @@ impl Default for Metrics {
             overlap_blocks: Histogram::new(&BLOCK_BUCKETS),
             prompt_blocks: Histogram::new(&BLOCK_BUCKETS),
             routing_seconds: Histogram::new(&SECONDS_BUCKETS),
+            refresh_wait_seconds: Histogram::new(&SECONDS_BUCKETS),
             requests: Family::default(),
             decisions: Family::default(),
             upstream_errors: Family::default(),
@@ -195,6 +197,11 @@ impl Metrics {
     /// index, choose), in seconds.
     pub fn routing_took(&self, seconds: f64) {
         self.routing_seconds.observe(seconds);
+    }
+
+    /// How long a client request waited for the refreshes sent ahead of it to be written.
+    pub fn refresh_wait(&self, seconds: f64) {
+        self.refresh_wait_seconds.observe(seconds);
     }
 
     /// A request answered on `route` (a fixed route name) with `status`.
@@ -273,6 +280,11 @@ impl Metrics {
             "counter",
             "Client requests forwarded before their refreshes were written (waited the limit)",
             self.refreshes_late.load(Ordering::Relaxed) as f64,
+        );
+        self.refresh_wait_seconds.write(
+            out,
+            "kvroute_retention_refresh_wait_seconds",
+            "Time a client request waited for the refreshes sent ahead of it to be written",
         );
         write_scalar(
             out,

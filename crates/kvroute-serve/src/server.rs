@@ -742,7 +742,8 @@ impl Drop for InFlight {
 }
 
 /// One routed request's load on its worker: the prefill tokens until the first byte, the
-/// request until its answer ends, whatever path ends it (a dropped future included).
+/// request until its answer ends, whatever path ends it (a dropped future included). The
+/// worker's last request ending sends it the refreshes retention kept back while it was idle.
 struct Load {
     shared: Arc<Shared>,
     slot: usize,
@@ -759,11 +760,27 @@ impl Load {
 
 impl Drop for Load {
     fn drop(&mut self) {
-        let mut fleet = self.shared.fleet();
-        if let Some(tokens) = self.prefill_tokens.take() {
-            fleet.first_token(self.slot, tokens);
+        let now = self.shared.now();
+        let idle = {
+            let mut fleet = self.shared.fleet();
+            if let Some(tokens) = self.prefill_tokens.take() {
+                fleet.first_token(self.slot, tokens);
+            }
+            fleet.finished(self.slot, now)
+        };
+        if let (Some(idle), Ok(runtime)) = (idle, tokio::runtime::Handle::try_current()) {
+            let shared = self.shared.clone();
+            runtime.spawn(async move {
+                send_refreshes(
+                    &shared,
+                    &idle.name,
+                    &idle.url,
+                    &idle.refreshes,
+                    idle.model.as_deref(),
+                )
+                .await;
+            });
         }
-        fleet.finished(self.slot);
     }
 }
 
@@ -914,7 +931,9 @@ async fn forward(
         };
         if !choice.refreshes.is_empty() {
             let model = prompt.retained.as_ref().and_then(|r| r.model.as_deref());
+            let waited = Instant::now();
             send_refreshes(shared, &choice.name, &choice.url, &choice.refreshes, model).await;
+            shared.metrics.refresh_wait(waited.elapsed().as_secs_f64());
         }
         let Ok(uri) = format!("{}{}", choice.url, route.path()).parse::<hyper::Uri>() else {
             tried.push(choice.name);

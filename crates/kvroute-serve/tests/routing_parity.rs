@@ -245,6 +245,9 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
     let mut pending: Vec<Vec<Load>> = (0..WORKERS).map(|_| Vec::new()).collect();
     let (mut routed_count, mut batches) = (0, 0);
     let mut payload = Vec::new();
+    // The journal times routings and events, not finishes: a finish is told the last time
+    // seen (retention, which would read it, is off here).
+    let mut clock = 0.0;
     for entry in &sim.journal {
         match entry {
             JournalEntry::Route {
@@ -255,6 +258,7 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
                 routed,
             } => {
                 assert_eq!(*candidates, None, "the simulator routes among every worker");
+                clock = *now;
                 let choice = fleet
                     .route(block_hashes, *prompt_tokens, &[], *now, None)
                     .expect("every worker is available");
@@ -297,7 +301,7 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
                     .position(|l| l.prefill_tokens.is_none())
                     .expect("a finish of a request past its first token");
                 let load = pending[*worker].remove(at);
-                fleet.finished(load.slot);
+                assert_eq!(fleet.finished(load.slot, clock), None);
             }
             JournalEntry::Events {
                 worker,
