@@ -768,7 +768,11 @@ impl Drop for Load {
             }
             fleet.finished(self.slot, now)
         };
-        if let (Some(idle), Ok(runtime)) = (idle, tokio::runtime::Handle::try_current()) {
+        // A draining router starts no new work upstream.
+        let draining = self.shared.draining.load(Ordering::SeqCst);
+        if let (Some(idle), false, Ok(runtime)) =
+            (idle, draining, tokio::runtime::Handle::try_current())
+        {
             let shared = self.shared.clone();
             runtime.spawn(async move {
                 send_refreshes(
