@@ -38,7 +38,7 @@ def metric(text: str, name: str) -> float:
 
 
 def _prefixes(rng, tokens: int = 160) -> list[np.ndarray]:
-    """The 4 prefixes of 160 tokens (10 blocks) the clients cycle through."""
+    """The 4 prefixes of ``tokens`` tokens (160: 10 blocks) the clients cycle through."""
     return [rng.integers(1000, 30000, tokens) for _ in range(4)]
 
 
@@ -248,7 +248,7 @@ async def test_refreshes_reach_the_worker_before_the_request_they_are_sent_ahead
 async def test_auto_sends_nothing_ahead_of_a_request_to_an_idle_worker_but_once_it_is_idle():
     """A sequential client: every request finds its worker idle, where a refresh written ahead
     of it would make a step of its own for the request to wait out. ``auto`` holds those back
-    and sends them when the worker's request ends (named with that request's model). Its
+    and sends them when the worker's request ends, and the worker answers every one. Its
     prefixes are 4 times longer than the other tests' (40 blocks, on 4 × 40 + 25): ``auto``
     refreshes only prefixes worth more than a refresh costs."""
     rng = np.random.default_rng(0)
