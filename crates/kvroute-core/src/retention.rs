@@ -870,12 +870,17 @@ impl Retention {
         now: f64,
         out: &mut Vec<Refresh>,
     ) {
-        if self.config.mode == RetentionMode::Auto
-            && worker < step.slot_count()
-            && step.state(worker).in_flight <= 0
-        {
+        if self.polls_idle(step, worker) {
             self.poll_step(step, index, worker, 0, now, out);
         }
+    }
+
+    /// Whether [`Retention::poll_idle`] would poll `worker` now (`auto`, and no request
+    /// running there): a caller can skip taking the index's lock when it would not.
+    pub fn polls_idle(&self, step: &RoutingStep, worker: usize) -> bool {
+        self.config.mode == RetentionMode::Auto
+            && worker < step.slot_count()
+            && step.state(worker).in_flight <= 0
     }
 
     /// The refreshes to send to `worker` now, appended to `out`. `load` is the routing step's

@@ -343,6 +343,9 @@ impl Fleet {
     pub fn finished(&mut self, slot: usize, now: f64) -> Option<IdleRefreshes> {
         self.routing.finished(slot);
         let retention = self.retention.as_mut()?;
+        if !retention.polls_idle(&self.routing, slot) {
+            return None; // most finishes: no index lock taken
+        }
         let member = self
             .members
             .iter()
