@@ -73,7 +73,9 @@ class Upstream:
         return self.url
 
     def requests(self) -> list[tuple[str, str, dict[str, str], bytes]]:
-        return [r for r in self.seen if r[1] != "/health"]
+        """What it got but the router's own probes (``/health``; ``/metrics``, where the
+        admission guard reads the engine's KV capacity)."""
+        return [r for r in self.seen if r[1] not in ("/health", "/metrics")]
 
 
 class Stack:

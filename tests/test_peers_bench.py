@@ -109,11 +109,13 @@ def test_router_settings_parse_into_separate_entries():
 
 
 def test_kvroute_runs_as_shipped_only():
-    """kvroute is not tuned: its defaults, and its shipped retention mode that is not the
-    default (to measure whether it should be)."""
-    assert list(peers.SETTINGS["kvroute"]) == ["defaults", "retention-auto"]
+    """kvroute is not tuned: its defaults, and its shipped modes that are not the default
+    (retention auto, the admission guard; to measure whether they should be)."""
+    assert list(peers.SETTINGS["kvroute"]) == [
+        "defaults", "retention-auto", "admission", "retention-auto-admission"]
     assert peers.SETTINGS["kvroute"]["defaults"].args == ()
     assert peers.SETTINGS["kvroute"]["retention-auto"].args == ("--retention", "auto")
+    assert peers.SETTINGS["kvroute"]["admission"].args == ("--policy-option", "admission_wait=0.2")
     with pytest.raises(ValueError, match="no setting 'tuned'"):
         peers.parse_router_entries("kvroute:tuned")
 

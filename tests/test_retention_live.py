@@ -45,7 +45,7 @@ def _prefixes(rng, tokens: int = 160) -> list[np.ndarray]:
 def _router_config(url: str, mode: str = "on", blocks: int = BLOCKS, **more) -> RouterConfig:
     """A kv-aware router with retention ``mode`` in front of the one worker ``url``."""
     return RouterConfig(workers=[url], policy="kv-aware", retention=mode,
-                        retention_capacity_blocks=blocks - 1, health_interval_s=0, **more)
+                        kv_capacity_blocks=blocks - 1, health_interval_s=0, **more)
 
 
 @contextlib.asynccontextmanager
@@ -260,7 +260,10 @@ async def test_auto_sends_nothing_ahead_of_a_request_to_an_idle_worker_but_once_
             stats = router.retention_stats()
             text = await _metrics(router.url)
             sent = metric(text, "kvroute_retention_refreshes_total")
+            dropped = metric(text, "kvroute_retention_refreshes_dropped_total")
             assert stats["deferred_idle"] > 0
-            assert sent == stats["refreshes"] > 0
+            # All sent but the few a worker still answering 4 finds no room for (by design,
+            # counted; how many depends on how fast the worker answers on a loaded machine).
+            assert sent + dropped == stats["refreshes"] and sent >= 0.8 * stats["refreshes"] > 0
             assert metric(text, "kvroute_retention_refresh_errors_total") == 0
             assert worker.worker.engine.stats.requests == 40 + sent

@@ -120,8 +120,9 @@ class Simulation:
             )
             for _ in range(workers)
         ]
-        #: The routing step (the live router's): its slots are the workers' indices.
-        self.routing = RoutingStep(policy, index, config.block_size)
+        #: The routing step (the live router's): its slots are the workers' indices. It keeps
+        #: the KV-admission model (each worker's usable blocks) for a policy that reads it.
+        self.routing = RoutingStep(policy, index, config.block_size, config.num_blocks - 1)
         self.names = [f"worker-{i}" for i in range(workers)]
         for name in self.names:
             self.routing.add_worker(name)

@@ -30,6 +30,7 @@ impl Placement for RoundRobin {
         Placed {
             worker,
             prefill_tokens: prompt_tokens.max(1),
+            ticket: None,
         }
     }
     fn first_token(&mut self, _placed: Placed) {}

@@ -17,6 +17,7 @@
 //! The Python package (`kvroute._native`, crate `kvroute-py`) wraps these types; the Python
 //! tests therefore guard this code.
 
+pub mod admission;
 pub mod blocks;
 pub mod engine;
 pub mod index;

@@ -13,6 +13,8 @@ pub struct Placed {
     /// Prompt tokens the worker still has to prefill after the overlap the index credits it
     /// with (at least 1): carried in its load until the request's first token.
     pub prefill_tokens: usize,
+    /// Its ticket in the routing step's KV-admission model, if it keeps one.
+    pub ticket: Option<u64>,
 }
 
 /// Decides where requests go and keeps the load accounting that decision needs.

@@ -32,6 +32,11 @@ pub struct RequestView<'a> {
     /// Leading blocks of the prompt each worker holds, aligned with the workers; filled only
     /// for policies that need it (None or empty: unknown, counted as 0).
     pub overlap_blocks: Option<&'a [usize]>,
+    /// How long the request would wait for KV blocks on each worker, aligned with the
+    /// workers (`crate::admission`: 0 when it fits now, else a fraction of a typical
+    /// request's duration); filled only for policies that [`Choose::needs_admission`] and
+    /// a step that knows the workers' capacity.
+    pub admission_wait: Option<&'a [f64]>,
 }
 
 impl RequestView<'_> {
@@ -77,6 +82,10 @@ pub trait Choose {
     /// Whether `choose` reads `RequestView::overlap_blocks` (the caller then fills it from
     /// the index and fills `WorkerState::cached_blocks`).
     fn needs_overlap(&self) -> bool;
+    /// Whether `choose` reads `RequestView::admission_wait`.
+    fn needs_admission(&self) -> bool {
+        false
+    }
     /// Index into `workers` (non-empty) of the worker to send `request` to.
     fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize;
 }
@@ -200,6 +209,10 @@ pub struct KvAwareConfig {
     pub share_window: f64,
     /// When placing a copy, request-in-flight equivalents charged per fair share.
     pub share_weight: f64,
+    /// The KV-admission guard: the longest expected wait for KV blocks (a fraction of a
+    /// typical request's duration) the cheapest worker may make the request wait before it
+    /// goes where it waits less; None (the default) turns the guard off.
+    pub admission_wait: Option<f64>,
 }
 
 impl Default for KvAwareConfig {
@@ -212,6 +225,7 @@ impl Default for KvAwareConfig {
             share_factor: Some(0.35),
             share_window: 24.0,
             share_weight: 4.0,
+            admission_wait: None,
         }
     }
 }
@@ -237,6 +251,11 @@ impl KvAwareConfig {
             && sf < 0.0
         {
             return Err(PolicyError(format!("share factor must be >= 0, got {sf}")));
+        }
+        if let Some(w) = self.admission_wait
+            && (w.is_nan() || w < 0.0)
+        {
+            return Err(PolicyError(format!("admission wait must be >= 0, got {w}")));
         }
         if self.share_window < 1.0 {
             return Err(PolicyError(format!(
@@ -273,6 +292,16 @@ impl KvAwareConfig {
 ///   share_i / mean(share)` is lowest: the worker sent the least lately holds the blocks
 ///   least in demand.
 ///
+/// A third guard, **bounded admission wait** (off unless `admission_wait` is set), watches KV
+/// memory rather than counts: when the cheapest allowed worker could not admit the request
+/// now (its requests in flight pin too many blocks, `crate::admission`) and none of them is
+/// expected to end within `admission_wait` of a typical request's duration, the request goes
+/// to the cheapest worker where it would wait no longer and that runs fewer requests, if there
+/// is one. A hit that waits out a request costs hundreds of milliseconds where a miss
+/// elsewhere costs one prefill; this bounds the tail at high concurrency, at the price of the
+/// copies it makes, which on an overloaded fleet cost more hits than the tail it saves (see
+/// `docs/router.md`): hence off by default.
+///
 /// Ties go to the emptiest cache (`cached_blocks`), then to the highest `xxh3(worker name,
 /// seed = the prompt's last block hash)`: different from request to request, the same on
 /// every replica. A prompt without a full block breaks its ties with the rng.
@@ -289,6 +318,8 @@ pub struct KvAware {
     share_names: Vec<String>,
     share_values: Vec<f64>,
     decisions: u64,
+    /// Decisions the admission guard moved off a worker where the request would have waited.
+    admission_diversions: u64,
 }
 
 impl KvAware {
@@ -301,12 +332,19 @@ impl KvAware {
             share_names: Vec::new(),
             share_values: Vec::new(),
             decisions: 0,
+            admission_diversions: 0,
         })
     }
 
     /// The options.
     pub fn config(&self) -> &KvAwareConfig {
         &self.config
+    }
+
+    /// Decisions the admission guard moved off a worker where the request would have waited
+    /// for KV blocks (cumulative).
+    pub fn admission_diversions(&self) -> u64 {
+        self.admission_diversions
     }
 
     /// Each worker's cost, aligned with `workers`.
@@ -396,6 +434,48 @@ impl KvAware {
         }
     }
 
+    /// The KV-admission guard: when a cheapest one of the `candidates` would make the request
+    /// wait for KV blocks longer than `admission_wait`, only those where it would wait no
+    /// longer and that run fewer requests than it may take it (if there are any; `by_load` is
+    /// cut to them too, so that a copy is placed among them). The load condition keeps the
+    /// guard from moving work on a fleet where every worker is as full: there a miss elsewhere
+    /// queues as long and adds a prefill.
+    fn admission_guard(
+        &mut self,
+        request: &RequestView<'_>,
+        workers: &[&WorkerState],
+        costs: &[f64],
+        by_load: Vec<usize>,
+        candidates: Vec<usize>,
+    ) -> (Vec<usize>, Vec<usize>) {
+        let (Some(limit), Some(waits)) = (
+            self.config.admission_wait,
+            request.admission_wait.filter(|w| !w.is_empty()),
+        ) else {
+            return (by_load, candidates);
+        };
+        let best = candidates
+            .iter()
+            .map(|&i| costs[i])
+            .fold(f64::INFINITY, f64::min);
+        let fits = |i: &usize| waits[*i] <= limit;
+        let Some(blocked_load) = candidates
+            .iter()
+            .filter(|i| costs[**i] == best && !fits(i))
+            .map(|&i| workers[i].in_flight)
+            .min()
+        else {
+            return (by_load, candidates);
+        };
+        let fits = |i: &usize| fits(i) && workers[*i].in_flight < blocked_load;
+        let allowed: Vec<usize> = candidates.iter().copied().filter(fits).collect();
+        if allowed.is_empty() {
+            return (by_load, candidates);
+        }
+        self.admission_diversions += 1;
+        (by_load.into_iter().filter(fits).collect(), allowed)
+    }
+
     fn decide(
         &mut self,
         request: &RequestView<'_>,
@@ -404,6 +484,8 @@ impl KvAware {
     ) -> usize {
         let costs = self.costs(request, workers);
         let (by_load, candidates) = self.guards(workers, shares);
+        let (by_load, candidates) =
+            self.admission_guard(request, workers, &costs, by_load, candidates);
         let best = candidates
             .iter()
             .map(|&i| costs[i])
@@ -492,6 +574,9 @@ impl Choose for KvAware {
     fn needs_overlap(&self) -> bool {
         true
     }
+    fn needs_admission(&self) -> bool {
+        self.config.admission_wait.is_some()
+    }
     fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize {
         let shares = self.shares(workers);
         let chosen = self.decide(request, workers, &shares);
@@ -568,6 +653,12 @@ impl Choose for Policy {
     fn needs_overlap(&self) -> bool {
         matches!(self, Policy::KvAware(_))
     }
+    fn needs_admission(&self) -> bool {
+        match self {
+            Policy::KvAware(p) => p.needs_admission(),
+            _ => false,
+        }
+    }
     fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize {
         match self {
             Policy::Random(rng) => rng.randrange(workers.len()),
@@ -613,6 +704,7 @@ mod tests {
             block_hashes: &[1, 2, 3],
             prompt_tokens: 50,
             overlap_blocks: Some(&overlap),
+            admission_wait: None,
         };
         assert_eq!(p.costs(&view, &refs), vec![100.0, 274.0, 4.0]);
         assert_eq!(view.tokens_to_prefill(1, 16), 2);
@@ -624,12 +716,56 @@ mod tests {
             block_hashes: &[5; 10],
             prompt_tokens: 165,
             overlap_blocks: Some(&overlap),
+            admission_wait: None,
         };
         assert_eq!(p.choose(&view, &refs), 4);
     }
 
     #[test]
+    fn kv_aware_sends_a_request_that_would_wait_long_for_blocks_where_it_waits_less() {
+        let on = KvAwareConfig {
+            admission_wait: Some(0.2),
+            ..KvAwareConfig::default()
+        };
+        let mut p = KvAware::new(on, PyRandom::from_seed(0)).unwrap();
+        assert!(p.needs_admission());
+        let mut w = fleet(3);
+        w[1].in_flight = 2;
+        let refs: Vec<&WorkerState> = w.iter().collect();
+        // w1 holds the prompt; w2 holds part of it.
+        let overlap = [0, 10, 4];
+        let view = |waits| RequestView {
+            block_hashes: &[5; 10],
+            prompt_tokens: 165,
+            overlap_blocks: Some(&overlap),
+            admission_wait: waits,
+        };
+        assert_eq!(p.choose(&view(None), &refs), 1);
+        // w1 could admit it only after a whole request's time: the best of the others.
+        assert_eq!(p.choose(&view(Some(&[0.0, 0.9, 0.0])), &refs), 2);
+        // Its oldest request is about to end (within the bound): w1 keeps it.
+        assert_eq!(p.choose(&view(Some(&[0.0, 0.1, 0.0])), &refs), 1);
+        // Nowhere waits less: the cheapest, as without the guard.
+        assert_eq!(p.choose(&view(Some(&[0.9, 0.9, 0.9])), &refs), 1);
+        assert_eq!(p.admission_diversions(), 1);
+        // Where the others run as many requests, it stays.
+        let mut busy = fleet(3);
+        busy.iter_mut().for_each(|w| w.in_flight = 2);
+        let busy: Vec<&WorkerState> = busy.iter().collect();
+        assert_eq!(p.choose(&view(Some(&[0.0, 0.9, 0.0])), &busy), 1);
+        // Off (the default): the wait is not read.
+        let mut p = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap();
+        assert!(!p.needs_admission());
+        assert_eq!(p.choose(&view(Some(&[0.0, 0.9, 0.0])), &refs), 1);
+    }
+
+    #[test]
     fn options_are_checked() {
+        let bad = KvAwareConfig {
+            admission_wait: Some(f64::NAN),
+            ..KvAwareConfig::default()
+        };
+        assert!(bad.validate().unwrap_err().0.contains("admission wait"));
         let bad = KvAwareConfig {
             share_window: 0.0,
             ..KvAwareConfig::default()
@@ -656,6 +792,7 @@ mod tests {
             block_hashes: &[42, 43],
             prompt_tokens: 32,
             overlap_blocks: None,
+            admission_wait: None,
         };
         let owner = p.choose(&view, &w.iter().collect::<Vec<_>>());
         w[owner].in_flight = 6;

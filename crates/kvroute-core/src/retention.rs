@@ -376,6 +376,8 @@ struct WorkerModel {
     /// own new blocks). Requests finish about in the order they came, so the newest
     /// `in_flight` of them are what the worker runs now.
     recent: VecDeque<(Option<u64>, usize, usize)>,
+    /// Its usable KV blocks as its engine reported them (None: the configured ones).
+    capacity: Option<usize>,
 }
 
 /// What the refreshes bought, over about the fleet's last [`PAYOFF_WINDOW`] requests (each
@@ -567,12 +569,32 @@ impl Retention {
         self.workers.get(worker).map_or(0, |m| m.tracked.len())
     }
 
-    /// Forget a worker slot (it left, or its cache was reset).
+    /// Forget a worker slot (it left, or its cache was reset); its capacity stays.
     pub fn reset_worker(&mut self, worker: usize) {
         if let Some(m) = self.workers.get_mut(worker) {
-            *m = WorkerModel::default();
+            *m = WorkerModel {
+                capacity: m.capacity,
+                ..WorkerModel::default()
+            };
         }
         self.homes.forget_slot(worker);
+    }
+
+    /// Worker `worker`'s usable KV blocks, as its engine reported them (in place of
+    /// [`RetentionConfig::capacity_blocks`] for it).
+    pub fn set_capacity(&mut self, worker: usize, blocks: usize) {
+        if self.workers.len() <= worker {
+            self.workers.resize_with(worker + 1, WorkerModel::default);
+        }
+        self.workers[worker].capacity = Some(blocks);
+    }
+
+    /// Worker `worker`'s usable KV blocks: its own if reported, else the configured ones.
+    pub fn capacity(&self, worker: usize) -> usize {
+        self.workers
+            .get(worker)
+            .and_then(|m| m.capacity)
+            .unwrap_or(self.config.capacity_blocks)
     }
 
     /// A request was routed to `worker`: a prompt of these own block hashes and tokens, of
@@ -588,7 +610,7 @@ impl Retention {
         _now: f64,
     ) {
         let bs = self.config.block_size;
-        let capacity = self.config.capacity_blocks;
+        let capacity = self.capacity(worker);
         let min_blocks = self.config.min_prefix_blocks.max(1);
         let max_tracked = self.config.max_tracked.max(1);
         if block_hashes.len() >= min_blocks {
@@ -776,7 +798,7 @@ impl Retention {
             .iter()
             .flat_map(|m| m.tracked.values())
             .fold((0usize, 0usize), |(s, n), t| (s + t.blocks, n + 1));
-        let fleet = (slots.len() * self.config.capacity_blocks) as f64;
+        let fleet = slots.iter().map(|&w| self.capacity(w)).sum::<usize>() as f64;
         // Before any prefix is tracked (a warmup), the prompt's own blocks stand for the size.
         let size = if n == 0 {
             block_hashes.len() as f64
@@ -902,7 +924,7 @@ impl Retention {
             return;
         }
         let bs = self.config.block_size;
-        let capacity = self.config.capacity_blocks;
+        let capacity = self.capacity(worker);
         let margin_requests = self.config.margin_requests;
         let value_floor = self.config.refresh_cost_tokens * self.config.value_ratio;
         let stats = &mut self.stats;
@@ -1180,6 +1202,7 @@ impl Placement for RetainingPlacement<'_> {
         Placed {
             worker: r.worker,
             prefill_tokens: r.prefill_tokens,
+            ticket: r.ticket,
         }
     }
 
@@ -1491,7 +1514,7 @@ mod tests {
             r.poll_idle(&step, Some(&mut index), 0, 0.0, &mut idle_sent);
             assert_eq!(idle_sent.len(), before);
             step.first_token(0, routed.prefill_tokens);
-            step.finished(0);
+            step.finished(0, routed.ticket, 0.0);
             r.poll_idle(&step, Some(&mut index), 0, 0.0, &mut idle_sent);
         }
         assert!(ahead.is_empty());
@@ -1549,7 +1572,7 @@ mod tests {
                 .expect("cached nowhere");
             let routed = step.route_to(Some(&mut index), w, &hashes, 44, 0.0);
             assert_eq!(routed.overlap, 0);
-            step.finished(w);
+            step.finished(w, routed.ticket, 0.0);
             r.routed(w, &hashes, &prompt(p, 10, BS, p).0, 0, BS, 0.0);
         }
         assert_eq!(

@@ -19,6 +19,7 @@
 
 use std::collections::HashMap;
 
+use crate::admission::Admission;
 use crate::engine::events::{HashEvents, KvCacheEvent};
 use crate::index::{KvIndex, WorkerId};
 use crate::placement::{Placed, Placement};
@@ -33,6 +34,9 @@ pub struct Routed {
     pub overlap: usize,
     /// Prompt tokens charged to its load until the first token (at least 1).
     pub prefill_tokens: usize,
+    /// Its ticket in the step's KV-admission model (None when the step keeps none): what
+    /// [`RoutingStep::finished`] takes back.
+    pub ticket: Option<u64>,
 }
 
 /// One input the step saw, in order.
@@ -52,7 +56,11 @@ pub enum JournalEntry {
         prefill_tokens: usize,
     },
     /// A request finished.
-    Finished { worker: usize },
+    Finished {
+        worker: usize,
+        ticket: Option<u64>,
+        now: f64,
+    },
     /// A worker's KV events were applied.
     Events {
         worker: usize,
@@ -80,6 +88,9 @@ pub struct RoutingStep {
     journal: Option<Vec<JournalEntry>>,
     ids: Vec<Option<WorkerId>>,
     overlaps: Vec<usize>,
+    /// What each worker's requests in flight pin of its KV blocks (when the capacity is known).
+    admission: Option<Admission>,
+    waits: Vec<f64>,
 }
 
 impl RoutingStep {
@@ -94,7 +105,31 @@ impl RoutingStep {
             journal: None,
             ids: Vec::new(),
             overlaps: Vec::new(),
+            admission: None,
+            waits: Vec::new(),
         }
+    }
+
+    /// Keep a KV-admission model (`crate::admission`) for policies that
+    /// [`Choose::needs_admission`], of workers with `capacity_blocks` usable KV blocks each
+    /// unless [`RoutingStep::set_kv_capacity`] says otherwise (None: unknown until then);
+    /// call it before routing. Each routed request then costs a hash-map entry per prompt
+    /// block until it finishes, so the simulator keeps one only for such a policy.
+    pub fn track_admission(&mut self, capacity_blocks: Option<usize>) {
+        self.admission = Some(Admission::new(self.block_size, capacity_blocks));
+    }
+
+    /// Set `slot`'s usable KV blocks (what its engine reported), if the step keeps a
+    /// KV-admission model.
+    pub fn set_kv_capacity(&mut self, slot: usize, blocks: usize) {
+        if let Some(a) = &mut self.admission {
+            a.set_capacity(slot, blocks);
+        }
+    }
+
+    /// The KV-admission model, if the step keeps one.
+    pub fn admission(&self) -> Option<&Admission> {
+        self.admission.as_ref()
     }
 
     /// Tokens per KV block.
@@ -205,11 +240,24 @@ impl RoutingStep {
                     self.slots[c].state.cached_blocks =
                         id.map_or(0, |id| ix.worker_blocks_of(id)) as i64;
                 }
+                let waits = match &self.admission {
+                    Some(a) if policy.needs_admission() => {
+                        self.waits.clear();
+                        self.waits.extend(
+                            cands
+                                .iter()
+                                .map(|&c| a.expected_wait(c, block_hashes, prompt_tokens, now)),
+                        );
+                        Some(self.waits.as_slice())
+                    }
+                    _ => None,
+                };
                 let refs: Vec<&WorkerState> = cands.iter().map(|&c| &self.slots[c].state).collect();
                 let view = RequestView {
                     block_hashes,
                     prompt_tokens,
                     overlap_blocks: Some(&self.overlaps),
+                    admission_wait: waits,
                 };
                 let i = policy.choose(&view, &refs);
                 (i, self.overlaps[i])
@@ -220,6 +268,7 @@ impl RoutingStep {
                     block_hashes,
                     prompt_tokens,
                     overlap_blocks: None,
+                    admission_wait: None,
                 };
                 let i = policy.choose(&view, &refs);
                 (i, self.overlap_of(maybe_index, cands[i], block_hashes, now))
@@ -303,10 +352,15 @@ impl RoutingStep {
         let state = &mut self.slots[worker].state;
         state.in_flight += 1;
         state.in_flight_tokens += prefill_tokens as i64;
+        let ticket = self
+            .admission
+            .as_mut()
+            .map(|a| a.routed(worker, block_hashes, prompt_tokens, now));
         let routed = Routed {
             worker,
             overlap,
             prefill_tokens,
+            ticket,
         };
         if let Some(j) = &mut self.journal {
             j.push(JournalEntry::Route {
@@ -331,11 +385,18 @@ impl RoutingStep {
         }
     }
 
-    /// A request routed to `worker` finished.
-    pub fn finished(&mut self, worker: usize) {
+    /// A request routed to `worker` (with `ticket`, see [`Routed`]) finished at `now`.
+    pub fn finished(&mut self, worker: usize, ticket: Option<u64>, now: f64) {
         self.slots[worker].state.in_flight -= 1;
+        if let (Some(a), Some(t)) = (&mut self.admission, ticket) {
+            a.finished(t, now);
+        }
         if let Some(j) = &mut self.journal {
-            j.push(JournalEntry::Finished { worker });
+            j.push(JournalEntry::Finished {
+                worker,
+                ticket,
+                now,
+            });
         }
     }
 
@@ -389,6 +450,7 @@ impl Placement for StepPlacement<'_> {
         Placed {
             worker: r.worker,
             prefill_tokens: r.prefill_tokens,
+            ticket: r.ticket,
         }
     }
 
@@ -396,8 +458,8 @@ impl Placement for StepPlacement<'_> {
         self.step.first_token(placed.worker, placed.prefill_tokens);
     }
 
-    fn finished(&mut self, placed: Placed, _now: f64) {
-        self.step.finished(placed.worker);
+    fn finished(&mut self, placed: Placed, now: f64) {
+        self.step.finished(placed.worker, placed.ticket, now);
     }
 
     fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
@@ -459,11 +521,58 @@ mod tests {
             second,
             Placed {
                 worker: first.worker,
-                prefill_tokens: 4
+                prefill_tokens: 4,
+                ticket: None,
             }
         );
         assert_eq!(p.step.state(first.worker).in_flight_tokens, 4);
         p.step.remove_worker("w1");
         assert_eq!(p.step.live_slots(), &[0, 2]);
+    }
+
+    #[test]
+    fn a_request_that_would_wait_for_blocks_goes_where_it_fits() {
+        let hasher = BlockHasher::new(16, DEFAULT_HASH_SEED).unwrap();
+        let run = |admission: bool| {
+            let mut index = KvIndex::new(hasher, Some(100.0), None, None).unwrap();
+            let guarded = KvAwareConfig {
+                admission_wait: Some(0.2),
+                ..KvAwareConfig::default()
+            };
+            let mut policy = Policy::KvAware(Box::new(
+                KvAware::new(guarded, PyRandom::from_seed(0)).unwrap(),
+            ));
+            let mut step = RoutingStep::new(16);
+            if admission {
+                step.track_admission(Some(150));
+            }
+            let (a, b) = (step.add_worker("a"), step.add_worker("b"));
+            let cached: Vec<u32> = (0..1600).collect();
+            let running: Vec<u32> = (5000..6600).collect();
+            let cached_hashes = hasher.hash_blocks(&cached, None, 0, None);
+            let running_hashes = hasher.hash_blocks(&running, None, 0, None);
+            // `a` served `cached` in 1 s (a typical request), then took `running`, which pins
+            // 100 of its 150 blocks.
+            let r = step.route_to(Some(&mut index), a, &cached_hashes, 1600, 0.0);
+            step.first_token(a, r.prefill_tokens);
+            step.finished(a, r.ticket, 1.0);
+            step.route_to(Some(&mut index), a, &running_hashes, 1600, 1.0);
+            if admission {
+                assert_eq!(step.admission().unwrap().pinned_blocks(a), 100);
+            }
+            // `cached` again: a full hit on `a`, where its 100 blocks do not fit beside the
+            // running request's, expected to run 0.9 s more.
+            let r = step.route(
+                Some(&mut index),
+                &mut policy,
+                &cached_hashes,
+                1600,
+                None,
+                1.1,
+            );
+            (r.worker == b, r.ticket)
+        };
+        assert_eq!(run(false), (false, None));
+        assert_eq!(run(true), (true, Some(2)));
     }
 }

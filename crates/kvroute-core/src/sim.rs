@@ -522,6 +522,7 @@ impl<'p> Simulation<'p> {
                 placed: Placed {
                     worker: r.worker,
                     prefill_tokens: 1,
+                    ticket: None,
                 },
             };
             self.arrivals.push(Some((sent, request)));
@@ -799,6 +800,7 @@ mod tests {
             Placed {
                 worker,
                 prefill_tokens: prompt_tokens.max(1),
+                ticket: None,
             }
         }
         fn first_token(&mut self, _placed: Placed) {}

@@ -397,6 +397,7 @@ impl RequestView {
             block_hashes: &self.block_hashes,
             prompt_tokens: self.prompt_tokens,
             overlap_blocks: self.overlap_blocks.as_deref(),
+            admission_wait: None,
         }
     }
 }
@@ -560,7 +561,7 @@ pub struct PyPolicy {
 #[pymethods]
 impl PyPolicy {
     #[new]
-    #[pyo3(signature = (kind, rng = None, *, block_size = 16, overlap_weight = 3.0, request_weight = 128.0, load_factor = None, share_factor = Some(0.35), share_window = 24.0, share_weight = 4.0, key_blocks = 1))]
+    #[pyo3(signature = (kind, rng = None, *, block_size = 16, overlap_weight = 3.0, request_weight = 128.0, load_factor = None, share_factor = Some(0.35), share_window = 24.0, share_weight = 4.0, admission_wait = None, key_blocks = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -573,6 +574,7 @@ impl PyPolicy {
         share_factor: Option<f64>,
         share_window: f64,
         share_weight: f64,
+        admission_wait: Option<f64>,
         key_blocks: i64,
     ) -> PyResult<Self> {
         let rng = rng_of(py, rng)?;
@@ -592,6 +594,7 @@ impl PyPolicy {
             share_factor,
             share_window,
             share_weight,
+            admission_wait,
         };
         let prefix_hash = PrefixHashConfig {
             key_blocks: count(key_blocks, "key blocks", "prefix-hash")?,
@@ -691,6 +694,21 @@ impl PyPolicy {
         Ok(self.kv_aware()?.config().share_weight)
     }
     #[getter]
+    fn admission_wait(&self) -> PyResult<Option<f64>> {
+        Ok(self.kv_aware()?.config().admission_wait)
+    }
+    /// kv-aware: decisions its admission guard moved off a worker where the request would
+    /// have waited for KV blocks (cumulative).
+    #[getter]
+    fn admission_diversions(&self) -> PyResult<u64> {
+        Ok(self.kv_aware()?.admission_diversions())
+    }
+    /// Whether it reads the step's KV-admission model (``RoutingStep(kv_capacity_blocks=)``).
+    #[getter]
+    fn needs_admission(&self) -> bool {
+        self.inner.needs_admission()
+    }
+    #[getter]
     fn load_factor(&self) -> PyResult<Option<f64>> {
         match &self.inner {
             policies::Policy::KvAware(p) => Ok(p.config().load_factor),
@@ -785,6 +803,10 @@ impl Choose for ForeignPolicy<'_, '_> {
 ///         and ``needs_overlap``.
 ///     index: the ``KvIndex`` (None: no look-up, no predictions).
 ///     block_size: tokens per KV block (what an overlap is worth in prefill tokens).
+///     kv_capacity_blocks: each worker's usable KV blocks; with a policy that
+///         ``needs_admission`` the step then keeps its KV-admission model
+///         (``kvroute_core::admission``), which only the native simulator drives (``route``
+///         here refuses to: its ticket would be lost).
 #[pyclass(module = "kvroute._native")]
 pub struct RoutingStep {
     pub(crate) inner: routing::RoutingStep,
@@ -796,18 +818,26 @@ pub struct RoutingStep {
 #[pymethods]
 impl RoutingStep {
     #[new]
-    #[pyo3(signature = (policy, index = None, block_size = blocks::GPU_BLOCK_SIZE))]
+    #[pyo3(signature = (policy, index = None, block_size = blocks::GPU_BLOCK_SIZE, kv_capacity_blocks = None))]
     fn new(
         policy: Bound<'_, PyAny>,
         index: Option<Bound<'_, PyKvIndex>>,
         block_size: usize,
+        kv_capacity_blocks: Option<usize>,
     ) -> PyResult<Self> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block size must be positive, got 0"));
         }
+        let needs_admission = policy
+            .cast::<PyPolicy>()
+            .is_ok_and(|p| p.borrow().inner.needs_admission());
         let native = policy.cast::<PyPolicy>().ok().map(|p| p.clone().unbind());
+        let mut inner = routing::RoutingStep::new(block_size);
+        if let (Some(c), true) = (kv_capacity_blocks, needs_admission) {
+            inner.track_admission(Some(c));
+        }
         Ok(Self {
-            inner: routing::RoutingStep::new(block_size),
+            inner,
             policy: policy.unbind(),
             native,
             index: index.map(Bound::unbind),
@@ -878,6 +908,11 @@ impl RoutingStep {
             }
         } else if self.inner.live_slots().is_empty() {
             return Err(PyValueError::new_err("no worker in the routing step"));
+        }
+        if self.inner.admission().is_some() {
+            return Err(PyValueError::new_err(
+                "a step with a KV-admission model is driven by the native simulator only",
+            ));
         }
         // Locked for the decision: the consumer thread applies batches between decisions.
         let index_ref = self.index.as_ref().map(|i| i.borrow(py));
@@ -951,7 +986,7 @@ impl RoutingStep {
     /// A request routed to ``slot`` finished.
     fn finished(&mut self, slot: usize) -> PyResult<()> {
         self.check_slot(slot)?;
-        self.inner.finished(slot);
+        self.inner.finished(slot, None, 0.0);
         Ok(())
     }
 
@@ -1011,7 +1046,7 @@ impl RoutingStep {
                 } => ("first_token", *worker, *prefill_tokens)
                     .into_pyobject(py)?
                     .into_any(),
-                JournalEntry::Finished { worker } => {
+                JournalEntry::Finished { worker, .. } => {
                     ("finished", *worker).into_pyobject(py)?.into_any()
                 }
                 JournalEntry::Events {

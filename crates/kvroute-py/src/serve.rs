@@ -64,6 +64,7 @@ fn policy_spec(
             ("kv-aware", "share_factor") => spec.kv_aware.share_factor = number,
             ("kv-aware", "share_window") => spec.kv_aware.share_window = need()?,
             ("kv-aware", "share_weight") => spec.kv_aware.share_weight = need()?,
+            ("kv-aware", "admission_wait") => spec.kv_aware.admission_wait = number,
             ("prefix-hash", "load_factor") => spec.prefix_hash.load_factor = number,
             ("prefix-hash", "key_blocks") => spec.prefix_hash.key_blocks = need()? as usize,
             // The router's own block size is the policy's.
@@ -142,7 +143,7 @@ impl NativeRouter {
         stream_idle_timeout_s = Some(300.0), max_attempts = 3, health_interval_s = 2.0,
         health_timeout_s = 1.0, eject_after_failures = 3, eject_base_s = 5.0, api_key = None,
         metrics_public = false, worker_api_key = None, forward_authorization = false,
-        events_topic = String::new(), retention = None, retention_capacity_blocks = 584
+        events_topic = String::new(), retention = None, retention_capacity_blocks = 584, kv_capacity_blocks = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -183,6 +184,7 @@ impl NativeRouter {
         events_topic: String,
         retention: Option<String>,
         retention_capacity_blocks: usize,
+        kv_capacity_blocks: Option<usize>,
     ) -> PyResult<Self> {
         let retention = match retention.as_deref() {
             None | Some("off") => None,
@@ -232,6 +234,7 @@ impl NativeRouter {
             worker_api_key,
             forward_authorization,
             retention,
+            kv_capacity_blocks,
         };
         let server = py
             .detach(|| Server::start(config))

@@ -171,6 +171,11 @@ pub struct ServeConfig {
     /// Retention (`kvroute_core::retention`): its mode and each worker's usable KV blocks;
     /// None: off.
     pub retention: Option<(RetentionMode, usize)>,
+    /// Each worker's usable KV blocks for kv-aware's admission guard (`kvroute_core::
+    /// admission`) and retention; None: each worker's own, read from its engine's `/metrics`
+    /// (`vllm:cache_config_info`'s `num_gpu_blocks` less the null block): until it is known
+    /// the guard leaves that worker alone and retention assumes `retention`'s blocks.
+    pub kv_capacity_blocks: Option<usize>,
 }
 
 impl Default for ServeConfig {
@@ -209,6 +214,7 @@ impl Default for ServeConfig {
             worker_api_key: None,
             forward_authorization: false,
             retention: None,
+            kv_capacity_blocks: None,
         }
     }
 }

@@ -23,7 +23,7 @@ use std::sync::{Arc, Mutex};
 
 use kvroute_core::blocks::BlockHasher;
 use kvroute_core::index::{KvIndex, MemoryBound};
-use kvroute_core::policies::{Policy, WorkerState};
+use kvroute_core::policies::{Choose, Policy, WorkerState};
 use kvroute_core::retention::{Refresh, Retention, RetentionConfig, RetentionStats};
 use kvroute_core::routing::RoutingStep;
 use kvroute_io::consumer::{SharedIndex, lock_index};
@@ -63,6 +63,10 @@ pub struct Member {
     pub refresh_model: Option<String>,
     /// Failed health checks (cumulative, for the metric).
     pub health_failures: u64,
+    /// Its usable KV blocks as the admission guard counts them (None: not known yet).
+    pub kv_capacity_blocks: Option<usize>,
+    /// Monotonic seconds before which its engine is not asked for its capacity again.
+    pub kv_capacity_retry_at: f64,
 }
 
 impl Member {
@@ -80,12 +84,22 @@ pub struct Choice {
     pub url: String,
     /// Its routing-step slot (what [`Fleet::first_token`] and [`Fleet::finished`] take).
     pub slot: usize,
+    /// The request's ticket in the admission model (what [`Fleet::finished`] takes too).
+    pub ticket: Option<u64>,
     /// Prompt tokens charged to its load until the first response byte.
     pub prefill_tokens: usize,
     /// Leading prompt blocks the index credited it with.
     pub overlap_blocks: usize,
     /// Refreshes retention sends that worker ahead of this request (their prompts).
     pub refreshes: Vec<Refresh>,
+}
+
+/// One worker as the admission guard sees it ([`Fleet::admission_figures`]).
+#[derive(Clone, Debug, PartialEq)]
+pub struct WorkerAdmission<'a> {
+    pub name: &'a str,
+    /// The blocks the router's requests in flight pin there.
+    pub pinned_blocks: usize,
 }
 
 /// Refreshes for a worker whose last request just finished ([`Fleet::finished`]).
@@ -119,6 +133,8 @@ pub struct Fleet {
     candidates: Vec<usize>,
     /// What each worker's cache keeps (None: retention off).
     retention: Option<Retention>,
+    /// The configured KV capacity of every worker (None: each reports its own).
+    kv_capacity_blocks: Option<usize>,
 }
 
 impl Fleet {
@@ -134,17 +150,23 @@ impl Fleet {
             config.index_max_bytes.map(MemoryBound::Bytes),
         )
         .map_err(|e| ConfigError(e.0))?;
+        let policy = config.policy.build(config.block_size)?;
+        let mut routing = RoutingStep::new(config.block_size);
+        if policy.needs_admission() {
+            routing.track_admission(config.kv_capacity_blocks);
+        }
         let mut fleet = Self {
             members: Vec::new(),
-            routing: RoutingStep::new(config.block_size),
+            routing,
             index: Arc::new(Mutex::new(index)),
-            policy: config.policy.build(config.block_size)?,
+            policy,
             eject_after_failures: config.eject_after_failures,
             eject_base_s: config.eject_base.as_secs_f64(),
             candidates: Vec::new(),
             retention: config.retention.map(|(mode, capacity)| {
                 Retention::new(RetentionConfig::new(mode, config.block_size, capacity))
             }),
+            kv_capacity_blocks: config.kv_capacity_blocks,
         };
         let membership = fleet.set_workers(&config.workers)?;
         Ok((fleet, membership))
@@ -216,6 +238,8 @@ impl Fleet {
                 ejected_total: 0,
                 refresh_model: None,
                 health_failures: 0,
+                kv_capacity_blocks: self.kv_capacity_blocks,
+                kv_capacity_retry_at: 0.0,
             });
         }
         Ok(membership)
@@ -317,10 +341,41 @@ impl Fleet {
             name: member.name.clone(),
             url: member.url.clone(),
             slot: routed.worker,
+            ticket: routed.ticket,
             prefill_tokens: routed.prefill_tokens,
             overlap_blocks: routed.overlap,
             refreshes,
         })
+    }
+
+    /// Workers whose KV capacity the admission guard or retention needs and may ask their
+    /// engine for at `now`, as `(name, url)`; each is not offered again for `retry_s` unless
+    /// it answers.
+    pub fn kv_capacity_wanted(&mut self, now: f64, retry_s: f64) -> Vec<(String, String)> {
+        if self.routing.admission().is_none() && self.retention.is_none() {
+            return Vec::new();
+        }
+        self.members
+            .iter_mut()
+            .filter(|m| m.kv_capacity_blocks.is_none() && m.kv_capacity_retry_at <= now)
+            .map(|m| {
+                m.kv_capacity_retry_at = now + retry_s;
+                (m.name.clone(), m.url.clone())
+            })
+            .collect()
+    }
+
+    /// Worker `name`'s engine reported `num_gpu_blocks` KV blocks (the null block included):
+    /// the admission guard and retention count that worker's cache by it.
+    pub fn set_kv_capacity(&mut self, name: &str, num_gpu_blocks: usize) {
+        if let Some(m) = self.members.iter_mut().find(|m| m.name == name) {
+            let usable = num_gpu_blocks.saturating_sub(1);
+            m.kv_capacity_blocks = Some(usable);
+            self.routing.set_kv_capacity(m.slot, usable);
+            if let Some(r) = &mut self.retention {
+                r.set_capacity(m.slot, usable);
+            }
+        }
     }
 
     /// Any available worker's `(name, url)` (for `/v1/models`), round the list from `start`.
@@ -337,11 +392,17 @@ impl Fleet {
         self.routing.first_token(slot, prefill_tokens);
     }
 
-    /// The request charged to `slot` ended (answered, failed or abandoned) at `now`. With
-    /// retention on, a worker left with no request gets the refreshes it was spared while
-    /// requests were going to it idle (`Retention::poll_idle`): to send now.
-    pub fn finished(&mut self, slot: usize, now: f64) -> Option<IdleRefreshes> {
-        self.routing.finished(slot);
+    /// The request charged to `slot` (with `ticket`, see [`Choice`]) ended (answered, failed
+    /// or abandoned) at `now`. With retention on, a worker left with no request gets the
+    /// refreshes it was spared while requests were going to it idle (`Retention::poll_idle`):
+    /// to send now.
+    pub fn finished(
+        &mut self,
+        slot: usize,
+        ticket: Option<u64>,
+        now: f64,
+    ) -> Option<IdleRefreshes> {
+        self.routing.finished(slot, ticket, now);
         let retention = self.retention.as_mut()?;
         if !retention.polls_idle(&self.routing, slot) {
             return None; // most finishes: no index lock taken
@@ -427,6 +488,25 @@ impl Fleet {
         (s.blocks, s.predicted, s.evicted_blocks)
     }
 
+    /// The admission guard's view, None without one: decisions it moved (cumulative), and
+    /// the blocks each worker's requests in flight pin.
+    pub fn admission_figures(&self) -> Option<(u64, Vec<WorkerAdmission<'_>>)> {
+        let admission = self.routing.admission()?;
+        let diversions = match &self.policy {
+            Policy::KvAware(p) => p.admission_diversions(),
+            _ => 0,
+        };
+        let workers = self
+            .members
+            .iter()
+            .map(|m| WorkerAdmission {
+                name: &m.name,
+                pinned_blocks: admission.pinned_blocks(m.slot),
+            })
+            .collect();
+        Some((diversions, workers))
+    }
+
     /// Retention's counters (None when it is off).
     pub fn retention_stats(&self) -> Option<RetentionStats> {
         self.retention.as_ref().map(Retention::stats)
@@ -470,7 +550,7 @@ mod tests {
         let first = f.route(&hashes, 12, &[], 0.0, None).unwrap();
         assert_eq!(first.overlap_blocks, 0);
         f.first_token(first.slot, first.prefill_tokens);
-        f.finished(first.slot, 0.05);
+        f.finished(first.slot, first.ticket, 0.05);
         let again = f.route(&hashes, 12, &[], 0.1, None).unwrap();
         assert_eq!(again.name, first.name);
         assert_eq!(again.url, first.url);

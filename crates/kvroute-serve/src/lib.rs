@@ -28,6 +28,7 @@
 //! Pure decisions live apart from the I/O: [`prompt`] (body → prompt), [`fleet`] (membership,
 //! health, ejection and routing, fed outcomes and times), [`metrics`] (counters and their text).
 
+pub mod capacity;
 pub mod chat;
 pub mod config;
 pub mod connections;

@@ -71,6 +71,19 @@ fn write_per_worker<'a>(
     }
 }
 
+/// A gauge per worker: `name{worker="..."} value`.
+fn write_worker_gauge<'a>(
+    out: &mut String,
+    name: &str,
+    help: &str,
+    rows: impl Iterator<Item = (&'a str, f64)>,
+) {
+    let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} gauge");
+    for (worker, value) in rows {
+        let _ = writeln!(out, "{name}{{worker=\"{}\"}} {value:?}", escape(worker));
+    }
+}
+
 /// A label value as the text format needs it.
 fn escape(value: &str) -> String {
     value
@@ -470,6 +483,32 @@ impl Metrics {
             "Index entries dropped by its memory bound (cumulative)",
             evicted as f64,
         );
+        write_worker_gauge(
+            &mut out,
+            "kvroute_router_worker_kv_capacity_blocks",
+            "Usable KV blocks of a worker: configured, or read from its engine's /metrics for \
+             the admission guard and retention",
+            fleet
+                .members()
+                .iter()
+                .filter_map(|m| Some((m.name.as_str(), m.kv_capacity_blocks? as f64))),
+        );
+        if let Some((diversions, workers)) = fleet.admission_figures() {
+            write_scalar(
+                &mut out,
+                "kvroute_router_admission_diversions",
+                "counter",
+                "Requests kv-aware's admission guard sent elsewhere than the cheapest worker, \
+                 where they would have waited for KV blocks",
+                diversions as f64,
+            );
+            write_worker_gauge(
+                &mut out,
+                "kvroute_router_worker_pinned_blocks",
+                "KV blocks the router's requests in flight pin on a worker, as the router counts them",
+                workers.iter().map(|w| (w.name, w.pinned_blocks as f64)),
+            );
+        }
         write_per_worker(
             &mut out,
             "kvroute_router_ejections",

@@ -60,6 +60,12 @@ pub const MAX_REFRESHES_OPEN: usize = 4;
 const REFRESH_TIMEOUT: Duration = Duration::from_secs(30);
 /// The longest a client request waits for its refreshes to be written ahead of it.
 const REFRESH_WRITE_WAIT: Duration = Duration::from_millis(20);
+/// How often the router looks for workers whose KV capacity the admission guard still needs,
+/// and how long it waits before asking an engine that did not say again.
+const KV_CAPACITY_TICK: Duration = Duration::from_millis(250);
+const KV_CAPACITY_RETRY_S: f64 = 30.0;
+/// The most of a worker's `/metrics` read for its capacity.
+const MAX_METRICS_BYTES: usize = 4 << 20;
 /// The answer to a connection whose request head did not arrive in time.
 static HEAD_TIMEOUT: LazyLock<Vec<u8>> = LazyLock::new(|| {
     edge::canned(
@@ -278,6 +284,7 @@ impl Server {
         if let Some(interval) = shared.config.health_interval {
             runtime.spawn(health_loop(shared.clone(), interval, stopped.clone()));
         }
+        runtime.spawn(kv_capacity_loop(shared.clone(), stopped.clone()));
         runtime.spawn(notice_loop(shared.clone(), stopped));
         Ok(Self {
             runtime: Some(runtime),
@@ -747,6 +754,7 @@ impl Drop for InFlight {
 struct Load {
     shared: Arc<Shared>,
     slot: usize,
+    ticket: Option<u64>,
     prefill_tokens: Option<usize>,
 }
 
@@ -766,7 +774,7 @@ impl Drop for Load {
             if let Some(tokens) = self.prefill_tokens.take() {
                 fleet.first_token(self.slot, tokens);
             }
-            fleet.finished(self.slot, now)
+            fleet.finished(self.slot, self.ticket, now)
         };
         // A draining router starts no new work upstream.
         let draining = self.shared.draining.load(Ordering::SeqCst);
@@ -931,6 +939,7 @@ async fn forward(
         let mut load = Load {
             shared: shared.clone(),
             slot: choice.slot,
+            ticket: choice.ticket,
             prefill_tokens: Some(choice.prefill_tokens),
         };
         if !choice.refreshes.is_empty() {
@@ -1092,6 +1101,51 @@ async fn check(shared: &Shared, url: &str) -> bool {
     })
     .await;
     matches!(answer, Ok(Some(true)))
+}
+
+/// Ask each worker whose KV capacity the admission guard or retention needs for its engine's
+/// `/metrics` (`crate::capacity`): once it answers, never again; one that does not is asked
+/// again after [`KV_CAPACITY_RETRY_S`]. Nothing is asked when neither runs, or when the
+/// capacity was configured.
+async fn kv_capacity_loop(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
+    loop {
+        let wanted = shared
+            .fleet()
+            .kv_capacity_wanted(shared.now(), KV_CAPACITY_RETRY_S);
+        for (name, url) in wanted {
+            let shared = shared.clone();
+            tokio::spawn(async move {
+                if let Some(blocks) = engine_kv_blocks(&shared, &url).await {
+                    shared.fleet().set_kv_capacity(&name, blocks);
+                }
+            });
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(KV_CAPACITY_TICK) => {},
+            _ = stopped.changed() => return,
+        }
+    }
+}
+
+/// `num_gpu_blocks` from the engine at `url`'s `/metrics` (a 2xx within the health-check
+/// timeout, at most [`MAX_METRICS_BYTES`]), or None.
+async fn engine_kv_blocks(shared: &Shared, url: &str) -> Option<usize> {
+    let uri = format!("{url}/metrics").parse::<hyper::Uri>().ok()?;
+    let request = Request::get(uri).body(Full::new(Bytes::new())).ok()?;
+    let text = tokio::time::timeout(shared.config.health_timeout, async {
+        let response = shared.upstream.request(request).await.ok()?;
+        if !response.status().is_success() {
+            return None;
+        }
+        let body = http_body_util::Limited::new(response.into_body(), MAX_METRICS_BYTES)
+            .collect()
+            .await
+            .ok()?;
+        String::from_utf8(body.to_bytes().to_vec()).ok()
+    })
+    .await
+    .ok()??;
+    crate::capacity::num_gpu_blocks(&text)
 }
 
 /// Log what the KV-event consumer reports (each a reset of a worker's index entries, which

@@ -24,7 +24,7 @@ use kvroute_core::engine::cost::CostModel;
 use kvroute_core::engine::events::EventBatch;
 use kvroute_core::index::KvIndex;
 use kvroute_core::kvevents::codec::{self, WireFormat};
-use kvroute_core::policies::{KvAwareConfig, Policy, PrefixHashConfig, WorkerState};
+use kvroute_core::policies::{Choose, KvAwareConfig, Policy, PrefixHashConfig, WorkerState};
 use kvroute_core::pyrandom::PyRandom;
 use kvroute_core::routing::{JournalEntry, RoutingStep, StepPlacement};
 use kvroute_core::sim::{RequestSet, Simulation, WorkerConfig};
@@ -158,6 +158,9 @@ fn simulate(case: &Case) -> Simulated {
     .unwrap();
     let names: Vec<String> = (0..WORKERS).map(|i| format!("worker-{i}")).collect();
     let mut step = RoutingStep::new(BLOCK_SIZE);
+    if policy.needs_admission() {
+        step.track_admission(Some(NUM_BLOCKS - 1));
+    }
     for name in &names {
         step.add_worker(name);
     }
@@ -184,9 +187,11 @@ fn simulate(case: &Case) -> Simulated {
 }
 
 /// One request's load on the fleet as the server's guard holds it (`server::Load`): its
-/// prefill until the first byte, the request until it ends.
+/// prefill until the first byte, the request until it ends (its admission ticket, which
+/// numbers requests as the simulator's step does).
 struct Load {
     slot: usize,
+    ticket: Option<u64>,
     prefill_tokens: Option<usize>,
 }
 
@@ -219,6 +224,7 @@ fn serve_fleet(case: &Case, names: &[String]) -> Fleet {
         hash_seed: DEFAULT_HASH_SEED,
         predicted_ttl_s: Some(2.0),
         predicted_capacity_blocks: None,
+        kv_capacity_blocks: Some(NUM_BLOCKS - 1),
         health_interval: None,
         ..ServeConfig::default()
     };
@@ -245,9 +251,6 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
     let mut pending: Vec<Vec<Load>> = (0..WORKERS).map(|_| Vec::new()).collect();
     let (mut routed_count, mut batches) = (0, 0);
     let mut payload = Vec::new();
-    // The journal times routings and events, not finishes: a finish is told the last time
-    // seen (retention, which would read it, is off here).
-    let mut clock = 0.0;
     for entry in &sim.journal {
         match entry {
             JournalEntry::Route {
@@ -258,7 +261,6 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
                 routed,
             } => {
                 assert_eq!(*candidates, None, "the simulator routes among every worker");
-                clock = *now;
                 let choice = fleet
                     .route(block_hashes, *prompt_tokens, &[], *now, None)
                     .expect("every worker is available");
@@ -277,9 +279,11 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
                      overlap), then the simulator's"
                 );
                 assert_eq!(choice.slot, slots[routed.worker]);
+                assert_eq!(choice.ticket, routed.ticket);
                 assert!(choice.refreshes.is_empty(), "retention is off");
                 pending[routed.worker].push(Load {
                     slot: choice.slot,
+                    ticket: choice.ticket,
                     prefill_tokens: Some(choice.prefill_tokens),
                 });
                 routed_count += 1;
@@ -295,13 +299,19 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
                 let tokens = load.prefill_tokens.take().unwrap();
                 fleet.first_token(load.slot, tokens);
             }
-            JournalEntry::Finished { worker } => {
+            JournalEntry::Finished {
+                worker,
+                ticket,
+                now,
+            } => {
                 let at = pending[*worker]
                     .iter()
-                    .position(|l| l.prefill_tokens.is_none())
+                    .position(|l| {
+                        l.prefill_tokens.is_none() && (ticket.is_none() || l.ticket == *ticket)
+                    })
                     .expect("a finish of a request past its first token");
                 let load = pending[*worker].remove(at);
-                assert_eq!(fleet.finished(load.slot, clock), None);
+                assert_eq!(fleet.finished(load.slot, load.ticket, *now), None);
             }
             JournalEntry::Events {
                 worker,

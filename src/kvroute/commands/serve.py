@@ -136,7 +136,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     routing.add_argument("--policy", default="kv-aware", choices=sorted(POLICIES),
                          help="how to choose a worker (default: %(default)s)")
     add_policy_option_argument(
-        routing, "a policy parameter, e.g. load_factor=0.25 or request_weight=64; repeatable"
+        routing, "a policy parameter, e.g. load_factor=0.25 or request_weight=64; "
+        "admission_wait=0.2 turns on kv-aware's admission guard (a request that would wait for KV "
+        "blocks goes where it fits; metrics kvroute_router_admission_*); repeatable"
     )
     routing.add_argument("--seed", type=int, default=None, help="seed the policy's random choices")
     routing.add_argument("--tokenizer", metavar="DIR",
@@ -165,10 +167,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="refresh the prefixes each worker's LRU would evict with a prefix-only "
                          "request (the prefix's token ids, max_tokens 1): off, on, or auto (only where "
                          "it pays); metrics kvroute_retention_* (default: %(default)s)")
-    routing.add_argument("--retention-capacity-blocks", type=int, metavar="N",
-                         help="each worker's usable KV blocks, for retention's model of its cache "
-                         "(default: --predicted-capacity-blocks, or the reference worker's, less "
-                         "the null block)")
+    routing.add_argument("--kv-capacity-blocks", type=int, metavar="N",
+                         help="each worker's usable KV blocks (vLLM's num_gpu_blocks less the null "
+                         "block), for retention's model and kv-aware's admission guard (default: "
+                         "the guard reads each worker's own from its /metrics, "
+                         "vllm:cache_config_info; retention assumes --predicted-capacity-blocks, or "
+                         "the reference worker's, less the null block)")
 
     events.add_argument("--index-max-bytes", default="256MiB", metavar="SIZE",
                         help="memory bound of the index of cached blocks (128 bytes per worker and "
@@ -292,6 +296,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise UserError(f"--block-size must be >= 1, got {args.block_size}")
     if args.max_attempts < 1:
         raise UserError(f"--max-attempts must be >= 1, got {args.max_attempts}")
+    if args.kv_capacity_blocks is not None and args.kv_capacity_blocks < 1:
+        raise UserError(f"--kv-capacity-blocks must be >= 1, got {args.kv_capacity_blocks}")
     for flag, value in (("--first-byte-timeout", args.first_byte_timeout),
                         ("--stream-idle-timeout", args.stream_idle_timeout)):
         if value is not None and value < 0:
@@ -342,7 +348,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         forward_authorization=args.forward_authorization,
         worker_api_key=args.worker_api_key,
         retention=args.retention,
-        retention_capacity_blocks=args.retention_capacity_blocks,
+        kv_capacity_blocks=args.kv_capacity_blocks,
         threads=threads,
     )
 

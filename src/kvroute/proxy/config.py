@@ -110,8 +110,10 @@ class RouterConfig:
             prefixes are tokenized once).
         retention: ``off``, ``on`` or ``auto``: refresh the prefixes each worker's LRU would
             evict (the core's retention model, as in ``kvroute sim --retention``).
-        retention_capacity_blocks: each worker's usable KV blocks for the retention's model;
-            None: ``predicted_capacity_blocks`` (or its default) less the null block.
+        kv_capacity_blocks: each worker's usable KV blocks (vLLM's ``num_gpu_blocks`` less the
+            null block), for retention's model and kv-aware's admission guard. None: the guard
+            reads each worker's own from its ``/metrics`` (``vllm:cache_config_info``), and
+            retention assumes ``predicted_capacity_blocks`` (or its default) less the null block.
         threads: the threads serving requests (``kvroute serve`` defaults to one per core).
     """
 
@@ -151,7 +153,7 @@ class RouterConfig:
     worker_api_key: str | None = None
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     retention: str = "off"
-    retention_capacity_blocks: int | None = None
+    kv_capacity_blocks: int | None = None
     threads: int = 1
 
 
@@ -166,8 +168,8 @@ def predicted_settings(config: RouterConfig) -> tuple[float | None, int | None]:
 
 
 def retention_capacity(config: RouterConfig) -> int:
-    """Each worker's usable KV blocks for retention's model: ``retention_capacity_blocks``, else
-    the predicted capacity (or the reference worker's) less the null block."""
-    return config.retention_capacity_blocks or (
+    """Each worker's usable KV blocks for retention's model: ``kv_capacity_blocks``, else the
+    predicted capacity (or the reference worker's) less the null block."""
+    return config.kv_capacity_blocks or (
         (config.predicted_capacity_blocks or DEFAULT_PREDICTED_CAPACITY_BLOCKS) - 1
     )

@@ -163,6 +163,18 @@ class KvAwarePolicy(_NativePolicy):
       alone, as before: where the share guard does not fire, the policy decides exactly as
       it would without it.
 
+    * **Bounded admission wait** (off by default; KV memory, not counts): when the cheapest allowed worker
+      could not admit the request now, because its requests in flight pin too many of its KV
+      blocks (a shared prefix counted once; the router's model in ``kvroute_core::admission``,
+      kept by the routing step when it knows the workers' capacity), and none of them is
+      expected to end within ``admission_wait`` of a typical request's duration, the
+      request goes to the cheapest worker where it would wait no longer and that runs fewer
+      requests (if there is one).
+      vLLM admits a request only when its prompt's blocks are free; a hit that waits out a
+      running request costs hundreds of milliseconds, a miss elsewhere one prefill. At high
+      concurrency this wait is the TTFT tail: with 2,000-token prefixes only three different
+      ones fit a 585-block worker at once.
+
     Ties (equal cost, e.g. an idle fleet and a new prefix) go first to the worker whose cache
     holds the fewest blocks (``WorkerState.cached_blocks``: new prefixes spread over empty
     caches), then to the highest ``xxh3(worker name, seed = the prompt's last block hash)``: a
@@ -186,9 +198,12 @@ class KvAwarePolicy(_NativePolicy):
         share_window: the share's averaging window, in decisions per worker.
         share_weight: when placing a copy, the request-in-flight equivalents charged per
             fair share of recent decisions.
+        admission_wait: the admission guard's bound, a fraction of a typical request's
+            duration (routed to finished); None (the default) turns it off. 0.2 is about a
+            miss's extra prefill on the reference fleet.
 
     Defaults (block_size 16, overlap_weight 3, request_weight 128, load_factor 1.5,
-    share_factor 0.35, share_window 24, share_weight 4), chosen on the simulator (reference
+    share_factor 0.35, share_window 24, share_weight 4, no admission guard), chosen on the simulator (reference
     workload at K = 2, 7, 12, 24 on 6 and 3 workers at concurrency 4, 8 and 16, its
     concurrency-16 TTFT p99, and Zipf α = 1.2 over 64 prefixes, several workload seeds): a
     weight above 1 on the new prefill charges a miss for the cached blocks it evicts as well
@@ -204,6 +219,10 @@ class KvAwarePolicy(_NativePolicy):
     at K = 24); 32 let skews last longer (1.38 × the mean). Placing the guard's copies by
     recent share rather than by load alone won back ~0.4 points of Zipf hit rate (placing
     every copy so reshuffled K = 24's hits by ±1 point per seed, for nothing on average).
+    The admission guard trades hits for tail, so it is off by default: on 6 workers at K = 24,
+    c = 16 (4 seeds) 0.1 gave hit 0.862, p99 168 ms; 0.2 gave 0.867 / 187; 0.3 0.874 / 227;
+    none 0.895 / 383; but on 3 overloaded workers (K = 12, c = 16) 0.2 cost 3 points of hit
+    rate for no shorter tail (``docs/router.md``).
     """
 
     name = "kv-aware"
@@ -219,12 +238,13 @@ class KvAwarePolicy(_NativePolicy):
         share_factor: float | None = 0.35,
         share_window: float = 24.0,
         share_weight: float = 4.0,
+        admission_wait: float | None = None,
     ):
         try:
             return super().__new__(
                 cls, cls.name, rng, block_size=block_size, overlap_weight=overlap_weight,
                 request_weight=request_weight, load_factor=load_factor, share_factor=share_factor,
-                share_window=share_window, share_weight=share_weight,
+                share_window=share_window, share_weight=share_weight, admission_wait=admission_wait,
             )
         except ValueError as exc:
             raise UserError(str(exc)) from None

@@ -8,7 +8,9 @@ preemption). The native simulator reproduced that record bit for bit. Re-recorde
 from the native simulator, for one deliberate change of the engine model: a freed block that
 holds no hash (a request's partial last block) goes to the head of the free queue, as in vLLM
 0.32's ``free_blocks``, which made the model agree with real vLLM request for request
-(tests/vllm/test_engine_parity.py); 126 of the 156 trials changed.
+(tests/vllm/test_engine_parity.py); 126 of the 156 trials changed. kv-aware runs without its
+admission guard (``admission_wait=None``, the guard came after the record): the traces pin the
+engine and the policy's other paths; tests/test_kv_aware.py and the core's tests cover the guard.
 
 tests/test_sim_golden.py requires today's simulator to reproduce every request exactly: worker,
 cached tokens, TTFT and end-to-end latency (as float reprs), and each worker's prefix-cache
@@ -61,6 +63,8 @@ def record(name, spec_kwargs, workers, concurrency, policy, config_kwargs, seed,
     cost = get_preset(timing)
     config = WorkerConfig(config_kwargs["num_blocks"], config_kwargs["block_size"], cost)
     options = {"block_size": config.block_size} if "block_size" in policy_parameters(policy) else {}
+    if "admission_wait" in policy_parameters(policy):
+        options["admission_wait"] = None
     result = run_trial(workload, workers, concurrency, config,
                        make_policy(policy, rng=random.Random(trial_seed(seed, 0)), **options), **SINGLE_STEPS)
     return {
