@@ -170,7 +170,8 @@ class Setting:
 
 #: Every router's selectable settings; the first is what a bare ``--routers NAME`` runs.
 #: kvroute (and the baselines) run as shipped only: the comparison tunes the peers, not kvroute
-#: (``kvroute:retention-auto`` is a shipped mode that is not the default, not a tuning).
+#: (``kvroute:retention-auto`` and ``kvroute:admission`` are shipped modes that are not the
+#: default, not tunings).
 SETTINGS: dict[str, dict[str, Setting]] = {
     "service": {"defaults": Setting("defaults", why="kvroute service: random per TCP connection")},
     "kvroute": {
@@ -179,6 +180,14 @@ SETTINGS: dict[str, dict[str, Setting]] = {
             "kvroute serve --retention auto: shipped but not the default; the router also "
             "refreshes the prefixes each worker's LRU would evict (README, Retention), here to "
             "measure whether it should be the default (issue 19)")),
+        "admission": Setting("admission", ("--policy-option", "admission_wait=0.2"), (
+            "kvroute serve with kv-aware's admission guard on (shipped, off by default): a "
+            "request that would wait for KV blocks on the cheapest worker goes where it fits "
+            "(docs/router.md)")),
+        "retention-auto-admission": Setting("retention-auto-admission", (
+            "--retention", "auto", "--policy-option", "admission_wait=0.2"), (
+            "both shipped modes that are not the default: --retention auto and the admission "
+            "guard")),
     },
     "floor": {"defaults": Setting("defaults", why="the bare aiohttp + uvloop relay (overhead only)")},
     "haproxy": {"defaults": Setting("defaults", why=(
