@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 
 from kvroute.bench.files import ResultsWriter
-from kvroute.bench.runner import SweepHooks
+from kvroute.bench.runner import SweepHooks, server_cache_config
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.experiment import ExperimentResult, run_experiment
@@ -277,6 +277,29 @@ async def test_router_index_follows_real_kv_events(vllm_fleet):
               f"cached_tokens {len(hashes) * bs}; after {len(fillers)} fillers of {PROMPT_BLOCKS} blocks "
               f"(budget {usable_blocks}): overlap 0, index {router.index.worker_blocks(serving)} blocks "
               f"= vLLM {len(mirror.held())}; vLLM events seen {dict(mirror.kinds)}; index stats {stats}")
+
+
+async def test_router_reads_each_real_workers_kv_capacity(vllm_fleet):
+    """With kv-aware's admission guard on, the router counts each worker's cache by the
+    ``num_gpu_blocks`` real vLLM exports on ``/metrics`` (``vllm:cache_config_info``), less the
+    null block: no flag written for another fleet."""
+    reported = await server_cache_config([s.url + "/metrics" for s in vllm_fleet.servers])
+    want = {s.url: float(blocks - 1) for s, (blocks, _) in zip(vllm_fleet.servers, reported)}
+    config = _router_config(vllm_fleet, policy_options={"admission_wait": 0.2})
+
+    def capacities(text: str) -> dict[str, float]:
+        found = {}
+        for line in text.splitlines():
+            if line.startswith("kvroute_router_worker_kv_capacity_blocks{"):
+                labels, value = line.rsplit(" ", 1)
+                found[labels.split('worker="', 1)[1].split('"', 1)[0]] = float(value)
+        return found
+
+    async with start_router(config) as router:
+        await _eventually(lambda: capacities(router.metrics_text()) == want,
+                          lambda: f"router: {capacities(router.metrics_text())}, vLLM: {want}",
+                          timeout_s=10)
+    print(f"\nrouter read each worker's usable KV blocks from vLLM's /metrics: {want}")
 
 
 async def test_kv_aware_router_beats_random_on_real_vllm(vllm_fleet, tier_plan, tmp_path):

@@ -63,7 +63,8 @@ pub struct Member {
     pub refresh_model: Option<String>,
     /// Failed health checks (cumulative, for the metric).
     pub health_failures: u64,
-    /// Its usable KV blocks as the admission guard counts them (None: not known yet).
+    /// Its usable KV blocks as the admission guard and retention count them (None: not
+    /// known yet).
     pub kv_capacity_blocks: Option<usize>,
     /// Monotonic seconds before which its engine is not asked for its capacity again.
     pub kv_capacity_retry_at: f64,
