@@ -110,9 +110,11 @@ def test_router_settings_parse_into_separate_entries():
 
 def test_kvroute_runs_as_shipped_only():
     """kvroute is not tuned: its defaults, and its shipped modes that are not the default
-    (retention auto, the admission guard; to measure whether they should be)."""
+    (retention auto, the admission guard, and its limit at 0.7; to measure whether they
+    should be)."""
     assert list(peers.SETTINGS["kvroute"]) == [
-        "defaults", "retention-auto", "admission", "retention-auto-admission"]
+        "defaults", "retention-auto", "admission", "retention-auto-admission",
+        "retention-auto-admission-0.7"]
     assert peers.SETTINGS["kvroute"]["defaults"].args == ()
     assert peers.SETTINGS["kvroute"]["retention-auto"].args == ("--retention", "auto")
     assert peers.SETTINGS["kvroute"]["admission"].args == ("--policy-option", "admission_wait=0.2")
