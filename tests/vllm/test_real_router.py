@@ -287,18 +287,13 @@ async def test_router_reads_each_real_workers_kv_capacity(vllm_fleet):
     want = {s.url: float(blocks - 1) for s, (blocks, _) in zip(vllm_fleet.servers, reported)}
     config = _router_config(vllm_fleet, policy_options={"admission_wait": 0.2})
 
-    def capacities(text: str) -> dict[str, float]:
-        found = {}
-        for line in text.splitlines():
-            if line.startswith("kvroute_router_worker_kv_capacity_blocks{"):
-                labels, value = line.rsplit(" ", 1)
-                found[labels.split('worker="', 1)[1].split('"', 1)[0]] = float(value)
-        return found
-
     async with start_router(config) as router:
-        await _eventually(lambda: capacities(router.metrics_text()) == want,
-                          lambda: f"router: {capacities(router.metrics_text())}, vLLM: {want}",
-                          timeout_s=10)
+        def capacities() -> dict[str, float]:
+            return {url: router.metric("kvroute_router_worker_kv_capacity_blocks", worker=url)
+                    for url in want}
+
+        await _eventually(lambda: capacities() == want,
+                          lambda: f"router: {capacities()}, vLLM: {want}", timeout_s=10)
     print(f"\nrouter read each worker's usable KV blocks from vLLM's /metrics: {want}")
 
 
