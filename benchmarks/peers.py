@@ -28,8 +28,10 @@ Routers (``--routers NAME[:SETTING],...``; ``--list-settings`` shows every setti
 
 * ``service``      ``kvroute service``: random per TCP connection, the Kubernetes baseline;
 * ``kvroute``      ``kvroute serve --policy kv-aware`` with the workers' KV events and the
-                   tokenizer (exact token matching); its defaults, and
-                   ``retention-auto`` (``--retention auto``: shipped, not the default);
+                   tokenizer (exact token matching); its defaults (``--retention auto``),
+                   and shipped modes that are not the default: ``retention-off``,
+                   ``admission`` (the admission guard), ``admission-0.7``,
+                   ``retention-off-admission``;
 * ``sglang``       sglang-router, ``--policy cache_aware`` (prefix tree of routed text);
                    settings ``defaults``, ``tuned`` (tree sized to a worker's KV and evicted
                    every second), ``balance`` (a tight load guard);
@@ -170,29 +172,32 @@ class Setting:
 
 #: Every router's selectable settings; the first is what a bare ``--routers NAME`` runs.
 #: kvroute (and the baselines) run as shipped only: the comparison tunes the peers, not kvroute
-#: (``kvroute:retention-auto`` and ``kvroute:admission`` are shipped modes that are not the
-#: default, not tunings; ``retention-auto-admission-0.7`` measures which limit the guard should
-#: ship with).
+#: (``kvroute:retention-off`` and ``kvroute:admission`` are shipped modes that are not the
+#: default, not tunings; ``admission-0.7`` measures which limit the guard should ship with).
+#: Results saved before 2026-12-03 name kvroute's rows by the settings of then, when retention
+#: was off by default: their ``defaults`` is today's ``retention-off``, ``retention-auto``
+#: today's ``defaults``, ``admission`` today's ``retention-off-admission``,
+#: ``retention-auto-admission`` and ``-0.7`` today's ``admission`` and ``admission-0.7``.
 SETTINGS: dict[str, dict[str, Setting]] = {
     "service": {"defaults": Setting("defaults", why="kvroute service: random per TCP connection")},
     "kvroute": {
-        "defaults": Setting("defaults", why="kvroute serve --policy kv-aware as shipped"),
-        "retention-auto": Setting("retention-auto", ("--retention", "auto"), (
-            "kvroute serve --retention auto: shipped but not the default; the router also "
-            "refreshes the prefixes each worker's LRU would evict (README, Retention), here to "
-            "measure whether it should be the default (issue 19)")),
+        "defaults": Setting("defaults", why=(
+            "kvroute serve --policy kv-aware as shipped: --retention auto, the router also "
+            "refreshes the prefixes each worker's LRU would evict while that measurably saves "
+            "prefills (README, Retention)")),
+        "retention-off": Setting("retention-off", ("--retention", "off"), (
+            "kvroute serve --retention off: placement alone, no refreshes (the default until "
+            "2026-12-03)")),
         "admission": Setting("admission", ("--policy-option", "admission_wait=0.2"), (
             "kvroute serve with kv-aware's admission guard on (shipped, off by default): a "
             "request that would wait for KV blocks on the cheapest worker goes where it fits "
             "(docs/router.md)")),
-        "retention-auto-admission": Setting("retention-auto-admission", (
-            "--retention", "auto", "--policy-option", "admission_wait=0.2"), (
-            "both shipped modes that are not the default: --retention auto and the admission "
-            "guard")),
-        "retention-auto-admission-0.7": Setting("retention-auto-admission-0.7", (
-            "--retention", "auto", "--policy-option", "admission_wait=0.7"), (
-            "--retention auto with the admission guard's limit at 0.7 of a typical request: "
-            "in the simulator it keeps auto's hit rate where 0.2 costs 0.035 (docs/router.md)")),
+        "admission-0.7": Setting("admission-0.7", ("--policy-option", "admission_wait=0.7"), (
+            "the admission guard with its limit at 0.7 of a typical request: in the simulator "
+            "it keeps retention's hit rate where 0.2 costs 0.035 (docs/router.md)")),
+        "retention-off-admission": Setting("retention-off-admission", (
+            "--retention", "off", "--policy-option", "admission_wait=0.2"), (
+            "the admission guard without retention")),
     },
     "floor": {"defaults": Setting("defaults", why="the bare aiohttp + uvloop relay (overhead only)")},
     "haproxy": {"defaults": Setting("defaults", why=(

@@ -88,7 +88,7 @@ def test_retention_reads_the_capacity_too_a_configured_one_wins_and_neither_asks
         retaining = await start_router(RouterConfig(workers=[url], retention="auto"))
         configured = await start_router(RouterConfig(workers=[url], kv_capacity_blocks=500,
                                                      policy_options={"admission_wait": 0.2}))
-        plain = await start_router(RouterConfig(workers=[url]))
+        plain = await start_router(RouterConfig(workers=[url], retention="off"))
         try:
             assert await _capacities(retaining.url, 1) == {url: 119.0}
             assert "kvroute_router_admission_diversions" not in await _metrics(retaining.url)

@@ -110,13 +110,12 @@ def test_router_settings_parse_into_separate_entries():
 
 def test_kvroute_runs_as_shipped_only():
     """kvroute is not tuned: its defaults, and its shipped modes that are not the default
-    (retention auto, the admission guard, and its limit at 0.7; to measure whether they
-    should be)."""
+    (retention off, the admission guard, its limit at 0.7, the guard without retention; to
+    measure whether they should be)."""
     assert list(peers.SETTINGS["kvroute"]) == [
-        "defaults", "retention-auto", "admission", "retention-auto-admission",
-        "retention-auto-admission-0.7"]
+        "defaults", "retention-off", "admission", "admission-0.7", "retention-off-admission"]
     assert peers.SETTINGS["kvroute"]["defaults"].args == ()
-    assert peers.SETTINGS["kvroute"]["retention-auto"].args == ("--retention", "auto")
+    assert peers.SETTINGS["kvroute"]["retention-off"].args == ("--retention", "off")
     assert peers.SETTINGS["kvroute"]["admission"].args == ("--policy-option", "admission_wait=0.2")
     with pytest.raises(ValueError, match="no setting 'tuned'"):
         peers.parse_router_entries("kvroute:tuned")

@@ -58,6 +58,7 @@ from kvroute.errors import UserError
 from kvroute.fleet import Fleet
 from kvroute.kvevents import EventsSettings, EventsSource
 from kvroute.proxy import RouterConfig, start_router
+from kvroute.proxy.config import default_retention
 from kvroute.records import Point, RequestRecord
 from kvroute.service import TcpBalancer
 from kvroute.sim import trial_seed
@@ -117,6 +118,8 @@ class ExperimentPlan:
         trials: per point (medians reported).
         topologies: balancers to measure (``service``, ``router``).
         router_policy: the router topology's policy.
+        router_retention: the router topology's retention mode (None: ``kvroute serve``'s
+            default for ``router_policy``), also simulated for its prediction.
         timing: the workers' cost-model preset (for the simulator's prediction).
         time_scale: how much faster than real time emulated workers run.
         vocab_size: the served model's vocabulary; prompts then draw token ids below it
@@ -133,12 +136,18 @@ class ExperimentPlan:
     trials: int
     topologies: tuple[str, ...] = ("service",)
     router_policy: str = ROUTER_POLICY
+    router_retention: str | None = None
     timing: str = "reference-gpu"
     time_scale: float = 1.0
     seed: int = 0
     vocab_size: int | None = None
     trace: TraceWindow | None = None
     max_model_len: int = 4096
+
+    @property
+    def retention(self) -> str:
+        """The router topology's retention mode."""
+        return self.router_retention or default_retention(self.router_policy)
 
     @property
     def total_trials(self) -> int:
@@ -199,13 +208,16 @@ async def run_experiment(
         finally:
             await fleet.close()
     policies = {"service": "random", "router": plan.router_policy}
+    retention = {"router": plan.retention}
     if workloads and result.geometry and plan.trace is not None:
         result.predicted, result.predicted_timelines = simulate_trace_points(
-            result.measured, workloads[0], *result.geometry, plan.timing, plan.seed, plan.max_model_len, policies,
+            result.measured, workloads[0], *result.geometry, plan.timing, plan.seed, plan.max_model_len,
+            policies, retention,
         )
     elif workloads and result.geometry:
         result.predicted = simulate_points(
-            result.measured, workloads, *result.geometry, plan.timing, plan.trials, plan.seed, policies,
+            result.measured, workloads, *result.geometry, plan.timing, plan.trials, plan.seed,
+            policies, retention,
         )
     return result
 
@@ -270,6 +282,7 @@ async def _balancer(
         config = RouterConfig(
             workers=fleet.urls,
             policy=plan.router_policy,
+            retention=plan.retention,
             seed=plan.seed,
             block_size=block_size or RouterConfig.block_size,
             events=EventsSettings(per_worker=per_worker) if per_worker else None,

@@ -433,11 +433,13 @@ def simulate_points(
     trials: int,
     seed: int,
     policies: dict[str, str] | None = None,
+    retention: dict[str, str] | None = None,
 ) -> list[Point]:
     """The simulator's prediction for each measured closed-loop point: the same W workers, the
     same seeded requests and concurrency, balanced by ``policies[label]`` (the sim policy
-    standing for the measured topology; random when the label is not there). Labelled with the
-    measured topology's name so the report shows them side by side."""
+    standing for the measured topology; random when the label is not there) with
+    ``retention[label]`` (off when not there). Labelled with the measured topology's name so
+    the report shows them side by side."""
     from kvroute.engine import get_preset
     from kvroute.sim import SweepPoint, WorkerConfig, run_point
 
@@ -450,7 +452,8 @@ def simulate_points(
             continue
         config.check_fits(wl.source)
         policy = (policies or {}).get(p.policy, "random")
-        point = run_point(SweepPoint(p.workers, p.prefixes, p.concurrency, policy), wl.source, config, trials, seed)
+        mode = (retention or {}).get(p.policy, "off")
+        point = run_point(SweepPoint(p.workers, p.prefixes, p.concurrency, policy, mode), wl.source, config, trials, seed)
         point.policy = p.policy
         out.append(point)
     return out
@@ -465,10 +468,12 @@ def simulate_trace_points(
     seed: int,
     max_model_len: int,
     policies: dict[str, str] | None = None,
+    retention: dict[str, str] | None = None,
 ) -> tuple[list[Point], dict[tuple[int, str], list[RequestRecord]]]:
     """The simulator's prediction for each measured trace replay (open loop): the same W
     workers and the same window of the trace at its own timestamps, balanced by
-    ``policies[label]`` (random when the label is not there), refusing what
+    ``policies[label]`` (random when the label is not there) with ``retention[label]`` (off
+    when not there), refusing what
     ``max_model_len`` refuses. Returns the points, labelled as the measured topologies, and
     each replay's records for the plots over time."""
     from kvroute.engine import get_preset
@@ -481,7 +486,8 @@ def simulate_trace_points(
         if p.concurrency != 0 or workload.trace is None:
             continue
         policy = trace_policy((policies or {}).get(p.policy, "random"), seed, block_size)
-        run = simulate_trace(workload.trace, p.workers, config, policy, max_model_len)
+        run = simulate_trace(workload.trace, p.workers, config, policy, max_model_len,
+                             retention=(retention or {}).get(p.policy, "off"))
         points.append(Point(p.workers, p.prefixes, 0, p.policy, [run.stats()]))
         timelines[(p.workers, p.policy)] = run.records
     return points, timelines

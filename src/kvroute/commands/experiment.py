@@ -28,6 +28,7 @@ from kvroute.experiment import (
     run_experiment,
 )
 from kvroute.fleet import VllmServeOptions, external, launch_emulated, launch_vllm
+from kvroute.proxy.config import RETENTION_MODES
 from kvroute.report import (
     output_console,
     print_hit_rate_table,
@@ -118,6 +119,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-policy", default=ROUTER_POLICY, choices=sorted(POLICIES),
                         help="the router topology's policy, also simulated for its prediction "
                         "(default %(default)s)")
+    parser.add_argument("--router-retention", default=None, choices=RETENTION_MODES,
+                        help="the router topology's --retention, also simulated for its prediction "
+                        "(default: kvroute serve's, auto with kv-aware)")
     parser.add_argument("--quick", action="store_true",
                         help="a reduced sweep (W 6,3; K 2,12,24; c 4,8; 1 trial) that takes a few minutes")
     parser.add_argument("--concurrency", "-c", default=None, metavar="C[,C...]", help="closed-loop levels (reference 4,8,16)")
@@ -194,6 +198,7 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         trials=trials,
         topologies=topologies,
         router_policy=args.router_policy,
+        router_retention=args.router_retention,
         timing=args.timing or ("cpu-tiny" if args.engine == "vllm" else "reference-gpu"),
         time_scale=args.time_scale if args.engine == "emulator" else 1.0,
         seed=args.seed,

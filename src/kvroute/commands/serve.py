@@ -26,6 +26,7 @@ from kvroute.proxy.config import (
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
     EVENTS_PREDICTED_TTL_S,
     MAX_JSON_DEPTH,
+    RETENTION_MODES,
     RouterConfig,
 )
 from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
@@ -103,10 +104,6 @@ Example: vLLM pods behind a headless Service, events on port 5557, replay on 555
 """
 DESCRIPTION %= {"depth": MAX_JSON_DEPTH}
 
-
-#: ``--retention``'s default (see the README's Retention section for why).
-DEFAULT_RETENTION = "off"
-
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     listen = parser.add_argument_group("listening")
     listen.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
@@ -163,10 +160,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="predicted blocks kept per worker, LRU (default without events: "
                         f"{DEFAULT_PREDICTED_CAPACITY_BLOCKS}, the reference worker's cache)")
 
-    routing.add_argument("--retention", choices=("off", "on", "auto"), default=DEFAULT_RETENTION,
+    routing.add_argument("--retention", choices=RETENTION_MODES, default=None,
                          help="refresh the prefixes each worker's LRU would evict with a prefix-only "
-                         "request (the prefix's token ids, max_tokens 1): off, on, or auto (only where "
-                         "it pays); metrics kvroute_retention_* (default: %(default)s)")
+                         "request (the prefix's token ids, max_tokens 1): off, on, or auto (only on "
+                         "a worker with slack, only while the refreshes measurably save prefills); "
+                         "metrics kvroute_retention_* (default: auto with kv-aware, off with the "
+                         "other policies)")
     routing.add_argument("--kv-capacity-blocks", type=int, metavar="N",
                          help="each worker's usable KV blocks (vLLM's num_gpu_blocks less the null "
                          "block), for retention's model and kv-aware's admission guard (default: "

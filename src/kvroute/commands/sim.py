@@ -26,6 +26,7 @@ from kvroute.commands._common import (
 )
 from kvroute.engine import PRESETS, get_preset
 from kvroute.errors import UserError
+from kvroute.proxy.config import RETENTION_MODES
 from kvroute.records import Point, write_points_json
 from kvroute.report import output_console, print_tables
 from kvroute.routing.policies import POLICIES, policy_parameters
@@ -53,9 +54,6 @@ examples:
   kvroute sim --trace conversation_trace.jsonl -W 8 --policy random,kv-aware --kv-capacity-tokens 3M --max-model-len 200000
   kvroute sim --trace synthetic_trace.jsonl --duration 300 --max-model-len 200000   # a 5-minute window
 """
-
-#: ``--retention`` modes.
-RETENTION_MODES = ("off", "on", "auto")
 
 #: ``vllm serve --max-model-len`` and ``kvroute emulate``'s default.
 DEFAULT_MAX_MODEL_LEN = 4096
@@ -85,7 +83,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--retention", default="off", metavar="MODE[,MODE...]",
                         help="the router refreshes the prefixes each worker's LRU would evict "
                              "(a prefix-only request, max_tokens 1): off, on, or auto (only with "
-                             "slack, only where it pays); a comma list sweeps (default %(default)s)")
+                             "slack, only where it pays); a comma list sweeps (default %(default)s, placement "
+                             "alone; kvroute serve defaults to auto with kv-aware)")
     parser.add_argument("--timing", default="reference-gpu", choices=sorted(PRESETS),
                         help="cost-model preset for step times (default %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",

@@ -21,6 +21,9 @@ DEFAULT_PREDICTED_CAPACITY_BLOCKS = 585
 #: The index's default memory bound: 256 MiB is 2M (worker, block) entries at 128 bytes each,
 #: e.g. 32 workers with 65k blocks of KV each (an 80 GB GPU serving an 8B model holds ~40k).
 DEFAULT_INDEX_MAX_BYTES = 256 * 2**20
+#: Retention's modes (``kvroute_core::retention::RetentionMode``); the default is
+#: :func:`default_retention`'s.
+RETENTION_MODES = ("off", "on", "auto")
 #: Bodies larger than this are parsed, tokenized and hashed on a blocking thread, so that a
 #: huge prompt never holds a thread that serves other connections.
 DEFAULT_OFFLOAD_BYTES = 256 * 1024
@@ -109,7 +112,8 @@ class RouterConfig:
         prompt_cache_bytes: memory bound of the tokenizer's caches of text pieces (shared
             prefixes are tokenized once).
         retention: ``off``, ``on`` or ``auto``: refresh the prefixes each worker's LRU would
-            evict (the core's retention model, as in ``kvroute sim --retention``).
+            evict (the core's retention model, as in ``kvroute sim --retention``). None:
+            :func:`default_retention` for ``policy`` (read it with :meth:`retention_mode`).
         kv_capacity_blocks: each worker's usable KV blocks (vLLM's ``num_gpu_blocks`` less the
             null block), for retention's model and kv-aware's admission guard. None: the guard
             reads each worker's own from its ``/metrics`` (``vllm:cache_config_info``), and
@@ -152,9 +156,21 @@ class RouterConfig:
     forward_authorization: bool = False
     worker_api_key: str | None = None
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
-    retention: str = "off"
+    retention: str | None = None
     kv_capacity_blocks: int | None = None
     threads: int = 1
+
+    def retention_mode(self) -> str:
+        """The retention mode the router runs: ``retention``, or the policy's default."""
+        return self.retention or default_retention(self.policy)
+
+
+def default_retention(policy: str) -> str:
+    """Retention's mode when none is given: ``auto`` with kv-aware (it refreshes only while the
+    refreshes measurably save prefills; the README's Retention section has the figures), ``off``
+    with every other policy, whose placement retention would override for prompts cached
+    nowhere."""
+    return "auto" if policy == "kv-aware" else "off"
 
 
 def predicted_settings(config: RouterConfig) -> tuple[float | None, int | None]:

@@ -57,7 +57,7 @@ def native_arguments(config: RouterConfig) -> dict[str, Any]:
     events = config.events or EventsSettings()
     ttl, capacity = predicted_settings(config)
     return dict(
-        retention=None if config.retention == "off" else config.retention,
+        retention=None if config.retention_mode() == "off" else config.retention_mode(),
         retention_capacity_blocks=retention_capacity(config),
         kv_capacity_blocks=config.kv_capacity_blocks,
         host=config.host, port=config.port, threads=config.threads, policy=config.policy,
