@@ -20,6 +20,7 @@ from aiohttp import web
 from kvroute.bench.runner import router_refreshes
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.proxy import RouterConfig, start_router
+from kvroute.proxy.router import native_arguments
 from kvroute.tokens import SyntheticTokenizer
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -267,3 +268,18 @@ async def test_auto_sends_nothing_ahead_of_a_request_to_an_idle_worker_but_once_
             assert sent + dropped == stats["refreshes"] and sent >= 0.8 * stats["refreshes"] > 0
             assert metric(text, "kvroute_retention_refresh_errors_total") == 0
             assert worker.worker.engine.stats.requests == 40 + sent
+
+
+@pytest.mark.parametrize(("policy", "retention", "runs"), [
+    ("kv-aware", None, "auto"), ("kv-aware", "off", None), ("kv-aware", "on", "on"),
+    ("round-robin", None, None), ("round-robin", "auto", "auto")])
+async def test_kv_aware_retains_by_default_and_the_other_policies_only_when_asked(
+        policy, retention, runs):
+    """``kvroute serve`` with no ``--retention`` runs ``auto`` with kv-aware, ``off`` with the
+    other policies (whose placement retention would override)."""
+    async with _emulated_worker() as worker:
+        config = RouterConfig(workers=[worker.url], policy=policy, retention=retention,
+                              health_interval_s=0)
+        assert native_arguments(config)["retention"] == runs
+        async with start_router(config) as router:
+            assert (router.retention_stats() is not None) == (runs is not None)
