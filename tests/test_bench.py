@@ -22,10 +22,11 @@ from kvroute.bench import (
 from kvroute.bench.client import StreamResult, read_sse
 from kvroute.bench.files import ResultsWriter
 from kvroute.bench.prompts import poisson_schedule
-from kvroute.bench.runner import discover_model, simulate_points
-from kvroute.bench.scrape import metrics_endpoint, parse_metrics
+from kvroute.bench.runner import TrialSink, discover_model, simulate_points
+from kvroute.bench.scrape import metrics_endpoint, parse_metrics, window_token_hit_rate
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.errors import UserError
+from kvroute.proxy import RouterConfig, start_router
 from kvroute.service import TcpBalancer
 from kvroute.tokens import SyntheticTokenizer, safe_vocabulary
 from kvroute.workload import LengthDist, WorkloadSpec
@@ -237,6 +238,36 @@ async def test_hit_rates_agree_with_the_simulator(six_workers, tmp_path):
     assert measured[0].trials[0].hits == 190  # K=2: the W·K − K = 10 first contacts miss
     lines = (tmp_path / "records.jsonl").read_text().splitlines()
     assert len(lines) == 2 + 200 + 12 + 240
+
+
+async def test_hit_measures_agree_exactly_through_a_router_that_refreshes():
+    """The workers' counters count a retention router's refreshes too; the bench takes out
+    what the router says its refreshes were (prompt and cached tokens, from their answers),
+    read once the refreshes settled: the two measures then agree exactly, as they do without
+    a router."""
+    workers = await start_workers(emulator_config(num_gpu_blocks_override=65, max_model_len=1024), n=2)
+    config = RouterConfig(workers=[w.url for w in workers], retention="on", kv_capacity_blocks=64,
+                          health_interval_s=0)
+    windows = []
+
+    class Windows(TrialSink):
+        def trial_done(self, result):
+            windows.append(result.window)
+
+    try:
+        async with start_router(config) as router:
+            wl = reference_workload(small_spec(8, prefix_tokens=LengthDist.fixed(160), requests=60),
+                                    PromptEncoder("ids", MODEL))
+            target = BenchTarget(router.url, tuple(w.url for w in workers), MODEL, "router")
+            (point,) = await run_sweep(target, [wl], BenchOptions(concurrency=(4,), seed=1), sink=Windows())
+    finally:
+        for w in workers:
+            await w.close()
+    (t,) = point.trials
+    assert t.failed == 0 and t.refreshes > 0
+    assert t.metrics_token_hit_rate == pytest.approx(t.token_hit_rate, abs=1e-12)
+    # Counted with the refreshes, the counters would say otherwise.
+    assert abs(window_token_hit_rate(windows[0]) - t.token_hit_rate) > 0.01
 
 
 async def test_missing_cached_tokens_is_detected_with_metrics():

@@ -179,7 +179,7 @@ document.body.setAttribute("data-layout", JSON.stringify(out));
     assert shot.read_bytes()[:4] == b"\x89PNG"
 
 
-def test_hit_measures_agreement_says_when_refreshes_are_in_the_worker_counters() -> None:
+def test_hit_measures_agreement_says_when_refreshes_were_taken_out_of_the_worker_counters() -> None:
     from dataclasses import replace
 
     from kvroute.records import TrialStats
@@ -190,4 +190,4 @@ def test_hit_measures_agreement_says_when_refreshes_are_in_the_worker_counters()
     quiet = hit_measures_agreement([Point(6, 24, 8, "router", [plain])])
     assert "max |Δ| = 0.0200 over 1 trials" in quiet and "refreshes" not in quiet
     refreshed = hit_measures_agreement([Point(6, 24, 8, "router", [replace(plain, refreshes=5)])])
-    assert "retention refreshes count in the workers' counters only" in refreshed
+    assert "refreshes, as it measured them, taken out of the workers' counters" in refreshed

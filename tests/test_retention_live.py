@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from kvroute.bench.runner import router_refreshes
+from kvroute.bench.runner import RouterRefreshes, router_refreshes
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.proxy import RouterConfig, start_router
 from kvroute.proxy.router import native_arguments
@@ -53,7 +53,8 @@ def _router_config(url: str, mode: str = "on", blocks: int = BLOCKS, **more) -> 
 async def _emulated_worker(blocks: int = BLOCKS):
     """One emulated worker (instant timing) with ``blocks`` blocks; closed on exit."""
     config = EmulatorConfig.for_model(
-        "qwen3-0.6b", timing="instant", max_model_len=1024, num_gpu_blocks_override=blocks
+        "qwen3-0.6b", timing="instant", max_model_len=1024, num_gpu_blocks_override=blocks,
+        enable_prompt_tokens_details=True,
     )
     (worker,) = await start_workers(config, 1)
     try:
@@ -130,7 +131,7 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
                 text = await _metrics(router.url)
                 assert "kvroute_retention_refreshes" not in text
                 assert worker.worker.engine.stats.requests == 40
-                assert await router_refreshes(router.url) == 0
+                assert await router_refreshes(router.url) == RouterRefreshes()
                 return
             await _settle(router)
             text = await _metrics(router.url)
@@ -147,7 +148,12 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
             # Every client request went after its refreshes were on their connections.
             assert metric(text, "kvroute_retention_refreshes_late_total") == 0
             # What the bench reads as a trial's refreshes; a worker's own /metrics has none.
-            assert await router_refreshes(router.url + "/v1") == sent
+            refreshes = await router_refreshes(router.url + "/v1")
+            assert refreshes.sent == sent and refreshes.open == 0
+            # Every refresh came back with its usage, mostly cached (what the bench takes out
+            # of the workers' counters).
+            assert refreshes.answered_prompt_tokens == refreshes.prompt_tokens
+            assert refreshes.prompt_tokens - sent <= refreshes.cached_tokens < refreshes.prompt_tokens
             assert await router_refreshes(worker.url) is None
 
 

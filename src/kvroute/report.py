@@ -115,7 +115,8 @@ def hit_measures_agreement(points: list[Point]) -> str:
     return (
         f"token hit ratio, per-request usage vs worker counters: max |Δ| = {max(diffs):.4f} "
         f"over {len(diffs)} trials"
-        + (" (the router's retention refreshes count in the workers' counters only)" if refreshed else "")
+        + (" (the router's retention refreshes, as it measured them, taken out of the workers' counters)"
+           if refreshed else "")
     )
 
 

@@ -12,6 +12,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kvroute_io::consumer::CounterSnapshot;
 
 use crate::fleet::Fleet;
+use crate::relay::RefreshUsage;
 
 /// Labelled counters: one value per label tuple.
 #[derive(Default)]
@@ -166,6 +167,8 @@ pub struct Metrics {
     refresh_errors: Family,
     refreshes_dropped: Family,
     pub refresh_prompt_tokens: AtomicU64,
+    refresh_answered_prompt_tokens: AtomicU64,
+    refresh_cached_tokens: AtomicU64,
     pub refreshes_late: AtomicU64,
     pub retries: AtomicU64,
     pub connections_refused: AtomicU64,
@@ -190,6 +193,8 @@ impl Default for Metrics {
             refresh_errors: Family::default(),
             refreshes_dropped: Family::default(),
             refresh_prompt_tokens: AtomicU64::new(0),
+            refresh_answered_prompt_tokens: AtomicU64::new(0),
+            refresh_cached_tokens: AtomicU64::new(0),
             refreshes_late: AtomicU64::new(0),
             retries: AtomicU64::new(0),
             connections_refused: AtomicU64::new(0),
@@ -250,6 +255,14 @@ impl Metrics {
             .fetch_add(tokens as u64, Ordering::Relaxed);
     }
 
+    /// A refresh answered with its usage (what the engine's prefix-cache counters counted).
+    pub fn refresh_answered(&self, usage: RefreshUsage) {
+        self.refresh_answered_prompt_tokens
+            .fetch_add(usage.prompt_tokens, Ordering::Relaxed);
+        self.refresh_cached_tokens
+            .fetch_add(usage.cached_tokens, Ordering::Relaxed);
+    }
+
     /// A refresh to `worker` failed (not retried).
     pub fn refresh_failed(&self, worker: &str) {
         self.refresh_errors.inc(&[worker]);
@@ -286,6 +299,20 @@ impl Metrics {
             "counter",
             "Prompt tokens of the refreshes sent",
             self.refresh_prompt_tokens.load(Ordering::Relaxed) as f64,
+        );
+        write_scalar(
+            out,
+            "kvroute_retention_refresh_answered_prompt_tokens",
+            "counter",
+            "Prompt tokens of the refreshes answered with their usage",
+            self.refresh_answered_prompt_tokens.load(Ordering::Relaxed) as f64,
+        );
+        write_scalar(
+            out,
+            "kvroute_retention_refresh_cached_tokens",
+            "counter",
+            "Cached prompt tokens the engines reported for those refreshes",
+            self.refresh_cached_tokens.load(Ordering::Relaxed) as f64,
         );
         write_scalar(
             out,

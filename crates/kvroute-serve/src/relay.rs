@@ -97,6 +97,36 @@ impl Drop for SignalBody {
 /// The client retention's refreshes go through.
 pub type RefreshUpstream = Client<HttpConnector, SignalBody>;
 
+/// What the engine reports of one answered refresh: its prompt tokens and how many of them
+/// it found in its prefix cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefreshUsage {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
+
+/// The usage of a completion answer: `usage.prompt_tokens`, and
+/// `usage.prompt_tokens_details.cached_tokens` (vLLM sends the details with
+/// `--enable-prompt-tokens-details`, and then leaves them null when nothing was cached: read
+/// as 0). None without `usage.prompt_tokens`. The engine's prefix-cache counters count a
+/// refresh like any request, so a measurement that compares them with its clients' own
+/// `cached_tokens` takes these out (`kvroute bench`, which also checks that the clients'
+/// answers carry the details).
+pub fn refresh_usage(answer: &[u8]) -> Option<RefreshUsage> {
+    let answer: serde_json::Value = serde_json::from_slice(answer).ok()?;
+    let usage = answer.get("usage")?;
+    let cached = usage
+        .get("prompt_tokens_details")
+        .and_then(|d| d.get("cached_tokens"));
+    Some(RefreshUsage {
+        prompt_tokens: usage.get("prompt_tokens")?.as_u64()?,
+        cached_tokens: match cached {
+            Some(n) => n.as_u64()?,
+            None => 0,
+        },
+    })
+}
+
 /// Request headers passed on to workers: everything else is hop-by-hop or the router's own.
 pub const FORWARDED_HEADERS: [HeaderName; 4] = [
     header::CONTENT_TYPE,
@@ -391,6 +421,30 @@ pub async fn collect(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_refresh_answers_usage_reads_null_details_as_nothing_cached() {
+        let vllm = br#"{"id":"cmpl-1","choices":[{"text":"x"}],"usage":{"prompt_tokens":2033,
+            "total_tokens":2034,"completion_tokens":1,"prompt_tokens_details":{"cached_tokens":2032}}}"#;
+        assert_eq!(
+            refresh_usage(vllm),
+            Some(RefreshUsage {
+                prompt_tokens: 2033,
+                cached_tokens: 2032
+            })
+        );
+        let missed = br#"{"usage":{"prompt_tokens":17,"prompt_tokens_details":null}}"#;
+        assert_eq!(
+            refresh_usage(missed),
+            Some(RefreshUsage {
+                prompt_tokens: 17,
+                cached_tokens: 0
+            })
+        );
+        assert_eq!(refresh_usage(br#"{"choices":[]}"#), None);
+        assert_eq!(refresh_usage(b"not json"), None);
+        assert_eq!(refresh_usage(br#"{"usage":{"prompt_tokens":-1}}"#), None);
+    }
 
     #[test]
     fn only_the_allowed_request_headers_go_to_a_worker() {

@@ -1238,10 +1238,18 @@ async fn send_refreshes(
                 Ok(request) => tokio::time::timeout(REFRESH_TIMEOUT, async {
                     let answer = s.refresh_upstream.request(request).await.ok()?;
                     let status = answer.status();
-                    let _ = http_body_util::Limited::new(answer.into_body(), 1 << 20)
+                    let body = http_body_util::Limited::new(answer.into_body(), 1 << 20)
                         .collect()
-                        .await;
-                    Some(status == StatusCode::OK)
+                        .await
+                        .ok()?
+                        .to_bytes();
+                    if status != StatusCode::OK {
+                        return Some(false);
+                    }
+                    if let Some(usage) = relay::refresh_usage(&body) {
+                        s.metrics.refresh_answered(usage);
+                    }
+                    Some(true)
                 })
                 .await
                 .ok()

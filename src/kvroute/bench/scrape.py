@@ -135,7 +135,11 @@ def deltas(before: list[CacheSample], after: list[CacheSample]) -> list[CacheDel
     return [CacheDelta(a.url, a.hits - b.hits, a.queries - b.queries) for b, a in zip(before, after)]
 
 
-def window_token_hit_rate(window: list[CacheDelta]) -> float | None:
-    """Hits ÷ queries over all workers (token-weighted, like the per-request measure)."""
-    queries = sum(d.queries for d in window)
-    return sum(d.hits for d in window) / queries if queries > 0 else None
+def window_token_hit_rate(
+    window: list[CacheDelta], other_queries: float = 0.0, other_hits: float = 0.0
+) -> float | None:
+    """Hits ÷ queries over all workers (token-weighted, like the per-request measure), less
+    ``other_queries`` and ``other_hits`` the workers also counted for requests that were not
+    the bench's (a router's retention refreshes)."""
+    queries = sum(d.queries for d in window) - other_queries
+    return (sum(d.hits for d in window) - other_hits) / queries if queries > 0 else None
