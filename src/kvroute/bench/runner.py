@@ -192,6 +192,10 @@ class RouterRefreshes:
     answered_prompt_tokens: float = 0.0
     cached_tokens: float = 0.0
 
+    def since(self, earlier: RouterRefreshes) -> RouterRefreshes:
+        """The counts between ``earlier`` and this reading (the open gauge's change too)."""
+        return RouterRefreshes(*(a - b for a, b in zip(astuple(self), astuple(earlier))))
+
 
 #: ``RouterRefreshes``' fields, by the metric each is read from.
 _REFRESH_METRICS = {
@@ -381,15 +385,13 @@ class BenchRunner:
             after = await scraper.scrape() if scraper else None
         window = deltas(before, after) if before is not None and after is not None else []
         records = sorted(cur.records, key=lambda r: r.index)
-        refreshed = (
-            RouterRefreshes(*(a - b for a, b in zip(astuple(refreshes_after), astuple(refreshes_before))))
-            if refreshes_before is not None and refreshes_after is not None else RouterRefreshes()
-        )
+        counted = refreshes_before is not None and refreshes_after is not None
+        refreshed = refreshes_after.since(refreshes_before) if counted else RouterRefreshes()
         if refreshed.answered_prompt_tokens < refreshed.prompt_tokens:
             self._warn_unmeasured_refreshes()
         stats = summarize(records, metrics_token_hit_rate=window_token_hit_rate(
             window, refreshed.answered_prompt_tokens, refreshed.cached_tokens))
-        if refreshes_before is not None and refreshes_after is not None:
+        if counted:
             stats.refreshes = int(refreshed.sent)
         result = TrialResult(self.target, workload.prefixes, concurrency, trial, cur.warmup, records, window, stats)
         self.sink.trial_done(result)

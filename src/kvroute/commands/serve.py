@@ -104,6 +104,7 @@ Example: vLLM pods behind a headless Service, events on port 5557, replay on 555
 """
 DESCRIPTION %= {"depth": MAX_JSON_DEPTH}
 
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     listen = parser.add_argument_group("listening")
     listen.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")

@@ -56,8 +56,9 @@ def native_arguments(config: RouterConfig) -> dict[str, Any]:
     """``NativeRouter``'s keyword arguments for ``config`` (the workers apart)."""
     events = config.events or EventsSettings()
     ttl, capacity = predicted_settings(config)
+    retention = config.retention_mode()
     return dict(
-        retention=None if config.retention_mode() == "off" else config.retention_mode(),
+        retention=None if retention == "off" else retention,
         retention_capacity_blocks=retention_capacity(config),
         kv_capacity_blocks=config.kv_capacity_blocks,
         host=config.host, port=config.port, threads=config.threads, policy=config.policy,
