@@ -118,6 +118,8 @@ def vllm_fleet(pytestconfig: pytest.Config) -> Iterator[RealVllmFleet]:
         prompt_tokens_details=False,
         kv_events=False,
         enforce_eager=True,
+        # tests/vllm/test_chat_requests.py names the template in its /tokenize bodies.
+        extra_args=("--trust-request-chat-template",),
     )
     # Started from this (the main) thread: the servers are tied to the thread that forks them.
     servers = start_vllm_servers(VLLM_TIER_WORKERS, install.vllm, options, work)

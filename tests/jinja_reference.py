@@ -75,12 +75,13 @@ def render_reference(
     add_generation_prompt: bool,
     special_tokens: dict[str, Any],
     kwargs: dict[str, Any] | None = None,
+    tools: list[dict] | None = None,
 ) -> str:
     """``render_jinja_template``'s call: kwargs override special tokens
     (``{**special_tokens_map, **kwargs}`` in ``apply_chat_template``)."""
     return template.render(
         messages=messages,
-        tools=None,
+        tools=tools,
         documents=None,
         add_generation_prompt=add_generation_prompt,
         **{**special_tokens, **(kwargs or {})},

@@ -9,8 +9,10 @@ in ``KVROUTE_CHAT_TEMPLATES`` (os.pathsep-separated; for templates that cannot b
 repository, e.g. model repos' or vLLM's examples).
 
 For each, random conversations (roles, unicode, whitespace, empty content, system and tool
-messages, add_generation_prompt both ways, kwargs such as enable_thinking) must render to the
-same text, or fail in both.
+messages, add_generation_prompt both ways, kwargs such as enable_thinking, tool definitions or
+none) must render to the same text, or fail in both. What the router passes a template for a
+whole request body (vLLM's conversation, tools) is checked against a real vLLM in
+tests/vllm/test_chat_requests.py.
 """
 
 from __future__ import annotations
@@ -295,16 +297,29 @@ _KWARGS = st.one_of(
 )
 
 
-def _outcome_native(template: ChatTemplate, messages, add_generation_prompt, kwargs) -> tuple:
+#: Tool definitions as vLLM passes them (``tool.model_dump()``), or none.
+_TOOLS = st.one_of(
+    st.none(),
+    st.just([]),
+    st.just([
+        {"type": "function", "function": {"name": "get_weather", "description": "Weather in a city",
+                                          "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                         "required": ["city"]}}},
+        {"type": "function", "function": {"name": "now", "description": None, "parameters": None, "strict": True}},
+    ]),
+)
+
+
+def _outcome_native(template: ChatTemplate, messages, add_generation_prompt, kwargs, tools=None) -> tuple:
     try:
-        return ("text", template.render(messages, add_generation_prompt, kwargs, NOW.isoformat()))
+        return ("text", template.render(messages, add_generation_prompt, kwargs, NOW.isoformat(), tools=tools))
     except (ValueError, TypeError) as exc:
         return ("error", str(exc))
 
 
-def _outcome_reference(template: jinja2.Template, messages, add_generation_prompt, kwargs) -> tuple:
+def _outcome_reference(template: jinja2.Template, messages, add_generation_prompt, kwargs, tools=None) -> tuple:
     try:
-        return ("text", render_reference(template, messages, add_generation_prompt, SPECIAL_TOKENS, kwargs))
+        return ("text", render_reference(template, messages, add_generation_prompt, SPECIAL_TOKENS, kwargs, tools))
     except Exception as exc:  # any failure in Python: the native side must fail too
         return ("error", f"{type(exc).__name__}: {exc}")
 
@@ -323,15 +338,15 @@ def _assert_same(expected: tuple, got: tuple) -> None:
     deadline=None,
     suppress_health_check=[HealthCheck.too_slow],
 )
-@given(messages=_conversation(), add_generation_prompt=st.booleans(), kwargs=_KWARGS)
+@given(messages=_conversation(), add_generation_prompt=st.booleans(), kwargs=_KWARGS, tools=_TOOLS)
 def test_native_rendering_equals_transformers_jinja2(
-    name: str, messages: list[dict], add_generation_prompt: bool, kwargs: dict
+    name: str, messages: list[dict], add_generation_prompt: bool, kwargs: dict, tools: list[dict] | None
 ) -> None:
     source = TEMPLATES[name]
     native = ChatTemplate(source, SPECIAL_TOKENS)
     reference = compile_reference(source, now=NOW)
-    expected = _outcome_reference(reference, messages, add_generation_prompt, kwargs)
-    got = _outcome_native(native, messages, add_generation_prompt, kwargs)
+    expected = _outcome_reference(reference, messages, add_generation_prompt, kwargs, tools)
+    got = _outcome_native(native, messages, add_generation_prompt, kwargs, tools)
     _assert_same(expected, got)
 
 

@@ -89,8 +89,26 @@ class Tokenizer(Protocol):
         ...
 
 
+#: The first line of a system text that Claude Code writes and vLLM drops (its value changes on
+#: every request; ``vllm/renderers/chat_utils.py::_strip_claude_code_billing_header``).
+BILLING_HEADER = "x-anthropic-billing-header"
+
+
+def join_text_parts(role: str, texts: list[str]) -> str:
+    """A message's text parts as the one string vLLM's "string" content format passes a
+    template: a system text's billing-header line dropped, empty parts skipped, the rest
+    joined by newlines (a string content is one part)."""
+    kept = []
+    for text in texts:
+        if role == "system" and text.startswith(BILLING_HEADER):
+            text = text.partition("\n")[2]
+        if text:
+            kept.append(text)
+    return "\n".join(kept)
+
+
 def flatten_message_content(messages: list[dict]) -> list[dict]:
-    """Messages with OpenAI content-part lists joined into plain strings, as vLLM does.
+    """Messages with their content as plain strings, as vLLM does (:func:`join_text_parts`).
 
     vLLM passes a template that reads ``message['content']`` as a string (its "string" content
     format, which ChatML and Qwen templates are detected as) the text parts joined by newlines.
@@ -101,14 +119,15 @@ def flatten_message_content(messages: list[dict]) -> list[dict]:
     flat = []
     for message in messages:
         content = message.get("content")
+        texts = [content] if isinstance(content, str) else []
         if isinstance(content, list):
-            texts = []
             for part in content:
                 if not isinstance(part, dict) or part.get("type") != "text":
                     kind = part.get("type") if isinstance(part, dict) else type(part).__name__
                     raise UserError(f"unsupported chat content part {kind!r}: only text parts")
                 texts.append(part["text"])
-            message = {**message, "content": "\n".join(texts)}
+        if isinstance(content, (str, list)):
+            message = {**message, "content": join_text_parts(message.get("role", ""), texts)}
         flat.append(message)
     return flat
 

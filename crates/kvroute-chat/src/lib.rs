@@ -39,9 +39,9 @@
 //! and `title` filters).
 //!
 //! The context is the one `render_jinja_template` passes: `messages`, `tools` and `documents`
-//! (None: kvroute's prompts carry neither), `add_generation_prompt`, the tokenizer's special
-//! tokens (`bos_token`, `eos_token`, ...), then the request's `chat_template_kwargs`, which
-//! override special tokens as `{**special_tokens_map, **kwargs}` does.
+//! (None unless the request has them), `add_generation_prompt`, the tokenizer's special tokens
+//! (`bos_token`, `eos_token`, ...), then the request's `chat_template_kwargs`, which override
+//! special tokens as `{**special_tokens_map, **kwargs}` does.
 //!
 //! Known differences from jinja2 (none met by the templates checked in kvroute's tests):
 //! * the `~` operator and `join` write booleans, None and floats as minijinja does (`true`,
@@ -122,6 +122,11 @@ pub struct ChatInput<'a> {
     /// The messages (a sequence of maps with `role`, `content`, ...), content already plain
     /// text where the template expects a string.
     pub messages: Value,
+    /// The tool definitions (a sequence of maps, as vLLM's `tool.model_dump()` writes them),
+    /// or None.
+    pub tools: Value,
+    /// The documents for retrieval-augmented generation (a sequence of maps), or None.
+    pub documents: Value,
     /// End with the header of an assistant reply.
     pub add_generation_prompt: bool,
     /// The request's `chat_template_kwargs` (e.g. `enable_thinking`), in order.
@@ -232,8 +237,8 @@ impl ChatTemplate {
         let mut context: IndexMap<Value, Value> =
             IndexMap::with_capacity(6 + self.special_tokens.len() + input.kwargs.len());
         context.insert(Value::from("messages"), input.messages.clone());
-        context.insert(Value::from("tools"), Value::from(()));
-        context.insert(Value::from("documents"), Value::from(()));
+        context.insert(Value::from("tools"), input.tools.clone());
+        context.insert(Value::from("documents"), input.documents.clone());
         context.insert(
             Value::from("add_generation_prompt"),
             Value::from(input.add_generation_prompt),

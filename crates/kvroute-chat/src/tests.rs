@@ -23,6 +23,8 @@ fn render_with(
     let template = ChatTemplate::new(source, special).expect("compiles");
     template.render(&ChatInput {
         messages: Value::from(messages),
+        tools: Value::from(()),
+        documents: Value::from(()),
         add_generation_prompt,
         kwargs,
         now: DateTime::new(2026, 12, 1, 20, 5, 9, 0).ok(),

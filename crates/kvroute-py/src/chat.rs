@@ -5,7 +5,8 @@
 
 use std::str::FromStr;
 
-use kvroute_chat::{ChatInput, ChatTemplate as Template, DateTime, RenderError, Value};
+use kvroute_chat::{ChatInput, DateTime, RenderError, Value};
+use kvroute_serve::chat::{ChatTemplates, Template};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyBool, PyDict, PyFloat, PyInt, PyList, PyString, PyTuple};
@@ -25,7 +26,7 @@ const MAX_DEPTH: usize = 256;
 ///     ValueError: the template does not parse (the message says where).
 #[pyclass(module = "kvroute._native", frozen)]
 pub struct ChatTemplate {
-    inner: Template,
+    inner: ChatTemplates,
 }
 
 #[pymethods]
@@ -38,13 +39,15 @@ impl ChatTemplate {
             None => Vec::new(),
         };
         let inner = Template::new(source, special).map_err(|e| PyValueError::new_err(e.0))?;
-        Ok(Self { inner })
+        Ok(Self {
+            inner: ChatTemplates::single(inner),
+        })
     }
 
     /// Whether the template calls ``strftime_now`` (a render then reads the clock).
     #[getter]
     fn uses_clock(&self) -> bool {
-        self.inner.uses_clock()
+        self.inner.default.chat.uses_clock()
     }
 
     /// The chat rendered to text, as ``apply_chat_template(..., tokenize=False)`` renders it.
@@ -56,12 +59,14 @@ impl ChatTemplate {
     ///     kwargs: the request's ``chat_template_kwargs`` (e.g. ``enable_thinking``).
     ///     now: the local time ``strftime_now`` formats, ISO 8601 without zone
     ///         (``"2026-12-01T20:05:09"``); the clock's local time when None.
+    ///     tools, documents: the template's ``tools`` and ``documents`` (None by default).
     ///
     /// Raises:
     ///     ValueError: the template raised (``raise_exception``; the message is its text) or
     ///         failed to render.
     ///     TypeError: a value that is not JSON-like (str, int, float, bool, None, list, dict).
-    #[pyo3(signature = (messages, add_generation_prompt = true, kwargs = None, now = None))]
+    #[pyo3(signature = (messages, add_generation_prompt = true, kwargs = None, now = None, tools = None, documents = None))]
+    #[allow(clippy::too_many_arguments)]
     fn render(
         &self,
         py: Python<'_>,
@@ -69,8 +74,12 @@ impl ChatTemplate {
         add_generation_prompt: bool,
         kwargs: Option<&Bound<'_, PyDict>>,
         now: Option<&str>,
+        tools: Option<&Bound<'_, PyAny>>,
+        documents: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<String> {
         let messages = to_value(messages, 0)?;
+        let tools = tools.map_or(Ok(Value::from(())), |t| to_value(t, 0))?;
+        let documents = documents.map_or(Ok(Value::from(())), |d| to_value(d, 0))?;
         let kwargs = match kwargs {
             Some(dict) => pairs(dict)?,
             None => Vec::new(),
@@ -79,21 +88,45 @@ impl ChatTemplate {
             Some(text) => Some(
                 DateTime::from_str(text).map_err(|e| PyValueError::new_err(format!("now: {e}")))?,
             ),
-            None if self.inner.uses_clock() => Some(jiff::ZonedDateTime::now().datetime()),
+            None if self.inner.default.chat.uses_clock() => {
+                Some(jiff::ZonedDateTime::now().datetime())
+            }
             None => None,
         };
         let input = ChatInput {
             messages,
+            tools,
+            documents,
             add_generation_prompt,
             kwargs: &kwargs,
             now,
         };
-        py.detach(|| self.inner.render(&input))
+        py.detach(|| self.inner.default.chat.render(&input))
             .map_err(|e| match e {
                 RenderError::Raised(message) | RenderError::Failed(message) => {
                     PyValueError::new_err(message)
                 }
             })
+    }
+
+    /// The prompt text ``kvroute serve`` renders for a ``/v1/chat/completions`` body, as vLLM
+    /// would build it (its messages as vLLM's conversation, its ``tools``, ``documents``,
+    /// ``chat_template_kwargs`` and ``reasoning_effort``; see ``kvroute_serve::chat``), or
+    /// None where the router routes the chat untokenized (a part that is not text, a body
+    /// vLLM would refuse, a request's own ``chat_template``, ``continue_final_message``).
+    ///
+    /// Raises:
+    ///     ValueError: ``body`` is not a JSON object with a ``messages`` list.
+    fn render_request(&self, py: Python<'_>, body: &str) -> PyResult<Option<String>> {
+        let body: serde_json::Value = serde_json::from_str(body)
+            .map_err(|e| PyValueError::new_err(format!("body is not JSON: {e}")))?;
+        let Some(fields) = body.as_object() else {
+            return Err(PyValueError::new_err("body must be a JSON object"));
+        };
+        let Some(serde_json::Value::Array(messages)) = fields.get("messages") else {
+            return Err(PyValueError::new_err("body needs a messages list"));
+        };
+        Ok(py.detach(|| kvroute_serve::chat::render(&self.inner, fields, messages, usize::MAX)))
     }
 }
 

@@ -4,21 +4,82 @@
 //!
 //! The template and the special tokens come from the tokenizer directory as `transformers`
 //! loads them: `tokenizer_config.json`'s `chat_template` (a string, or a list of named
-//! templates of which `default` is used), else `chat_template.jinja`; `bos_token`,
-//! `eos_token`, `unk_token`, `pad_token` (strings or serialized `AddedToken`s) and
-//! `additional_special_tokens`.
+//! templates: `default`, and `tool_use` for a request with tools when there is one), else
+//! `chat_template.jinja`; `bos_token`, `eos_token`, `unk_token`, `pad_token` (strings or
+//! serialized `AddedToken`s) and `additional_special_tokens`.
 //!
-//! Messages are taken as vLLM passes them to a template that reads `content` as a string: a
-//! list of content parts becomes its text parts joined by newlines, a null content the empty
-//! string. A chat the router cannot render (an image part, a template that raises) is routed
-//! untokenized, and the worker judges the request.
+//! What the template receives is what vLLM 0.32 passes for a template that reads `content` as
+//! a string (`vllm/renderers/chat_utils.py::parse_chat_messages`, `online_renderer.py`,
+//! `hf.py::safe_apply_chat_template`), checked against a real vLLM's `/tokenize` in the vLLM
+//! tier:
+//!
+//! * each message rebuilt with the keys vLLM keeps: `role`, `content` (a list of text parts
+//!   joined by newlines, empty parts skipped; a null content the empty string; a system
+//!   message's Claude Code billing-header line dropped), an assistant's `tool_calls` (an empty
+//!   list dropped; each call's keys as pydantic orders them, `arguments` parsed from its JSON
+//!   string, an empty object where that is empty, not JSON or not an object) and `reasoning`
+//!   (also as `reasoning_content`), a tool message's `tool_call_id`, a string `name` and
+//!   `task`, a developer message's `tools`; other keys are dropped;
+//! * developer messages as system messages, merged into one first system message, when the
+//!   template does not name the `developer` role;
+//! * `tools` as `[tool.model_dump() for tool in request.tools]`: `type`, `function` with
+//!   `name`, `description` and `parameters` (null when absent), `strict` and `defer_loading`
+//!   only when set; `documents` as given;
+//! * `chat_template_kwargs`, then `reasoning_effort` and the `enable_thinking` it implies
+//!   (unless the kwargs set it).
+//!
+//! A chat the router cannot render as the engine would is routed untokenized, and the worker
+//! judges the request: an image part, a template that raises, a body vLLM would refuse (a
+//! malformed tool or tool call), a request's own `chat_template` or `continue_final_message`.
 
 use std::path::Path;
 
-use kvroute_chat::{ChatInput, ChatTemplate, DateTime, Value};
+use kvroute_chat::{ChatInput, ChatTemplate, CompileError, DateTime, Value};
 use serde_json::{Map, Value as Json};
 
 use crate::config::ConfigError;
+
+/// The first line of a system text that Claude Code writes and vLLM drops (its value changes
+/// on every request, so keeping it would end every prefix there).
+const BILLING_HEADER: &str = "x-anthropic-billing-header";
+
+/// One compiled chat template and what vLLM reads from its source.
+pub struct Template {
+    /// The compiled template.
+    pub chat: ChatTemplate,
+    /// Whether the source names the `developer` role (quoted); if not, vLLM sends developer
+    /// messages to it as system ones (`hf.py::_detect_developer_role_support`).
+    pub developer_role: bool,
+}
+
+impl Template {
+    /// `source` compiled with these special tokens.
+    pub fn new(source: &str, special_tokens: Vec<(String, Value)>) -> Result<Self, CompileError> {
+        Ok(Self {
+            chat: ChatTemplate::new(source, special_tokens)?,
+            developer_role: source.contains("\"developer\"") || source.contains("'developer'"),
+        })
+    }
+}
+
+/// A tokenizer's chat templates: the one every chat uses, and the one a request with tools
+/// uses when the tokenizer names a `tool_use` template (`get_chat_template(tools=...)`).
+pub struct ChatTemplates {
+    /// The template of chats without tools (and with, when there is no `tool_use` one).
+    pub default: Template,
+    /// The `tool_use` template, if the tokenizer has one.
+    pub tool_use: Option<Template>,
+}
+
+impl ChatTemplates {
+    /// One template for every chat.
+    pub fn single(template: Template) -> Self {
+        Self {
+            default: template,
+            tool_use: None,
+        }
+    }
+}
 
 /// A special token as `tokenizer_config.json` writes it.
 fn token_content(value: Option<&Json>) -> Option<String> {
@@ -29,21 +90,24 @@ fn token_content(value: Option<&Json>) -> Option<String> {
     }
 }
 
-/// The tokenizer directory's chat template and special tokens (None: it has no template).
-pub fn load_template(dir: &Path) -> Result<Option<ChatTemplate>, ConfigError> {
+/// The tokenizer directory's chat templates and special tokens (None: it has no template).
+pub fn load_template(dir: &Path) -> Result<Option<ChatTemplates>, ConfigError> {
     let file = dir.join("tokenizer_config.json");
     let Ok(text) = std::fs::read_to_string(&file) else {
         return Ok(None); // a tokenizer.json alone: no template to render with
     };
     let config: Json = serde_json::from_str(&text)
         .map_err(|e| ConfigError(format!("cannot read {}: {e}", file.display())))?;
-    let mut source = match config.get("chat_template") {
-        Some(Json::String(s)) => Some(s.clone()),
+    let named = |name: &str| match config.get("chat_template") {
         Some(Json::Array(named)) => named
             .iter()
-            .find(|t| t.get("name").and_then(Json::as_str) == Some("default"))
+            .find(|t| t.get("name").and_then(Json::as_str) == Some(name))
             .and_then(|t| t.get("template")?.as_str().map(str::to_owned)),
         _ => None,
+    };
+    let mut source = match config.get("chat_template") {
+        Some(Json::String(s)) => Some(s.clone()),
+        _ => named("default"),
     };
     if source.is_none() {
         source = std::fs::read_to_string(dir.join("chat_template.jinja")).ok();
@@ -67,13 +131,19 @@ pub fn load_template(dir: &Path) -> Result<Option<ChatTemplate>, ConfigError> {
             special.push(("additional_special_tokens".to_owned(), Value::from(tokens)));
         }
     }
-    ChatTemplate::new(&source, special).map(Some).map_err(|e| {
-        ConfigError(format!(
-            "{}: chat template does not parse: {}",
-            dir.display(),
-            e.0
-        ))
-    })
+    let compile = |source: &str| {
+        Template::new(source, special.clone()).map_err(|e| {
+            ConfigError(format!(
+                "{}: chat template does not parse: {}",
+                dir.display(),
+                e.0
+            ))
+        })
+    };
+    Ok(Some(ChatTemplates {
+        default: compile(&source)?,
+        tool_use: named("tool_use").map(|s| compile(&s)).transpose()?,
+    }))
 }
 
 /// A JSON value as a template value: objects keep their keys' order, as Python dicts do
@@ -97,46 +167,253 @@ fn template_value(json: &Json) -> Value {
     }
 }
 
-/// `messages` with content-part lists joined into plain text and null content made empty;
-/// None when a part is not text.
-pub fn flattened(messages: &[Json]) -> Option<Vec<Json>> {
+/// A system text without Claude Code's billing-header line (None: nothing is left of it).
+fn without_billing_header(text: &str) -> Option<&str> {
+    if !text.starts_with(BILLING_HEADER) {
+        return Some(text);
+    }
+    let rest = text.split_once('\n').map_or("", |(_, rest)| rest);
+    (!rest.is_empty()).then_some(rest)
+}
+
+/// A message's content as the text the template sees (None: a part that is not text).
+fn content_text(role: &str, content: Option<&Json>) -> Option<String> {
+    let system = role == "system";
+    let keep = |text: &str| -> Option<String> {
+        let text = if system {
+            without_billing_header(text)?
+        } else {
+            text
+        };
+        (!text.is_empty()).then(|| text.to_owned())
+    };
+    match content {
+        None | Some(Json::Null) => Some(String::new()),
+        Some(Json::String(text)) => Some(keep(text).unwrap_or_default()),
+        Some(Json::Array(parts)) => {
+            let mut texts = Vec::with_capacity(parts.len());
+            for part in parts {
+                match (part.get("type"), part.get("text"), part.get("uuid")) {
+                    (Some(Json::String(t)), Some(Json::String(text)), None) if t == "text" => {
+                        texts.extend(keep(text));
+                    }
+                    _ => return None,
+                }
+            }
+            Some(texts.join("\n"))
+        }
+        Some(_) => None,
+    }
+}
+
+/// An assistant message's tool call as vLLM hands it to the template (None: vLLM would refuse
+/// it): `id`, `function` (`arguments` as an object, `name`, then its other keys), `type`, then
+/// the call's other keys.
+fn tool_call(call: &Json) -> Option<Json> {
+    let Json::Object(call) = call else {
+        return None;
+    };
+    let Some(Json::Object(function)) = call.get("function") else {
+        return None;
+    };
+    let (Some(Json::String(_)), Some(Json::String(t))) = (call.get("id"), call.get("type")) else {
+        return None;
+    };
+    let (Some(Json::String(arguments)), Some(Json::String(_))) =
+        (function.get("arguments"), function.get("name"))
+    else {
+        return None;
+    };
+    if t != "function" {
+        return None;
+    }
+    let arguments = match serde_json::from_str::<Json>(arguments) {
+        Ok(Json::Object(parsed)) => Json::Object(parsed),
+        _ => Json::Object(Map::new()),
+    };
+    let mut f = Map::with_capacity(function.len());
+    f.insert("arguments".into(), arguments);
+    f.insert("name".into(), function["name"].clone());
+    for (k, v) in function {
+        if k != "arguments" && k != "name" {
+            f.insert(k.clone(), v.clone());
+        }
+    }
+    let mut out = Map::with_capacity(call.len());
+    out.insert("id".into(), call["id"].clone());
+    out.insert("function".into(), Json::Object(f));
+    out.insert("type".into(), call["type"].clone());
+    for (k, v) in call {
+        if !matches!(k.as_str(), "id" | "function" | "type") {
+            out.insert(k.clone(), v.clone());
+        }
+    }
+    Some(Json::Object(out))
+}
+
+/// `messages` as vLLM's conversation (see the module docs); None when a content part is not
+/// text or vLLM would refuse a message.
+pub fn conversation(messages: &[Json]) -> Option<Vec<Json>> {
     messages
         .iter()
         .map(|m| {
             let Json::Object(fields) = m else {
-                return Some(m.clone());
+                return None;
             };
-            let content = match fields.get("content") {
-                None | Some(Json::Null) => Json::String(String::new()),
-                Some(Json::Array(parts)) => {
-                    let texts: Option<Vec<&str>> = parts
-                        .iter()
-                        .map(|p| match p.get("type") {
-                            Some(Json::String(t)) if t == "text" => p.get("text")?.as_str(),
-                            _ => None,
-                        })
-                        .collect();
-                    Json::String(texts?.join("\n"))
+            let role = fields.get("role")?.as_str()?;
+            let mut out = Map::new();
+            out.insert("role".into(), Json::String(role.to_owned()));
+            out.insert(
+                "content".into(),
+                Json::String(content_text(role, fields.get("content"))?),
+            );
+            match role {
+                "assistant" => {
+                    match fields.get("tool_calls") {
+                        None | Some(Json::Null) => {}
+                        Some(Json::Array(calls)) if calls.is_empty() => {}
+                        Some(Json::Array(calls)) => {
+                            let calls = calls.iter().map(tool_call).collect::<Option<_>>()?;
+                            out.insert("tool_calls".into(), Json::Array(calls));
+                        }
+                        Some(_) => return None,
+                    }
+                    match fields.get("reasoning") {
+                        None | Some(Json::Null) => {}
+                        Some(r @ Json::String(_)) => {
+                            out.insert("reasoning".into(), r.clone());
+                            out.insert("reasoning_content".into(), r.clone());
+                        }
+                        Some(_) => return None,
+                    }
                 }
-                Some(other) => other.clone(),
-            };
-            let mut out: Map<String, Json> = fields.clone();
-            out.insert("content".into(), content);
+                "tool" => {
+                    if let Some(id) = fields.get("tool_call_id") {
+                        out.insert("tool_call_id".into(), id.clone());
+                    }
+                }
+                _ => {}
+            }
+            for key in ["name", "task"] {
+                if let Some(v @ Json::String(_)) = fields.get(key) {
+                    out.insert(key.into(), v.clone());
+                }
+            }
+            if role == "developer" {
+                out.insert(
+                    "tools".into(),
+                    fields.get("tools").cloned().unwrap_or(Json::Null),
+                );
+            }
             Some(Json::Object(out))
         })
         .collect()
 }
 
-/// The text of a chat body's prompt (None: it cannot be rendered here, or its messages hold
-/// more than `max_text_bytes` of text before the template adds to it).
+/// Developer messages as system ones, every system message merged into the first (contents
+/// joined by blank lines, empty ones dropped) when one is not first or there are several:
+/// what vLLM does for a template that does not name the developer role.
+fn developer_as_system(conversation: Vec<Json>) -> Vec<Json> {
+    let converted: Vec<Json> = conversation
+        .into_iter()
+        .map(|mut m| {
+            if m["role"] == "developer"
+                && let Json::Object(fields) = &mut m
+            {
+                fields.insert("role".into(), Json::String("system".into()));
+                fields.shift_remove("tools");
+            }
+            m
+        })
+        .collect();
+    if !converted.iter().skip(1).any(|m| m["role"] == "system") {
+        return converted;
+    }
+    let (system, rest): (Vec<Json>, Vec<Json>) =
+        converted.into_iter().partition(|m| m["role"] == "system");
+    let contents: Vec<&str> = system
+        .iter()
+        .filter_map(|m| m["content"].as_str())
+        .filter(|c| !c.is_empty())
+        .collect();
+    let mut merged = Map::new();
+    merged.insert("role".into(), Json::String("system".into()));
+    merged.insert("content".into(), Json::String(contents.join("\n\n")));
+    std::iter::once(Json::Object(merged)).chain(rest).collect()
+}
+
+/// `tools` as vLLM's `tool.model_dump()` writes each (None: vLLM would refuse them).
+fn tool_dicts(tools: &[Json]) -> Option<Vec<Json>> {
+    let optional = |v: Option<&Json>, ok: fn(&Json) -> bool| match v {
+        None | Some(Json::Null) => Some(None),
+        Some(v) if ok(v) => Some(Some(v.clone())),
+        Some(_) => None,
+    };
+    tools
+        .iter()
+        .map(|tool| {
+            let Json::Object(tool) = tool else {
+                return None;
+            };
+            if !matches!(tool.get("type"), None | Some(Json::String(_)))
+                || tool.get("type").is_some_and(|t| t != "function")
+            {
+                return None;
+            }
+            let Some(Json::Object(function)) = tool.get("function") else {
+                return None;
+            };
+            let name = function.get("name").filter(|n| n.is_string())?;
+            let description = optional(function.get("description"), Json::is_string)?;
+            let parameters = optional(function.get("parameters"), Json::is_object)?;
+            let strict = optional(function.get("strict"), Json::is_boolean)?;
+            let tool_defer = optional(tool.get("defer_loading"), Json::is_boolean)?;
+            let defer = optional(function.get("defer_loading"), Json::is_boolean)?
+                .or_else(|| tool_defer.clone());
+            let mut f = Map::new();
+            f.insert("name".into(), name.clone());
+            f.insert("description".into(), description.unwrap_or(Json::Null));
+            f.insert("parameters".into(), parameters.unwrap_or(Json::Null));
+            if let Some(strict) = strict {
+                f.insert("strict".into(), strict);
+            }
+            if let Some(defer) = defer {
+                f.insert("defer_loading".into(), defer);
+            }
+            let mut out = Map::new();
+            out.insert("type".into(), Json::String("function".into()));
+            out.insert("function".into(), Json::Object(f));
+            if let Some(defer) = tool_defer {
+                out.insert("defer_loading".into(), defer);
+            }
+            Some(Json::Object(out))
+        })
+        .collect()
+}
+
+/// The text of a chat body's prompt (None: it cannot be rendered here as the engine would, or
+/// its messages hold more than `max_text_bytes` of text before the template adds to it).
 pub fn render(
-    template: &ChatTemplate,
+    templates: &ChatTemplates,
     fields: &Map<String, Json>,
     messages: &[Json],
     max_text_bytes: usize,
 ) -> Option<String> {
-    let flat = flattened(messages)?;
-    let text_bytes: usize = flat
+    let refused = |key: &str| fields.get(key).is_some_and(|v| !v.is_null() && v != false);
+    if refused("chat_template") || refused("continue_final_message") {
+        return None;
+    }
+    let tools = match fields.get("tools") {
+        None | Some(Json::Null) => None,
+        Some(Json::Array(tools)) => Some(tool_dicts(tools)?),
+        Some(_) => return None,
+    };
+    let template = match (&tools, &templates.tool_use) {
+        (Some(_), Some(tool_use)) => tool_use,
+        _ => &templates.default,
+    };
+    let mut conversation = conversation(messages)?;
+    let text_bytes: usize = conversation
         .iter()
         .filter_map(|m| m.get("content")?.as_str())
         .map(str::len)
@@ -144,27 +421,52 @@ pub fn render(
     if text_bytes > max_text_bytes {
         return None;
     }
+    if !template.developer_role && conversation.iter().any(|m| m["role"] == "developer") {
+        conversation = developer_as_system(conversation);
+    }
     let add_generation_prompt = fields
         .get("add_generation_prompt")
         .and_then(Json::as_bool)
         .unwrap_or(true);
-    let kwargs: Vec<(String, Value)> = match fields.get("chat_template_kwargs") {
+    let mut kwargs: Vec<(String, Value)> = match fields.get("chat_template_kwargs") {
         Some(Json::Object(k)) => k
             .iter()
             .map(|(name, v)| (name.clone(), template_value(v)))
             .collect(),
         _ => Vec::new(),
     };
+    // `build_chat_params`: a reasoning effort reaches the template, and turns thinking on
+    // unless it is "none" (where the kwargs do not say).
+    if let Some(Json::String(effort)) = fields.get("reasoning_effort") {
+        let thinking = !kwargs.iter().any(|(k, _)| k == "enable_thinking");
+        if effort != "auto" {
+            kwargs.retain(|(k, _)| k != "reasoning_effort");
+            kwargs.push(("reasoning_effort".into(), Value::from(effort.as_str())));
+        }
+        if thinking {
+            kwargs.push(("enable_thinking".into(), Value::from(effort != "none")));
+        }
+    }
+    let documents = match fields.get("documents") {
+        Some(d @ Json::Array(_)) => template_value(d),
+        _ => Value::from(()),
+    };
     let now: Option<DateTime> = template
+        .chat
         .uses_clock()
         .then(|| jiff::ZonedDateTime::now().datetime());
     let input = ChatInput {
-        messages: Value::from(flat.iter().map(template_value).collect::<Vec<_>>()),
+        messages: Value::from(conversation.iter().map(template_value).collect::<Vec<_>>()),
+        tools: tools.map_or_else(
+            || Value::from(()),
+            |t| Value::from(t.iter().map(template_value).collect::<Vec<_>>()),
+        ),
+        documents,
         add_generation_prompt,
         kwargs: &kwargs,
         now,
     };
-    template.render(&input).ok()
+    template.chat.render(&input).ok()
 }
 
 #[cfg(test)]
@@ -182,7 +484,7 @@ mod tests {
 
     #[test]
     fn messages_render_as_the_template_writes_them() {
-        let t = ChatTemplate::new(CHATML, Vec::new()).unwrap();
+        let t = ChatTemplates::single(Template::new(CHATML, Vec::new()).unwrap());
         let f = fields(
             r#"{"messages": [{"role": "system", "content": null},
                 {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}]}"#,
@@ -207,9 +509,121 @@ mod tests {
         );
     }
 
+    /// The template context as JSON: what vLLM passes, key for key.
+    const DUMP: &str = "{{ messages | tojson }}\n{{ tools | tojson }}";
+
+    fn dump(body: &str) -> Option<String> {
+        let t = ChatTemplates::single(Template::new(DUMP, Vec::new()).unwrap());
+        let f = fields(body);
+        let Json::Array(m) = &f["messages"] else {
+            unreachable!()
+        };
+        render(&t, &f, m, 1 << 20)
+    }
+
+    /// The expected text is what vLLM 0.32's `/tokenize` rendered for this body with this
+    /// template (detokenized), 2026-12-04.
+    #[test]
+    fn messages_and_tools_reach_the_template_as_vllm_passes_them() {
+        let body = r#"{"messages": [
+            {"role": "system", "content": "x-anthropic-billing-header: cch=1\nreal system"},
+            {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": ""},
+                {"type": "text", "text": "b"}], "extra": 1, "name": "bob"},
+            {"role": "assistant", "content": null, "reasoning": "hmm", "reasoning_content": "old",
+                "tool_calls": [{"type": "function", "function": {"name": "f",
+                "arguments": "{\"z\": 1, \"a\": [2]}"}, "id": "c1", "index": 0}]},
+            {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"},
+            {"role": "assistant", "content": "ok", "tool_calls": []},
+            {"role": "assistant", "content": "x", "tool_calls": [{"function": {"arguments": "not json",
+                "name": "g"}, "id": "c2", "type": "function"}]}],
+            "tools": [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"},
+                "extra": 5}, "x": 1},
+                {"function": {"name": "g", "description": "G", "strict": true}, "defer_loading": false}]}"#;
+        let messages = r#"[{"role": "system", "content": "real system"}, {"role": "user", "content": "a\nb", "name": "bob"}, {"role": "assistant", "content": "", "tool_calls": [{"id": "c1", "function": {"arguments": {"z": 1, "a": [2]}, "name": "f"}, "type": "function", "index": 0}], "reasoning": "hmm", "reasoning_content": "hmm"}, {"role": "tool", "content": "42", "tool_call_id": "c1", "name": "f"}, {"role": "assistant", "content": "ok"}, {"role": "assistant", "content": "x", "tool_calls": [{"id": "c2", "function": {"arguments": {}, "name": "g"}, "type": "function"}]}]"#;
+        let tools = r#"[{"type": "function", "function": {"name": "f", "description": null, "parameters": {"type": "object"}}}, {"type": "function", "function": {"name": "g", "description": "G", "parameters": null, "strict": true, "defer_loading": false}, "defer_loading": false}]"#;
+        assert_eq!(dump(body).unwrap(), format!("{messages}\n{tools}"));
+    }
+
+    #[test]
+    fn developer_messages_become_one_first_system_message_unless_the_template_names_the_role() {
+        let body = r#"{"messages": [{"role": "system", "content": "s1"},
+            {"role": "developer", "content": "d", "tools": []}, {"role": "user", "content": "u"}]}"#;
+        assert_eq!(
+            dump(body).unwrap(),
+            r#"[{"role": "system", "content": "s1\n\nd"}, {"role": "user", "content": "u"}]"#
+                .to_owned()
+                + "\nnull"
+        );
+        let named = ChatTemplates::single(
+            Template::new("{{ messages | tojson }} 'developer'", Vec::new()).unwrap(),
+        );
+        let f = fields(body);
+        let Json::Array(m) = &f["messages"] else {
+            unreachable!()
+        };
+        assert_eq!(
+            render(&named, &f, m, 1 << 20).unwrap(),
+            r#"[{"role": "system", "content": "s1"}, {"role": "developer", "content": "d", "tools": []}, {"role": "user", "content": "u"}] 'developer'"#
+        );
+    }
+
+    #[test]
+    fn a_request_with_tools_uses_the_tool_use_template() {
+        let templates = ChatTemplates {
+            default: Template::new("plain", Vec::new()).unwrap(),
+            tool_use: Some(Template::new("tools {{ tools | length }}", Vec::new()).unwrap()),
+        };
+        let render_body = |body: &str| {
+            let f = fields(body);
+            let Json::Array(m) = &f["messages"] else {
+                unreachable!()
+            };
+            render(&templates, &f, m, 1 << 20)
+        };
+        let user = r#""messages": [{"role": "user", "content": "u"}]"#;
+        assert_eq!(render_body(&format!("{{{user}}}")).unwrap(), "plain");
+        assert_eq!(
+            render_body(&format!(
+                r#"{{{user}, "tools": [{{"type": "function", "function": {{"name": "f"}}}}]}}"#
+            ))
+            .unwrap(),
+            "tools 1"
+        );
+    }
+
+    #[test]
+    fn reasoning_effort_reaches_the_template_and_turns_thinking_on() {
+        let t = ChatTemplates::single(
+            Template::new("{{ reasoning_effort }} {{ enable_thinking }}", Vec::new()).unwrap(),
+        );
+        let render_body = |body: &str| {
+            let f = fields(body);
+            let Json::Array(m) = &f["messages"] else {
+                unreachable!()
+            };
+            render(&t, &f, m, 1 << 20).unwrap()
+        };
+        let user = r#""messages": [{"role": "user", "content": "u"}]"#;
+        assert_eq!(
+            render_body(&format!(r#"{{{user}, "reasoning_effort": "low"}}"#)),
+            "low True"
+        );
+        assert_eq!(
+            render_body(&format!(r#"{{{user}, "reasoning_effort": "none"}}"#)),
+            "none False"
+        );
+        assert_eq!(
+            render_body(&format!(
+                r#"{{{user}, "reasoning_effort": "high", "chat_template_kwargs": {{"enable_thinking": false}}}}"#
+            )),
+            "high False"
+        );
+        assert_eq!(render_body(&format!("{{{user}}}")), " ");
+    }
+
     #[test]
     fn what_cannot_be_rendered_routes_untokenized() {
-        let t = ChatTemplate::new(CHATML, Vec::new()).unwrap();
+        let t = ChatTemplates::single(Template::new(CHATML, Vec::new()).unwrap());
         let f = fields(
             r#"{"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}"#,
         );
@@ -222,7 +636,24 @@ mod tests {
             unreachable!()
         };
         assert!(render(&t, &f, m, 4).is_none());
-        let raising = ChatTemplate::new("{{ raise_exception('no') }}", Vec::new()).unwrap();
+        let raising = ChatTemplates::single(
+            Template::new("{{ raise_exception('no') }}", Vec::new()).unwrap(),
+        );
         assert!(render(&raising, &f, m, 1 << 20).is_none());
+        // What the engine renders otherwise, or refuses: the request's own template,
+        // continuing the last message, a tool without a name, a tool call without an id.
+        let user = r#""messages": [{"role": "user", "content": "u"}]"#;
+        for extra in [
+            r#""chat_template": "{{ messages }}""#,
+            r#""continue_final_message": true"#,
+            r#""tools": [{"type": "function", "function": {}}]"#,
+            r#""tools": {"type": "function"}"#,
+        ] {
+            assert!(dump(&format!("{{{user}, {extra}}}")).is_none(), "{extra}");
+        }
+        assert!(dump(&format!(r#"{{{user}, "continue_final_message": false}}"#)).is_some());
+        let call = r#"{"messages": [{"role": "assistant", "content": "",
+            "tool_calls": [{"type": "function", "function": {"name": "f", "arguments": "{}"}}]}]}"#;
+        assert!(dump(call).is_none());
     }
 }

@@ -21,7 +21,6 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use kvroute_chat::ChatTemplate;
 use kvroute_core::blocks::BlockHasher;
 use kvroute_tokenize::{ChunkerConfig, SyntheticTokenizer, TextChunker};
 use serde_json::Value;
@@ -119,7 +118,7 @@ pub struct Prompts {
     /// (an encode of a new 2,000-token prompt holds it ~1 ms, a cached one ~50 µs).
     chunker: Option<Mutex<Encoder>>,
     /// The tokenizer's chat template, if it has one.
-    template: Option<ChatTemplate>,
+    template: Option<crate::chat::ChatTemplates>,
     /// Without a tokenizer directory: the built-in synthetic tokenizer.
     synthetic: Option<SyntheticTokenizer>,
     max_json_depth: usize,
@@ -316,7 +315,7 @@ impl Prompts {
 
     /// A chat as the synthetic tokenizer's ChatML (None when a content is not text).
     fn chatml(fields: &serde_json::Map<String, Value>, messages: &[Value]) -> Option<String> {
-        let flat = crate::chat::flattened(messages)?;
+        let flat = crate::chat::conversation(messages)?;
         let pairs: Option<Vec<(&str, &str)>> = flat
             .iter()
             .map(|m| Some((m.get("role")?.as_str()?, m.get("content")?.as_str()?)))

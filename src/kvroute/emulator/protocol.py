@@ -34,6 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvroute.emulator.textgen import OutputTokenGenerator
+from kvroute.tokens import join_text_parts
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 #: vLLM's default output length for completions (SamplingParams.max_tokens).
@@ -278,7 +279,7 @@ def parse_completion(body: dict, ctx: ServingContext) -> GenerationRequest:
 
 def _message_text(message: Any, index: int) -> dict:
     """One chat message with its content flattened to text, as vLLM's "string" content
-    format does (text parts joined by newlines)."""
+    format does (:func:`kvroute.tokens.join_text_parts`)."""
     if not isinstance(message, dict):
         raise validation_error(f"messages.{index}: Input should be a valid dictionary", "messages")
     role = message.get("role")
@@ -288,7 +289,7 @@ def _message_text(message: Any, index: int) -> dict:
     if content is None:
         text = ""
     elif isinstance(content, str):
-        text = content
+        text = join_text_parts(role, [content])
     elif isinstance(content, list):
         parts = []
         for part in content:
@@ -300,7 +301,7 @@ def _message_text(message: Any, index: int) -> dict:
                     param="messages",
                 )
             parts.append(part["text"])
-        text = "\n".join(parts)
+        text = join_text_parts(role, parts)
     else:
         raise validation_error(f"messages.{index}.content: Input should be a valid string", "messages")
     return {"role": role, "content": text}
