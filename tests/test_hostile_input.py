@@ -358,6 +358,69 @@ async def test_public_metrics_and_authorization_forwarding():
         await worker.runner.cleanup()
 
 
+async def test_request_bodies_held_at_once_stay_within_the_budget():
+    """A client that holds a large body partly sent takes its share of --max-buffered-body-bytes
+    (what has arrived, rounded up to its declared length): a body that would pass the budget
+    meanwhile gets 503 (declared or chunked), one that fits is served, and once the first is
+    gone the budget is whole again."""
+    worker = Upstream()
+    await worker.start()
+    limit, budget = 96 * 1024, 128 * 1024
+    config = RouterConfig(workers=[worker.url], health_interval_s=0, max_body_bytes=limit,
+                          max_buffered_body_bytes=budget)
+
+    def body(size: int) -> bytes:
+        return b'{"prompt": "' + b"x" * (size - 14) + b'"}'
+
+    def chunked(data: bytes) -> bytes:
+        return (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nConnection: close\r\n"
+                b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n"
+                + b"".join(f"{len(c):x}".encode() + b"\r\n" + c + b"\r\n"
+                           for c in (data[i:i + 8192] for i in range(0, len(data), 8192)))
+                + b"0\r\n\r\n")
+
+    json_header = [(b"Content-Type", b"application/json")]
+    try:
+        async with start_router(config) as router, aiohttp.ClientSession() as s:
+            host, port = router.url.removeprefix("http://").rsplit(":", 1)
+            held = http_request(b"POST", b"/v1/completions", json_header, body(90 * 1024))
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(held[: 3 * len(held) // 4])  # the head and most of the body: it waits
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            async with s.get(f"{router.url}/metrics") as r:
+                metrics = await r.text()
+            assert "kvroute_router_buffered_body_bytes 92160" in metrics, metrics
+            def send(request: bytes) -> int:
+                return raw(router.url, request)[0]
+            over = http_request(b"POST", b"/v1/completions", json_header, body(50 * 1024))
+            assert await asyncio.to_thread(send, over) == 503
+            assert await asyncio.to_thread(send, chunked(body(50 * 1024))) == 503
+            fits = http_request(b"POST", b"/v1/completions", json_header, body(20 * 1024))
+            assert await asyncio.to_thread(send, fits) == 200
+            assert await asyncio.to_thread(send, chunked(body(20 * 1024))) == 200
+            writer.write(held[3 * len(held) // 4:])
+            await writer.drain()
+            assert (await reader.read()).startswith(b"HTTP/1.1 200")
+            writer.close()
+            assert await asyncio.to_thread(send, over) == 200
+            assert await asyncio.to_thread(send, chunked(body(90 * 1024))) == 200
+            async with s.get(f"{router.url}/metrics") as r:
+                metrics = await r.text()
+            assert 'kvroute_router_rejected_requests_total{reason="body_budget"} 2' in metrics
+            assert "kvroute_router_buffered_body_bytes 0" in metrics
+    finally:
+        await worker.runner.cleanup()
+
+
+async def test_a_budget_below_the_body_limit_is_refused():
+    config = RouterConfig(workers=["http://127.0.0.1:9"], max_body_bytes=1 << 20,
+                          max_buffered_body_bytes=1 << 19, health_interval_s=0)
+    with pytest.raises(UserError, match="below the body limit"):
+        async with start_router(config):
+            pass
+
+
 async def test_a_worker_redirect_is_not_followed():
     trap = Upstream()
     await trap.start()

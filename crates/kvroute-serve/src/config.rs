@@ -133,6 +133,9 @@ pub struct ServeConfig {
     /// Request bodies larger than this get 413 (before they are read when they say so).
     /// None: derived from the tokenizer ([`crate::edge::BodyLimit`]).
     pub max_body_bytes: Option<usize>,
+    /// Request body bytes held in memory at once across all requests ([`crate::edge::
+    /// BodyBudget`]); a body that would exceed it gets 503. At least the body limit.
+    pub max_buffered_body_bytes: usize,
     /// Deeper JSON bodies get 400.
     pub max_json_depth: usize,
     /// Larger bodies are parsed and tokenized on a blocking thread, so that a huge prompt
@@ -195,6 +198,7 @@ impl Default for ServeConfig {
             predicted_capacity_blocks: Some(585),
             index_max_bytes: Some(256 << 20),
             max_body_bytes: None,
+            max_buffered_body_bytes: 1 << 30,
             max_json_depth: 64,
             offload_bytes: 256 * 1024,
             header_timeout: Duration::from_secs(10),

@@ -3,6 +3,9 @@
 //! - a body limit checked against `Content-Length` before anything is read (413), and again
 //!   while a chunked body arrives;
 //! - a body timeout from the end of the head (408);
+//! - a budget of body bytes held in memory at once, across all requests ([`BodyBudget`]): a
+//!   body that would exceed it is answered 503 as soon as it would, instead of letting many
+//!   large bodies at once take the process's memory;
 //! - `Content-Encoding` other than `identity` refused (415): a 60 KB deflate body would
 //!   otherwise expand to 60 MB past every limit;
 //! - the API key, compared in constant time.
@@ -12,6 +15,7 @@
 //! answered 503 and closed instead of left to exhaust the file descriptors.
 
 use std::convert::Infallible;
+use std::sync::Arc;
 use std::time::Duration;
 
 use bytes::Bytes;
@@ -170,14 +174,93 @@ pub fn refuse_early(
     })
 }
 
-/// The whole request body, or the response that refuses it (counted in `metrics`); its
-/// head has passed [`refuse_early`].
+/// Bytes a body reserves before its first byte is read (then twice as much each time it
+/// outgrows its reservation).
+const FIRST_BODY_RESERVATION: usize = 16 * 1024;
+
+/// The request body bytes all requests may hold in memory at once, from before a body is read
+/// until its request has been forwarded (the body is kept for retries until a worker answers).
+/// A body's reservation grows with what has arrived (doubling, up to its declared length), not
+/// with what it declares: a client that declares 64 MiB and sends slowly holds what it sent,
+/// and cannot lock other bodies out with promises.
+#[derive(Clone, Debug)]
+pub struct BodyBudget {
+    /// One permit per KiB.
+    kib: Arc<tokio::sync::Semaphore>,
+    bytes: usize,
+}
+
+/// A body's share of the [`BodyBudget`], given back when dropped.
+#[derive(Debug)]
+pub struct BodyReservation {
+    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+}
+
+impl BodyBudget {
+    /// A budget of `bytes` (rounded up to whole KiB).
+    pub fn new(bytes: usize) -> Self {
+        let kib = bytes
+            .div_ceil(1024)
+            .min(tokio::sync::Semaphore::MAX_PERMITS);
+        Self {
+            kib: Arc::new(tokio::sync::Semaphore::new(kib)),
+            bytes,
+        }
+    }
+
+    /// The budget, in bytes.
+    pub fn bytes(&self) -> usize {
+        self.bytes
+    }
+
+    /// Bytes reserved by the bodies held now.
+    pub fn held_bytes(&self) -> usize {
+        (self.bytes.div_ceil(1024) - self.kib.available_permits()) * 1024
+    }
+
+    /// `bytes` more for `reservation`, if the budget has them now.
+    fn grow(&self, reservation: &mut BodyReservation, bytes: usize) -> bool {
+        let want = u32::try_from(bytes.div_ceil(1024)).unwrap_or(u32::MAX);
+        let Ok(permit) = self.kib.clone().try_acquire_many_owned(want) else {
+            return false;
+        };
+        match &mut reservation._permit {
+            Some(held) => held.merge(permit),
+            None => reservation._permit = Some(permit),
+        }
+        true
+    }
+}
+
+/// The 503 for a body the [`BodyBudget`] has no room for.
+fn over_budget(budget: &BodyBudget, metrics: &Metrics) -> Response<Body> {
+    metrics.rejected("body_budget");
+    let mut response = error(
+        StatusCode::SERVICE_UNAVAILABLE,
+        &format!(
+            "the router holds {} bytes of request bodies at most (--max-buffered-body-bytes) and \
+             has no room for this one now; retry",
+            budget.bytes()
+        ),
+        "ServiceUnavailableError",
+        None,
+    );
+    response
+        .headers_mut()
+        .insert(hyper::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response
+}
+
+/// The whole request body and its reservation in `budget` (keep it while the body is held),
+/// or the response that refuses it (counted in `metrics`); its head has passed
+/// [`refuse_early`].
 pub async fn read_body(
     request: Request<Incoming>,
     limit: usize,
     timeout: Duration,
+    budget: &BodyBudget,
     metrics: &Metrics,
-) -> Result<Bytes, Response<Body>> {
+) -> Result<(Bytes, BodyReservation), Response<Body>> {
     let headers = request.headers();
     if let Some(encoding) = headers.get(CONTENT_ENCODING)
         && !encoding.as_bytes().eq_ignore_ascii_case(b"identity")
@@ -192,8 +275,36 @@ pub async fn read_body(
     }
     // A declared length over the limit was refused before (`refuse_early`); Limited stops
     // a chunked body at the limit.
-    let body = Limited::new(request.into_body(), limit);
-    match tokio::time::timeout(timeout, body.collect()).await {
+    let most = declared_length(headers)
+        .and_then(|n| usize::try_from(n).ok())
+        .unwrap_or(limit)
+        .min(limit);
+    let mut reservation = BodyReservation { _permit: None };
+    let mut reserved = most.min(FIRST_BODY_RESERVATION);
+    if !budget.grow(&mut reservation, reserved) {
+        return Err(over_budget(budget, metrics));
+    }
+    let mut body = Limited::new(request.into_body(), limit);
+    let read = async {
+        let mut data = bytes::BytesMut::with_capacity(reserved);
+        while let Some(frame) = body.frame().await {
+            let Ok(chunk) = frame?.into_data() else {
+                continue; // trailers
+            };
+            if data.len() + chunk.len() > reserved {
+                let need = data.len() + chunk.len();
+                let more = need.max(2 * reserved).min(most.max(need)) - reserved;
+                if !budget.grow(&mut reservation, more) {
+                    return Ok(None);
+                }
+                reserved += more;
+            }
+            data.extend_from_slice(&chunk);
+        }
+        Ok::<_, Box<dyn std::error::Error + Send + Sync>>(Some(data.freeze()))
+    };
+    match tokio::time::timeout(timeout, read).await {
+        Ok(Ok(None)) => Err(over_budget(budget, metrics)),
         Err(_) => {
             metrics.client_timeout("body");
             Err(error(
@@ -213,7 +324,7 @@ pub async fn read_body(
             "BadRequestError",
             None,
         )),
-        Ok(Ok(collected)) => Ok(collected.to_bytes()),
+        Ok(Ok(Some(data))) => Ok((data, reservation)),
     }
 }
 

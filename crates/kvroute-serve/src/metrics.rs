@@ -149,6 +149,9 @@ pub struct Open {
     pub connections: usize,
     /// Refreshes sent and not answered.
     pub refreshes: usize,
+    /// Request body bytes held now, and the most that may be ([`crate::edge::BodyBudget`]).
+    pub body_bytes: usize,
+    pub body_budget_bytes: usize,
 }
 
 /// Every counter the native router keeps.
@@ -336,7 +339,7 @@ impl Metrics {
     }
 
     /// A request refused before routing (`body_too_large`, `content_encoding`,
-    /// `json_too_deep`).
+    /// `json_too_deep`, `body_budget`).
     pub fn rejected(&self, reason: &str) {
         self.rejected.inc(&[reason]);
     }
@@ -427,7 +430,7 @@ impl Metrics {
         self.rejected.write(
             &mut out,
             "kvroute_router_rejected_requests",
-            "Requests refused before routing: body_too_large (413), content_encoding (415), json_too_deep (400)",
+            "Requests refused before routing: body_too_large (413), content_encoding (415), json_too_deep (400), body_budget (503)",
             &["reason"],
         );
         self.overlap_blocks.write(
@@ -466,6 +469,20 @@ impl Metrics {
             "gauge",
             "Open client connections",
             open.connections as f64,
+        );
+        write_scalar(
+            &mut out,
+            "kvroute_router_buffered_body_bytes",
+            "gauge",
+            "Request body bytes held in memory now (reserved per body, in KiB steps)",
+            open.body_bytes as f64,
+        );
+        write_scalar(
+            &mut out,
+            "kvroute_router_max_buffered_body_bytes",
+            "gauge",
+            "Request body bytes the router holds at most (--max-buffered-body-bytes; more get 503)",
+            open.body_budget_bytes as f64,
         );
         write_scalar(
             &mut out,

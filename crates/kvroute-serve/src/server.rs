@@ -90,6 +90,8 @@ struct Shared {
     config: ServeConfig,
     /// `config.max_body_bytes`, or what it is derived from the tokenizer.
     body_limit: edge::BodyLimit,
+    /// The request body bytes held at once ([`edge::BodyBudget`]).
+    body_budget: edge::BodyBudget,
     fleet: Mutex<Fleet>,
     prompts: Prompts,
     metrics: Metrics,
@@ -181,6 +183,8 @@ impl Shared {
                 .unwrap_or_else(|p| p.into_inner())
                 .values()
                 .sum(),
+            body_bytes: self.body_budget.held_bytes(),
+            body_budget_bytes: self.body_budget.bytes(),
         };
         let now = self.now();
         self.metrics.render(&self.fleet(), now, &events, open)
@@ -260,8 +264,17 @@ impl Server {
             .map_err(|e| ConfigError(e.to_string()))?;
         let upstream = runtime.block_on(async { relay::client(config.connect_timeout) });
         let refresh_upstream = runtime.block_on(async { relay::client(config.connect_timeout) });
+        let body_limit = edge::BodyLimit::new(config.max_body_bytes, prompts.tokenizer_limits());
+        if config.max_buffered_body_bytes < body_limit.bytes {
+            return Err(ConfigError(format!(
+                "max buffered body bytes ({}) is below the body limit ({} bytes, {}): a body \
+                 that large could never be read",
+                config.max_buffered_body_bytes, body_limit.bytes, body_limit.source
+            )));
+        }
         let shared = Arc::new(Shared {
-            body_limit: edge::BodyLimit::new(config.max_body_bytes, prompts.tokenizer_limits()),
+            body_budget: edge::BodyBudget::new(config.max_buffered_body_bytes),
+            body_limit,
             fleet: Mutex::new(fleet),
             prompts,
             metrics: Metrics::default(),
@@ -843,15 +856,17 @@ async fn generate(
         }
         _ => None,
     };
-    let raw = match edge::read_body(
+    // The reservation lives until this function returns: the body is held until then.
+    let (raw, _reservation) = match edge::read_body(
         request,
         shared.body_limit.bytes,
         shared.config.body_timeout,
+        &shared.body_budget,
         &shared.metrics,
     )
     .await
     {
-        Ok(raw) => raw,
+        Ok(read) => read,
         Err(response) => return response,
     };
     let started = Instant::now();

@@ -188,6 +188,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "\\uXXXX escapes, or as ids, plus the rest of the body), at most "
                         f"{DEFAULT_MAX_BODY_BYTES >> 20} MiB; {DEFAULT_MAX_BODY_BYTES >> 20} MiB without "
                         "a --tokenizer that states N. Raise it for large batch prompts")
+    limits.add_argument("--max-buffered-body-bytes", default="1GiB", metavar="SIZE",
+                        help="request body bytes held in memory at once, across all requests "
+                        "(from before a body is read until a worker answers it): a body that "
+                        "would exceed it gets 503 with Retry-After, so that many large bodies at "
+                        "once cannot take the router's memory. At least the body limit "
+                        "(metric kvroute_router_buffered_body_bytes; default: %(default)s)")
     limits.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
                         help="seconds for a request's line and headers to arrive, from the "
                         "connection's start or the head's first byte; slower connections are "
@@ -332,6 +338,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         health_interval_s=args.health_interval,
         max_attempts=args.max_attempts,
         max_body_bytes=parse_bytes(args.max_body_bytes) if args.max_body_bytes else None,
+        max_buffered_body_bytes=parse_bytes(args.max_buffered_body_bytes),
         drain_timeout_s=args.drain_timeout,
         first_byte_timeout_s=args.first_byte_timeout or None,
         stream_idle_timeout_s=args.stream_idle_timeout or None,

@@ -27,6 +27,9 @@ RETENTION_MODES = ("off", "on", "auto")
 #: Bodies larger than this are parsed, tokenized and hashed on a blocking thread, so that a
 #: huge prompt never holds a thread that serves other connections.
 DEFAULT_OFFLOAD_BYTES = 256 * 1024
+#: Request body bytes the router holds at once, across all requests: 16 bodies at the largest
+#: default body limit (64 MiB), some 100,000 of the reference workload's 10 KB chat bodies.
+DEFAULT_MAX_BUFFERED_BODY_BYTES = 1 << 30
 #: Bytes the tokenizer's caches of text pieces may hold together, whatever their entry count.
 DEFAULT_PROMPT_CACHE_BYTES = 64 << 20
 #: Deepest JSON nesting accepted. OpenAI bodies nest a handful of levels (messages, content
@@ -87,6 +90,9 @@ class RouterConfig:
         max_body_bytes: larger request bodies get 413, before they are read when they declare
             their length. None: derived from the tokenizer's maximum length when it states one,
             else ``kvroute._native.DEFAULT_MAX_BODY_BYTES`` (see ``kvroute serve --help``).
+        max_buffered_body_bytes: request body bytes held in memory at once across all
+            requests (from before a body is read until a worker answers it); a body that would
+            exceed it gets 503. At least the body limit.
         drain_timeout_s: how long a drain waits for in-flight requests.
         first_byte_timeout_s: how long a worker may take to send its response headers (a
             stream's start; a non-streamed request's whole answer, so set it above the longest
@@ -140,6 +146,7 @@ class RouterConfig:
     connect_timeout_s: float = 2.0
     max_attempts: int = 3
     max_body_bytes: int | None = None
+    max_buffered_body_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES
     drain_timeout_s: float = 30.0
     first_byte_timeout_s: float | None = DEFAULT_FIRST_BYTE_TIMEOUT_S
     stream_idle_timeout_s: float | None = DEFAULT_STREAM_IDLE_TIMEOUT_S
