@@ -364,6 +364,23 @@ class HFTokenizer:
             raise UserError(f"chat template of {self.name} failed: {exc}") from None
 
 
+    def render_chat_request(self, body: dict) -> str | None:
+        """The prompt text of a ``/v1/chat/completions`` body as vLLM builds it (its messages
+        as vLLM's conversation, ``tools``, ``documents``, ``chat_template_kwargs``,
+        ``reasoning_effort``), which is what ``kvroute serve`` hashes; None where the router
+        routes it untokenized (see ``kvroute_serve::chat``).
+
+        Raises:
+            UserError: when the tokenizer has no chat template.
+        """
+        if self._template is None:
+            raise UserError(f"tokenizer {self.name} has no chat template")
+        try:
+            return self._template.render_request(json.dumps(body))
+        except ValueError:  # a string serde_json refuses (a lone surrogate)
+            return None
+
+
 def load_tokenizer(path: str | Path | None) -> Tokenizer:
     """The tokenizer in directory ``path``, or a :class:`SyntheticTokenizer` when None."""
     if path is None:

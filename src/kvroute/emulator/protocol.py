@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvroute.emulator.textgen import OutputTokenGenerator
-from kvroute.tokens import join_text_parts
+from kvroute.tokens import HFTokenizer, join_text_parts
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 #: vLLM's default output length for completions (SamplingParams.max_tokens).
@@ -307,16 +307,31 @@ def _message_text(message: Any, index: int) -> dict:
     return {"role": role, "content": text}
 
 
-def chat_prompt_ids(messages: Any, ctx: ServingContext, add_generation_prompt: bool = True) -> list[int]:
+def chat_prompt_ids(body: dict, ctx: ServingContext) -> list[int]:
     """Apply the chat template and tokenize without adding special tokens again (the
-    template already holds them), as vLLM does."""
+    template already holds them), as vLLM does. A tokenizer's own template gets what vLLM
+    gives it (its conversation, tools, kwargs: :meth:`kvroute.tokens.HFTokenizer.
+    render_chat_request`, the router's renderer); the synthetic tokenizer's ChatML reads roles
+    and contents alone."""
+    messages = body["messages"]
     if not isinstance(messages, list):
         raise validation_error("messages: Input should be a valid list", "messages")
     if not messages:
         raise ApiError("messages must not be empty", param="messages")
     flat = [_message_text(m, i) for i, m in enumerate(messages)]
-    text = ctx.tokenizer.apply_chat_template(flat, add_generation_prompt=add_generation_prompt)
-    return ctx.tokenizer.encode(text, add_special_tokens=False)
+    tokenizer = ctx.tokenizer
+    if isinstance(tokenizer, HFTokenizer):
+        text = tokenizer.render_chat_request(body)
+        if text is None:
+            raise ApiError(
+                "the emulator renders only what vLLM renders from text: this chat's tools, tool "
+                "calls, chat_template or continue_final_message are not (or the template raised)",
+                param="messages",
+            )
+    else:
+        add_generation_prompt = _field(body, "add_generation_prompt", (bool,), True)
+        text = tokenizer.apply_chat_template(flat, add_generation_prompt=add_generation_prompt)
+    return tokenizer.encode(text, add_special_tokens=False)
 
 
 def parse_chat(body: dict, ctx: ServingContext) -> GenerationRequest:
@@ -325,8 +340,7 @@ def parse_chat(body: dict, ctx: ServingContext) -> GenerationRequest:
         raise validation_error("Field required: messages", "messages")
     model, stream, include_usage, continuous = _generation_options(body, ctx)
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
-    add_generation_prompt = _field(body, "add_generation_prompt", (bool,), True)
-    prompt = chat_prompt_ids(body["messages"], ctx, add_generation_prompt)
+    prompt = chat_prompt_ids(body, ctx)
     max_tokens = _check_length(len(prompt), max_tokens, ctx)
     return GenerationRequest(
         "chat", prompt, max_tokens, stream, include_usage, continuous, model,
@@ -338,8 +352,7 @@ def parse_tokenize(body: dict, ctx: ServingContext) -> dict:
     """``POST /tokenize``: a completion-style ``prompt`` or chat ``messages``."""
     _check_model(body, ctx)
     if "messages" in body:
-        add_generation_prompt = _field(body, "add_generation_prompt", (bool,), True)
-        tokens = chat_prompt_ids(body["messages"], ctx, add_generation_prompt)
+        tokens = chat_prompt_ids(body, ctx)
     elif "prompt" in body:
         prompt = _field(body, "prompt", (str,))
         if prompt is None:
