@@ -79,6 +79,18 @@ pub struct Prompt {
     pub retained: Option<Retained>,
 }
 
+impl Prompt {
+    /// A prompt routed without a prefix match, of `tokens` tokens (0: not known).
+    pub fn untokenized(tokens: usize) -> Self {
+        Self {
+            tokens,
+            block_hashes: Vec::new(),
+            untokenized: true,
+            retained: None,
+        }
+    }
+}
+
 /// A tokenized prompt as retention reads it: a refresh sends the prefix's ids (as token ids
 /// to `/v1/completions`, whatever route the prompt came by: for text and chats, the ids the
 /// router encoded, which are the engine's when its tokenizer and chat template are).
@@ -240,12 +252,7 @@ impl Prompts {
         let Value::Object(fields) = &value else {
             return Err(bad("body must be a JSON object", None));
         };
-        let untokenized = |tokens: usize| Prompt {
-            tokens,
-            block_hashes: Vec::new(),
-            untokenized: true,
-            retained: None,
-        };
+        let untokenized = Prompt::untokenized;
         match route {
             Route::Chat => {
                 let Some(Value::Array(messages)) = fields.get("messages") else {
@@ -365,15 +372,9 @@ impl Prompts {
         fields: &serde_json::Map<String, Value>,
         batch: bool,
     ) -> Prompt {
-        let untokenized = Prompt {
-            tokens: 0,
-            block_hashes: Vec::new(),
-            untokenized: true,
-            retained: None,
-        };
         let Some(encoder) = &self.chunker else {
             let Some(synthetic) = &self.synthetic else {
-                return untokenized;
+                return Prompt::untokenized(0);
             };
             let mut ids = Vec::with_capacity(text.len() / 4);
             synthetic.encode(text, &mut ids);
@@ -391,7 +392,7 @@ impl Prompts {
         drop(encoder);
         match ids {
             Ok(ids) => self.tokenized(ids, fields, batch),
-            Err(_) => untokenized,
+            Err(_) => Prompt::untokenized(0),
         }
     }
 }
