@@ -131,6 +131,35 @@ QWEN3_STYLE = """\
 {%- endif %}
 """
 
+#: Tools and tool calls as Qwen's and Hermes' templates write them: each tool definition as
+#: JSON in the system turn, each call's function with its arguments as JSON.
+TOOL_CALLS_STYLE = """\
+{%- if tools %}
+    {{- '<|im_start|>system\\n' }}
+    {%- if messages and messages[0].role == 'system' %}
+        {{- messages[0].content + '\\n\\n' }}
+    {%- endif %}
+    {{- '<tools>' }}
+    {%- for tool in tools %}
+        {{- '\\n' + tool | tojson }}
+    {%- endfor %}
+    {{- '\\n</tools><|im_end|>\\n' }}
+{%- endif %}
+{%- for message in messages %}
+    {%- if not (tools and loop.first and message.role == 'system') %}
+        {{- '<|im_start|>' + message.role + '\\n' + (message.content if message.content is string else '') }}
+        {%- for tool_call in message.tool_calls or [] %}
+            {%- set call = tool_call.function if tool_call.function is defined else tool_call %}
+            {{- '\\n<tool_call>\\n{"name": "' + call.name + '", "arguments": ' + call.arguments | tojson + '}\\n</tool_call>' }}
+        {%- endfor %}
+        {{- '<|im_end|>\\n' }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\\n' }}
+{%- endif %}
+"""
+
 #: A Llama-3.1-style template: bos_token, a date from strftime_now, a system message split
 #: off with slicing, strict role alternation with raise_exception, `| trim`.
 LLAMA3_STYLE = """\
@@ -190,6 +219,7 @@ OWN_TEMPLATES = {
     "chatml(make-tiny-model)": CHATML_TEMPLATE,
     "qwen3-style": QWEN3_STYLE,
     "llama3-style": LLAMA3_STYLE,
+    "tool-calls-style": TOOL_CALLS_STYLE,
     "features": FEATURES,
 }
 

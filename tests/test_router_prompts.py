@@ -103,3 +103,54 @@ async def test_without_a_tokenizer_prompts_hash_as_the_synthetic_tokenizer_does(
     await _routes_as(tokenizer, lambda url: RouterConfig(
         workers=[url], block_size=BS, health_interval_s=0, predicted_ttl_s=600.0,
     ), bodies)
+
+
+async def test_a_chat_with_tools_hashes_as_vllm_renders_it(tiny_model_dir, tmp_path):
+    """A tokenizer whose templates are named (``default``, and ``tool_use`` for requests with
+    tools, as transformers picks them): the router renders a chat with tools and tool calls as
+    vLLM does, its conversation built here by hand and rendered by jinja2 (tool call arguments
+    parsed from their JSON string, keys in pydantic's order, the client's extra keys dropped)."""
+    import json
+    import shutil
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from jinja_reference import compile_reference
+    from test_chat_template import TOOL_CALLS_STYLE
+
+    model = tmp_path / "named-templates"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    default = config["chat_template"]
+    config["chat_template"] = [{"name": "default", "template": default},
+                               {"name": "tool_use", "template": TOOL_CALLS_STYLE}]
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(str(model))
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "Find a note",
+                                               "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
+    call = {"type": "function", "function": {"name": "lookup", "arguments": '{"q": "café", "n": 3}'}, "id": "call-1"}
+    body = {"messages": [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER, "extra": 1},
+                         {"role": "assistant", "content": None, "tool_calls": [call]},
+                         {"role": "tool", "content": "note 1: " + USER, "tool_call_id": "call-1"}],
+            "tools": tools}
+    conversation = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER},
+                    {"role": "assistant", "content": "", "tool_calls": [
+                        {"id": "call-1", "function": {"arguments": {"q": "café", "n": 3}, "name": "lookup"},
+                         "type": "function"}]},
+                    {"role": "tool", "content": "note 1: " + USER, "tool_call_id": "call-1"}]
+    dumped = [{"type": "function", "function": {**tools[0]["function"]}}]
+    text = compile_reference(TOOL_CALLS_STYLE).render(messages=conversation, tools=dumped, documents=None,
+                                                 add_generation_prompt=True)
+    assert "<tools>" in text and "\"arguments\": {\"q\": \"café\", \"n\": 3}" in text, text
+    expected = BlockHasher(BS, DEFAULT_HASH_SEED).hash_blocks(tokenizer.encode(text, add_special_tokens=False))
+    runner, url = await _worker()
+    try:
+        config = RouterConfig(workers=[url], tokenizer=str(model), block_size=BS, health_interval_s=0,
+                              predicted_ttl_s=600.0)
+        async with start_router(config) as router, aiohttp.ClientSession() as s:
+            async with s.post(router.url + "/v1/chat/completions", json=body) as r:
+                assert r.status == 200
+            assert router.index.overlaps(expected, [url], time.monotonic())[0] == len(expected)
+    finally:
+        await runner.cleanup()

@@ -6,7 +6,7 @@ calls (arguments valid JSON, not JSON, not an object, empty), reasoning, tool an
 messages, names, content-part lists with empty parts and Claude Code's billing header, it must
 give the token ids vLLM's own ``/tokenize`` gives for the same body, on the plain server (which
 runs with ``--trust-request-chat-template``, so the body can name the template): a template that
-writes the whole context out as JSON, and two that render tools and tool calls as models do.
+writes the whole context out as JSON, and three that render tools and tool calls as models do.
 A body vLLM refuses needs no match (the worker answers 400 whatever the router hashed).
 """
 
@@ -24,13 +24,14 @@ from kvroute._native import ChatTemplate
 from kvroute.tokens import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from test_chat_template import LLAMA3_STYLE, QWEN3_STYLE  # noqa: E402
+from test_chat_template import LLAMA3_STYLE, QWEN3_STYLE, TOOL_CALLS_STYLE  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 
 #: Every key of the context the template sees, in order.
 CONTEXT_AS_JSON = "{{ messages | tojson }}\n{{ tools | tojson }}\n{{ add_generation_prompt }}"
-TEMPLATES = {"context": CONTEXT_AS_JSON, "qwen3-style": QWEN3_STYLE, "llama3-style": LLAMA3_STYLE}
+TEMPLATES = {"context": CONTEXT_AS_JSON, "tool-calls-style": TOOL_CALLS_STYLE, "qwen3-style": QWEN3_STYLE,
+             "llama3-style": LLAMA3_STYLE}
 BODIES = 120
 
 _PIECES = ["", " ", "\n", "héllo", "<think>a</think>b", "x-anthropic-billing-header: v\nrest",
