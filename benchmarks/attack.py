@@ -11,7 +11,9 @@ and ``kvroute serve`` in front of them, then prints:
 3. the router's RSS before and after 400 distinct 1 MB prompts;
 4. how long a stream to a SIGSTOPped worker takes to end with an SSE error event;
 5. what a valid client sees while 1,100 slow connections are open against a router started
-   under RLIMIT_NOFILE 1024 (answered 200, answered 503, failed silently).
+   under RLIMIT_NOFILE 1024 (answered 200, answered 503, failed silently);
+6. the router's RSS while 32 clients each hold a chunked 32 MB body all but sent, with
+   ``--max-buffered-body-bytes 256MiB`` (the rest get 503) and with a budget too large to matter.
 
     python benchmarks/attack.py                      # the whole run (~4 min)
     python benchmarks/attack.py --slow 500 --prompts 100   # quicker
@@ -328,6 +330,73 @@ async def part_fd_exhaustion(workers: list[str], log: Path, slow: int, probes: i
               f"tracebacks in the log: {router.tracebacks()}")
 
 
+async def hold_bodies(router: RouterProcess, request: bytes, connections: int) -> tuple[float, float, Counter[int]]:
+    """``connections`` clients each send all of ``request`` but its last byte, wait until all
+    have (or were answered), then send it. Returns the router's RSS (MB) before and at its
+    peak meanwhile, and the statuses the clients got (0: none)."""
+    base = rss_mb(router.proc.pid)
+    held = asyncio.Event()
+    sent = 0
+    statuses: Counter[int] = Counter()
+
+    async def one() -> None:
+        nonlocal sent
+        try:
+            reader, writer = await asyncio.open_connection(router.host, router.port)
+        except OSError:
+            statuses[0] += 1
+            return
+        try:
+            view = memoryview(request)
+            for start in range(0, len(view) - 1, 1 << 20):
+                writer.write(view[start:min(start + (1 << 20), len(view) - 1)])
+                await writer.drain()
+            sent += 1
+            await held.wait()
+            writer.write(view[-1:])
+            await writer.drain()
+        except (OSError, ConnectionError):
+            pass  # answered (503) and closed while sending
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n"), 120)
+            statuses[int(head.split(b" ", 2)[1])] += 1
+        except (OSError, TimeoutError, asyncio.IncompleteReadError, ValueError, IndexError):
+            statuses[0] += 1
+        finally:
+            writer.close()
+
+    tasks = [asyncio.ensure_future(one()) for _ in range(connections)]
+    peak = base
+    deadline = time.monotonic() + 120
+    while sent + sum(statuses.values()) < connections and time.monotonic() < deadline:
+        await asyncio.sleep(0.2)
+        peak = max(peak, rss_mb(router.proc.pid))
+    peak = max(peak, rss_mb(router.proc.pid))
+    held.set()
+    await asyncio.gather(*tasks)
+    return base, peak, statuses
+
+
+async def part_body_budget(workers: list[str], log: Path, connections: int, body_mb: int, budget: str) -> None:
+    print(f"\n6. {connections} clients each holding a chunked {body_mb} MB body all but sent, against "
+          f"--max-buffered-body-bytes {budget} and against a budget too large to matter")
+    # Chunked: a body that declares its length waits for one of the router's two large-body
+    # slots before it is read; one that does not is read as it comes, and only the budget
+    # bounds how much of it the router holds.
+    body = b'{"prompt": "' + b"x" * (body_mb << 20) + b'", "max_tokens": 1}'
+    head = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nConnection: close\r\n"
+            b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
+    chunks = b"".join(f"{len(body[i:i + (1 << 20)]):x}\r\n".encode() + body[i:i + (1 << 20)] + b"\r\n"
+                      for i in range(0, len(body), 1 << 20))
+    request = head + chunks + b"0\r\n\r\n"
+    for label, value in ((budget, budget), ("unbounded", "1TiB")):
+        async with RouterProcess(workers, ["--max-buffered-body-bytes", value], log) as router:
+            base, peak, statuses = await hold_bodies(router, request, connections)
+        print(f"   {label:>9}: router RSS {base:.0f} MB before, {peak:.0f} MB at most with the bodies held "
+              f"({connections} x {body_mb} MB sent); statuses {dict(sorted(statuses.items()))}")
+    print("   (0: answered 503 and closed while the client was still sending, so it saw a reset)")
+
+
 async def main(args: argparse.Namespace) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -352,6 +421,8 @@ async def main(args: argparse.Namespace) -> None:
             await part_stopped_worker(router, fleets, args.idle_timeout)
             print(f"\n   tracebacks in the router's log over parts 1-4: {router.tracebacks()}")
         await part_fd_exhaustion(workers, tmp / "router-1024.log", args.fd_slow, args.probes)
+        await part_body_budget(workers, tmp / "router-budget.log", args.big_bodies, args.big_body_mb,
+                               args.body_budget)
     finally:
         for fleet in fleets:
             await fleet.close()
@@ -365,6 +436,9 @@ if __name__ == "__main__":
     parser.add_argument("--idle-timeout", type=float, default=5.0, help="the router's --stream-idle-timeout")
     parser.add_argument("--fd-slow", type=int, default=1100, help="slow connections in part 5")
     parser.add_argument("--probes", type=int, default=121, help="valid requests in part 5")
+    parser.add_argument("--big-bodies", type=int, default=32, help="clients holding large bodies in part 6")
+    parser.add_argument("--big-body-mb", type=int, default=32, help="each one's body in part 6, MB")
+    parser.add_argument("--body-budget", default="256MiB", help="the router's --max-buffered-body-bytes in part 6")
     parser.add_argument("--slowloris", metavar="HOST:PORT:N", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.slowloris:
