@@ -380,9 +380,7 @@ async def hold_bodies(router: RouterProcess, request: bytes, connections: int) -
 async def part_body_budget(workers: list[str], log: Path, connections: int, body_mb: int, budget: str) -> None:
     print(f"\n6. {connections} clients each holding a chunked {body_mb} MB body all but sent, against "
           f"--max-buffered-body-bytes {budget} and against a budget too large to matter")
-    # Chunked: a body that declares its length waits for one of the router's two large-body
-    # slots before it is read; one that does not is read as it comes, and only the budget
-    # bounds how much of it the router holds.
+    # Chunked, so that the budget's doubling reservations are what is measured.
     body = b'{"prompt": "' + b"x" * (body_mb << 20) + b'", "max_tokens": 1}'
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nConnection: close\r\n"
             b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")

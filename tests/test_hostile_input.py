@@ -413,6 +413,37 @@ async def test_request_bodies_held_at_once_stay_within_the_budget():
         await worker.runner.cleanup()
 
 
+async def test_clients_sending_large_bodies_slowly_do_not_stall_another_large_body():
+    """Large bodies (over --offload-bytes) are parsed two at a time, but a body waits for a
+    parse slot only once it has arrived: three clients holding large bodies half sent cannot
+    keep a fourth, whole one waiting (before, they held both slots while sending)."""
+    worker = Upstream()
+    await worker.start()
+    config = RouterConfig(workers=[worker.url], health_interval_s=0, offload_bytes=1024, body_timeout_s=30.0)
+    body = b'{"prompt": "' + b"x" * 20_000 + b'"}'
+    request = http_request(b"POST", b"/v1/completions", [(b"Content-Type", b"application/json")], body)
+    try:
+        async with start_router(config) as router:
+            host, port = router.url.removeprefix("http://").rsplit(":", 1)
+            slow = []
+            for _ in range(3):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.write(request[: len(request) // 2])
+                await writer.drain()
+                slow.append((reader, writer))
+            await asyncio.sleep(0.2)
+            started = asyncio.get_running_loop().time()
+            status = await asyncio.wait_for(asyncio.to_thread(lambda: raw(router.url, request)[0]), 10)
+            assert status == 200 and asyncio.get_running_loop().time() - started < 5
+            for reader, writer in slow:
+                writer.write(request[len(request) // 2:])
+                await writer.drain()
+                assert (await reader.read()).startswith(b"HTTP/1.1 200")
+                writer.close()
+    finally:
+        await worker.runner.cleanup()
+
+
 async def test_a_budget_below_the_body_limit_is_refused():
     config = RouterConfig(workers=["http://127.0.0.1:9"], max_body_bytes=1 << 20,
                           max_buffered_body_bytes=1 << 19, health_interval_s=0)

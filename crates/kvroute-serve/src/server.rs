@@ -52,7 +52,7 @@ pub const EVENTS_COALESCE: Duration = Duration::from_millis(2);
 const REPLAY_TIMEOUT: Duration = Duration::from_secs(1);
 /// How often the consumer's notices (each a worker reset) are logged.
 const NOTICE_INTERVAL: Duration = Duration::from_millis(200);
-/// Bodies over `--offload-bytes` read and parsed at once; the others wait before reading.
+/// Bodies over `--offload-bytes` parsed at once; the others wait once read.
 pub const LARGE_BODIES: usize = 2;
 /// Refreshes open at once per worker; more are dropped (counted), never queued.
 pub const MAX_REFRESHES_OPEN: usize = 4;
@@ -847,15 +847,6 @@ async fn generate(
     {
         return refusal;
     }
-    // A large body: at most LARGE_BODIES in memory at once (the others wait before reading),
-    // until it is parsed.
-    let declared = edge::declared_length(&client_headers);
-    let large_permit = match declared {
-        Some(n) if n > shared.config.offload_bytes as u64 => {
-            shared.large_bodies.acquire().await.ok()
-        }
-        _ => None,
-    };
     // The reservation lives until this function returns: the body is held until then.
     let (raw, _reservation) = match edge::read_body(
         request,
@@ -868,6 +859,14 @@ async fn generate(
     {
         Ok(read) => read,
         Err(response) => return response,
+    };
+    // Parsing a large body takes a multiple of its size (its JSON tree, its tokens): at most
+    // LARGE_BODIES are parsed at once, the others wait, read (the body budget bounds those).
+    // Waiting for a slot only once the body is in, a client that sends slowly holds none.
+    let large_permit = if raw.len() > shared.config.offload_bytes {
+        shared.large_bodies.acquire().await.ok()
+    } else {
+        None
     };
     let started = Instant::now();
     let prompt = if raw.len() > shared.config.offload_bytes {
