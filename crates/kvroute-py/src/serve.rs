@@ -110,6 +110,8 @@ fn worker_specs(workers: &Bound<'_, PyAny>) -> PyResult<Vec<WorkerSpec>> {
 }
 
 /// The native router, serving from the moment it is made (see ``kvroute.proxy.router``).
+/// Every argument is required: ``kvroute.proxy.router.native_arguments`` passes them all, with
+/// the defaults ``serve_defaults`` reports.
 ///
 /// Raises:
 ///     ValueError: a bad configuration, or the address cannot be bound (the message says which).
@@ -134,16 +136,14 @@ impl NativeRouter {
 impl NativeRouter {
     #[new]
     #[pyo3(signature = (
-        workers, *, host = "127.0.0.1".to_owned(), port = 0, threads = 1, policy = "kv-aware".to_owned(),
-        policy_options = None, seed = None, block_size = 16, hash_seed = 0, tokenizer = None,
-        prompt_cache_bytes = 64 << 20, predicted_ttl_s = None, predicted_capacity_blocks = Some(585),
-        index_max_bytes = Some(256 << 20),
-        max_body_bytes = None, max_buffered_body_bytes = 1 << 30, max_json_depth = 64, offload_bytes = 256 * 1024, header_timeout_s = 10.0, keepalive_timeout_s = 75.0, body_timeout_s = 60.0,
-        max_connections = 4096, connect_timeout_s = 2.0, first_byte_timeout_s = Some(600.0),
-        stream_idle_timeout_s = Some(300.0), max_attempts = 3, health_interval_s = 2.0,
-        health_timeout_s = 1.0, eject_after_failures = 3, eject_base_s = 5.0, api_key = None,
-        metrics_public = false, worker_api_key = None, forward_authorization = false,
-        events_topic = String::new(), retention = None, retention_capacity_blocks = 584, kv_capacity_blocks = None
+        workers, *, host, port, threads, policy, policy_options, seed, block_size, hash_seed,
+        tokenizer, prompt_cache_bytes, predicted_ttl_s, predicted_capacity_blocks, index_max_bytes,
+        max_body_bytes, max_buffered_body_bytes, max_json_depth, offload_bytes, header_timeout_s,
+        keepalive_timeout_s, body_timeout_s, max_connections, connect_timeout_s,
+        first_byte_timeout_s, stream_idle_timeout_s, max_attempts, health_interval_s,
+        health_timeout_s, eject_after_failures, eject_base_s, api_key, metrics_public,
+        worker_api_key, forward_authorization, events_topic, retention, retention_capacity_blocks,
+        kv_capacity_blocks
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -343,7 +343,38 @@ impl NativeRouter {
     }
 }
 
+/// `ServeConfig::default()` in the units `NativeRouter` takes (seconds as floats, sizes in
+/// bytes, None for a limit that is off): `kvroute.proxy.config` takes its defaults from here,
+/// so that they are written once, in the data plane.
+#[pyfunction]
+fn serve_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
+    let d = ServeConfig::default();
+    let secs = |t: Duration| t.as_secs_f64();
+    let out = PyDict::new(py);
+    out.set_item("host", d.host)?;
+    out.set_item("threads", d.threads)?;
+    out.set_item("prompt_cache_bytes", d.prompt_cache_bytes)?;
+    out.set_item("predicted_capacity_blocks", d.predicted_capacity_blocks)?;
+    out.set_item("index_max_bytes", d.index_max_bytes)?;
+    out.set_item("max_buffered_body_bytes", d.max_buffered_body_bytes)?;
+    out.set_item("max_json_depth", d.max_json_depth)?;
+    out.set_item("offload_bytes", d.offload_bytes)?;
+    out.set_item("header_timeout_s", secs(d.header_timeout))?;
+    out.set_item("keepalive_timeout_s", secs(d.keepalive_timeout))?;
+    out.set_item("body_timeout_s", secs(d.body_timeout))?;
+    out.set_item("connect_timeout_s", secs(d.connect_timeout))?;
+    out.set_item("first_byte_timeout_s", d.first_byte_timeout.map(secs))?;
+    out.set_item("stream_idle_timeout_s", d.stream_idle_timeout.map(secs))?;
+    out.set_item("max_attempts", d.max_attempts)?;
+    out.set_item("health_interval_s", d.health_interval.map_or(0.0, secs))?;
+    out.set_item("health_timeout_s", secs(d.health_timeout))?;
+    out.set_item("eject_after_failures", d.eject_after_failures)?;
+    out.set_item("eject_base_s", secs(d.eject_base))?;
+    Ok(out)
+}
+
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(serve_defaults, m)?)?;
     m.add(
         "DEFAULT_MAX_BODY_BYTES",
         kvroute_serve::edge::DEFAULT_MAX_BODY_BYTES,

@@ -19,7 +19,9 @@ from kvroute.proxy.config import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_FIRST_BYTE_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
+    DEFAULT_INDEX_MAX_BYTES,
     DEFAULT_KEEPALIVE_TIMEOUT_S,
+    DEFAULT_MAX_BUFFERED_BODY_BYTES,
     DEFAULT_OFFLOAD_BYTES,
     DEFAULT_PREDICTED_CAPACITY_BLOCKS,
     DEFAULT_PROMPT_CACHE_BYTES,
@@ -78,7 +80,8 @@ parentheses). A request head must arrive within --header-timeout and its body wi
 or gets a 503 and is closed (kvroute_router_connections_refused), instead of the descriptors
 running out and the port going silent. Bodies over --max-body-bytes get 413 before they are read, compressed ones
 415 (never expanded), JSON nested deeper than %(depth)d levels 400
-(kvroute_router_rejected_requests). Bodies over --offload-bytes are parsed and tokenized on
+(kvroute_router_rejected_requests); the bodies held at once are bounded by
+--max-buffered-body-bytes (503 beyond it). Bodies over --offload-bytes are parsed and tokenized on
 a blocking thread, never on one serving other connections. Tokenization caches are bounded in bytes (--prompt-cache-bytes). Health
 checks never follow redirects (a 3xx is unhealthy).
 
@@ -107,7 +110,7 @@ DESCRIPTION %= {"depth": MAX_JSON_DEPTH}
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     listen = parser.add_argument_group("listening")
-    listen.add_argument("--host", default="127.0.0.1", help="address to listen on (default: %(default)s)")
+    listen.add_argument("--host", default=RouterConfig.host, help="address to listen on (default: %(default)s)")
     listen.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: %(default)s)")
     listen.add_argument("--threads", type=int, default=None, metavar="N",
                         help="threads serving requests (default: one per core)")
@@ -125,7 +128,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "get/list/watch endpointslices (deploy/helm/kvroute sets it up)")
     workers.add_argument("--discovery-interval", type=float, default=5.0, metavar="S",
                          help="seconds between --dns lookups / --worker-file checks (default: %(default)s)")
-    workers.add_argument("--health-interval", type=float, default=2.0, metavar="S",
+    workers.add_argument("--health-interval", type=float, default=RouterConfig.health_interval_s, metavar="S",
                          help="seconds between GET /health checks of a healthy worker; one taken out is checked "
                               "4 times as often, to return soon after a restart; 0 disables them "
                               "(default: %(default)s)")
@@ -174,7 +177,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          "vllm:cache_config_info; retention assumes --predicted-capacity-blocks, or "
                          "the reference worker's, less the null block)")
 
-    events.add_argument("--index-max-bytes", default="256MiB", metavar="SIZE",
+    events.add_argument("--index-max-bytes", default=f"{DEFAULT_INDEX_MAX_BYTES >> 20}MiB", metavar="SIZE",
                         help="memory bound of the index of cached blocks (128 bytes per worker and "
                         "block; the least recently touched are dropped beyond it, metric "
                         "kvroute_router_index_evicted_blocks; default: %(default)s)")
@@ -188,7 +191,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "\\uXXXX escapes, or as ids, plus the rest of the body), at most "
                         f"{DEFAULT_MAX_BODY_BYTES >> 20} MiB; {DEFAULT_MAX_BODY_BYTES >> 20} MiB without "
                         "a --tokenizer that states N. Raise it for large batch prompts")
-    limits.add_argument("--max-buffered-body-bytes", default="1GiB", metavar="SIZE",
+    limits.add_argument("--max-buffered-body-bytes", default=f"{DEFAULT_MAX_BUFFERED_BODY_BYTES >> 20}MiB",
+                        metavar="SIZE",
                         help="request body bytes held in memory at once, across all requests "
                         "(from before a body is read until a worker answers it): a body that "
                         "would exceed it gets 503 with Retry-After, so that many large bodies at "
@@ -214,14 +218,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "worker, so the descriptors never run out (448 under ulimit -n 1024)")
     limits.add_argument("--offload-bytes", default=f"{DEFAULT_OFFLOAD_BYTES >> 10}KiB", metavar="SIZE",
                         help="larger bodies are parsed, tokenized and hashed on a blocking thread, "
-                        "never on one serving other connections, and at most 2 of them are held in "
-                        "memory at once (the others wait before being read) (default: %(default)s)")
+                        "never on one serving other connections, 2 at once (a parse takes a "
+                        "multiple of the body's size; the others wait once read) (default: %(default)s)")
     limits.add_argument("--prompt-cache-bytes", default=f"{DEFAULT_PROMPT_CACHE_BYTES >> 20}MiB", metavar="SIZE",
                         help="memory bound of the tokenizer's caches (text pieces and words, so "
                         "that a shared prefix is tokenized once) (default: %(default)s)")
-    limits.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+    limits.add_argument("--drain-timeout", type=float, default=RouterConfig.drain_timeout_s, metavar="S",
                         help="on SIGTERM, wait this long for in-flight requests (default: %(default)s)")
-    limits.add_argument("--max-attempts", type=int, default=3,
+    limits.add_argument("--max-attempts", type=int, default=RouterConfig.max_attempts,
                         help="workers tried per request before a 502, retrying only before the "
                         "first response byte (default: %(default)s)")
     limits.add_argument("--first-byte-timeout", type=float, default=DEFAULT_FIRST_BYTE_TIMEOUT_S, metavar="S",
@@ -238,10 +242,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "prefill: a 130k-token prompt prefills in ~30 s on an H100 (8B model) and "
                         "~3 min on an L4-class GPU; the default %(default)g s cuts neither and "
                         "still ends the streams of a stopped or wedged worker")
-    limits.add_argument("--eject-after", type=int, default=3, metavar="N",
+    limits.add_argument("--eject-after", type=int, default=RouterConfig.eject_after_failures, metavar="N",
                         help="consecutive failed requests that take a worker out; 0 never "
                         "(default: %(default)s)")
-    limits.add_argument("--eject-base", type=float, default=5.0, metavar="S",
+    limits.add_argument("--eject-base", type=float, default=RouterConfig.eject_base_s, metavar="S",
                         help="first ejection's length; the n-th in a row lasts n times as long "
                         "(default: %(default)s)")
 

@@ -7,9 +7,14 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvroute import _native
 from kvroute.blocks import DEFAULT_HASH_SEED, GPU_BLOCK_SIZE
 from kvroute.kvevents import EventsSettings
 from kvroute.proxy.discovery import Discovery
+
+#: The data plane's own defaults (``kvroute_serve::ServeConfig::default()``): the values below
+#: are read from it, so that each is written once; the comments say why it is what it is.
+_SERVE: dict[str, Any] = _native.serve_defaults()
 
 #: Predicted entries' lifetime when KV events confirm (or not) what was routed: long enough to
 #: cover the first events of a burst, short enough that a wrong guess is soon forgotten.
@@ -17,45 +22,45 @@ EVENTS_PREDICTED_TTL_S = 2.0
 #: Predicted entries per worker without events: the reference worker's cache (Qwen3-0.6B bf16,
 #: 1 GiB, block 16: 585 blocks). Set ``predicted_capacity_blocks`` to your workers'
 #: ``num_gpu_blocks``.
-DEFAULT_PREDICTED_CAPACITY_BLOCKS = 585
+DEFAULT_PREDICTED_CAPACITY_BLOCKS: int = _SERVE["predicted_capacity_blocks"]
 #: The index's default memory bound: 256 MiB is 2M (worker, block) entries at 128 bytes each,
 #: e.g. 32 workers with 65k blocks of KV each (an 80 GB GPU serving an 8B model holds ~40k).
-DEFAULT_INDEX_MAX_BYTES = 256 * 2**20
+DEFAULT_INDEX_MAX_BYTES: int = _SERVE["index_max_bytes"]
 #: Retention's modes (``kvroute_core::retention::RetentionMode``); the default is
 #: :func:`default_retention`'s.
 RETENTION_MODES = ("off", "on", "auto")
 #: Bodies larger than this are parsed, tokenized and hashed on a blocking thread, so that a
 #: huge prompt never holds a thread that serves other connections.
-DEFAULT_OFFLOAD_BYTES = 256 * 1024
+DEFAULT_OFFLOAD_BYTES: int = _SERVE["offload_bytes"]
 #: Request body bytes the router holds at once, across all requests: 16 bodies at the largest
 #: default body limit (64 MiB), some 100,000 of the reference workload's 10 KB chat bodies.
-DEFAULT_MAX_BUFFERED_BODY_BYTES = 1 << 30
+DEFAULT_MAX_BUFFERED_BODY_BYTES: int = _SERVE["max_buffered_body_bytes"]
 #: Bytes the tokenizer's caches of text pieces may hold together, whatever their entry count.
-DEFAULT_PROMPT_CACHE_BYTES = 64 << 20
+DEFAULT_PROMPT_CACHE_BYTES: int = _SERVE["prompt_cache_bytes"]
 #: Deepest JSON nesting accepted. OpenAI bodies nest a handful of levels (messages, content
 #: parts, tool schemas a few more); refusing deeper ones before any recursive code sees them
 #: keeps every later step (chat template, content flattening) far from any recursion limit.
-MAX_JSON_DEPTH = 64
+MAX_JSON_DEPTH: int = _SERVE["max_json_depth"]
 #: A streamed answer's first-byte wait is its response headers, which vLLM sends before the
 #: prefill; a non-streamed answer's first byte is the whole answer, so this bounds its whole
 #: generation: a 130k-token prefill (~30 s on an H100 for an 8B model, minutes on smaller
 #: GPUs) plus 8k tokens decoded at 20 tokens/s is ~450 s.
-DEFAULT_FIRST_BYTE_TIMEOUT_S = 600.0
+DEFAULT_FIRST_BYTE_TIMEOUT_S: float = _SERVE["first_byte_timeout_s"]
 #: The longest silence of a healthy stream is the wait for its first token: queueing plus
 #: prefill. A 130k-token prompt's prefill is dominated by attention over its length: ~30 s on
 #: an H100 for an 8B model, ~3 min on an L4-class GPU. 300 s never cuts such a prefill and still
 #: ends the streams of a stopped or wedged worker.
-DEFAULT_STREAM_IDLE_TIMEOUT_S = 300.0
+DEFAULT_STREAM_IDLE_TIMEOUT_S: float = _SERVE["stream_idle_timeout_s"]
 #: Seconds for a request head to arrive (Go servers commonly use 10 s for ReadHeaderTimeout;
 #: a head is at most a few KiB).
-DEFAULT_HEADER_TIMEOUT_S = 10.0
+DEFAULT_HEADER_TIMEOUT_S: float = _SERVE["header_timeout_s"]
 #: Seconds for a whole request body to arrive once its head has: 64 MiB at ~1 MiB/s, a 130k
 #: token prompt (~0.5 MB) at ~8 KiB/s.
-DEFAULT_BODY_TIMEOUT_S = 60.0
+DEFAULT_BODY_TIMEOUT_S: float = _SERVE["body_timeout_s"]
 #: Seconds an idle kept-alive client connection stays open. Above the 60 s idle timeout of
 #: common load balancers (AWS ALB, GCP), so a balancer never sends on a connection the router
 #: is closing; clients that pool connections close theirs sooner (httpx: 5 s).
-DEFAULT_KEEPALIVE_TIMEOUT_S = 75.0
+DEFAULT_KEEPALIVE_TIMEOUT_S: float = _SERVE["keepalive_timeout_s"]
 
 
 @dataclass
@@ -132,7 +137,7 @@ class RouterConfig:
     policy: str = "kv-aware"
     policy_options: dict[str, Any] = field(default_factory=dict)
     seed: int | None = None
-    host: str = "127.0.0.1"
+    host: str = _SERVE["host"]
     port: int = 0
     tokenizer: str | None = None
     block_size: int = GPU_BLOCK_SIZE
@@ -141,10 +146,10 @@ class RouterConfig:
     predicted_ttl_s: float | None = None
     predicted_capacity_blocks: int | None = None
     index_max_bytes: int | None = DEFAULT_INDEX_MAX_BYTES
-    health_interval_s: float = 2.0
-    health_timeout_s: float = 1.0
-    connect_timeout_s: float = 2.0
-    max_attempts: int = 3
+    health_interval_s: float = _SERVE["health_interval_s"]
+    health_timeout_s: float = _SERVE["health_timeout_s"]
+    connect_timeout_s: float = _SERVE["connect_timeout_s"]
+    max_attempts: int = _SERVE["max_attempts"]
     max_body_bytes: int | None = None
     max_buffered_body_bytes: int = DEFAULT_MAX_BUFFERED_BODY_BYTES
     drain_timeout_s: float = 30.0
@@ -156,8 +161,8 @@ class RouterConfig:
     max_connections: int | None = None
     max_json_depth: int = MAX_JSON_DEPTH
     offload_bytes: int = DEFAULT_OFFLOAD_BYTES
-    eject_after_failures: int = 3
-    eject_base_s: float = 5.0
+    eject_after_failures: int = _SERVE["eject_after_failures"]
+    eject_base_s: float = _SERVE["eject_base_s"]
     api_key: str | None = None
     metrics_public: bool = False
     forward_authorization: bool = False
@@ -165,7 +170,7 @@ class RouterConfig:
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     retention: str | None = None
     kv_capacity_blocks: int | None = None
-    threads: int = 1
+    threads: int = _SERVE["threads"]
 
     def retention_mode(self) -> str:
         """The retention mode the router runs: ``retention``, or the policy's default."""
