@@ -200,9 +200,17 @@ def _grid(plt, rows: int, cols: int, width: float = 3.4, height: float = 2.7, **
     return fig, axes
 
 
+#: Inches a legend entry of the 8-point font takes: its line handle and gap, and per character.
+_LEGEND_HANDLE_IN, _LEGEND_CHAR_IN = 0.45, 0.068
+
+
 def _title_and_legend(fig, title: str, handles, labels, ncol: int) -> None:
     """The figure's title, then one legend for all its panels in a band below it (never over
-    the data), then the panels."""
+    the data), then the panels. At most ``ncol`` columns, fewer where the labels would not
+    fit the figure's width side by side."""
+    longest = max((len(label) for label in labels), default=0)
+    fits = int(fig.get_figwidth() // (_LEGEND_HANDLE_IN + _LEGEND_CHAR_IN * longest))
+    ncol = max(1, min(ncol, fits))
     height = fig.get_figheight()
     fig.suptitle(title, y=1 - 0.08 / height, va="top", fontsize=11)
     fig.legend(handles, labels, loc="upper center", ncol=ncol, fontsize=8, frameon=False,
@@ -211,12 +219,20 @@ def _title_and_legend(fig, title: str, handles, labels, ncol: int) -> None:
     fig.tight_layout(rect=(0, 0, 1, 1 - (0.12 + 0.18 * rows) / height))
 
 
+def _short_number(v: float) -> str:
+    """A tick label: 30, 300, 3k, 300k, 3M (``1e+06`` and ``300000`` crowd each other)."""
+    for scale, suffix in ((1e6, "M"), (1e3, "k")):
+        if abs(v) >= scale:
+            return f"{v / scale:g}{suffix}"
+    return f"{v:g}"
+
+
 def _plain_log_ticks(axis) -> None:
-    """Log-scale ticks as plain numbers (30, 100, 300), without the crowded minor labels."""
+    """Log-scale ticks as plain numbers (30, 100, 300, 1k), without the crowded minor labels."""
     from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
 
     axis.set_major_locator(LogLocator(base=10, subs=(1.0, 3.0)))
-    axis.set_major_formatter(FuncFormatter(lambda v, _: f"{v:g}"))
+    axis.set_major_formatter(FuncFormatter(lambda v, _: _short_number(v)))
     axis.set_minor_formatter(NullFormatter())
 
 
