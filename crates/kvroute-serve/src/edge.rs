@@ -193,7 +193,7 @@ pub struct BodyBudget {
 /// A body's share of the [`BodyBudget`], given back when dropped.
 #[derive(Debug)]
 pub struct BodyReservation {
-    _permit: Option<tokio::sync::OwnedSemaphorePermit>,
+    permit: Option<tokio::sync::OwnedSemaphorePermit>,
 }
 
 impl BodyBudget {
@@ -224,9 +224,9 @@ impl BodyBudget {
         let Ok(permit) = self.kib.clone().try_acquire_many_owned(want) else {
             return false;
         };
-        match &mut reservation._permit {
+        match &mut reservation.permit {
             Some(held) => held.merge(permit),
-            None => reservation._permit = Some(permit),
+            None => reservation.permit = Some(permit),
         }
         true
     }
@@ -279,7 +279,7 @@ pub async fn read_body(
         .and_then(|n| usize::try_from(n).ok())
         .unwrap_or(limit)
         .min(limit);
-    let mut reservation = BodyReservation { _permit: None };
+    let mut reservation = BodyReservation { permit: None };
     let mut reserved = most.min(FIRST_BODY_RESERVATION);
     if !budget.grow(&mut reservation, reserved) {
         return Err(over_budget(budget, metrics));
