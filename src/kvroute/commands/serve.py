@@ -381,6 +381,7 @@ async def _serve(config: RouterConfig) -> None:
         print(f"kvroute serve: listening on {router.url}, policy {config.policy}, "
               f"{config.threads} threads, workers: {workers}", flush=True)
         print(f"kvroute serve: max body {router.max_body_bytes} bytes ({router.max_body_source}), "
+              f"{config.max_buffered_body_bytes} bytes of bodies held at most, "
               f"max {router.max_connections} connections", file=sys.stderr, flush=True)
         await stop.wait()
         print(f"kvroute serve: draining {router.in_flight} in-flight requests", file=sys.stderr, flush=True)
