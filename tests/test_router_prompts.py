@@ -6,6 +6,7 @@ index as predicted entries, which is what this reads."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import aiohttp
@@ -154,3 +155,62 @@ async def test_a_chat_with_tools_hashes_as_vllm_renders_it(tiny_model_dir, tmp_p
             assert router.index.overlaps(expected, [url], time.monotonic())[0] == len(expected)
     finally:
         await runner.cleanup()
+
+
+async def test_a_tool_conversation_hits_its_own_blocks_on_emulated_workers(tiny_model_dir, tmp_path):
+    """End to end, the router and emulated workers with the same tool-use tokenizer: each
+    turn of a tool conversation goes to the worker that served the one before and finds it
+    cached there, the tool call and its parsed arguments included: both render the chat as
+    vLLM does, so the blocks the router predicts are those the worker stored."""
+    import json
+    import shutil
+    import sys
+    from pathlib import Path
+
+    from kvroute.emulator import EmulatorConfig, start_workers
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_chat_template import TOOL_CALLS_STYLE
+
+    model = tmp_path / "tool-use"
+    shutil.copytree(tiny_model_dir, model)
+    config = json.loads((model / "tokenizer_config.json").read_text())
+    config["chat_template"] = TOOL_CALLS_STYLE
+    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    tokenizer = load_tokenizer(str(model))
+    tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
+    first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
+    turn = {"messages": first, "tools": tools, "max_tokens": 1}
+    call = {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "lookup", "arguments": '{"q": "notes"}'}}]}
+    answer = {"role": "tool", "content": "three notes", "tool_call_id": "c1"}
+    second = {"messages": [*first, call, answer], "tools": tools, "max_tokens": 1}
+    workers = await start_workers(EmulatorConfig.for_model(
+        "qwen3-0.6b", timing="instant", max_model_len=4096, tokenizer=str(model),
+        enable_prompt_tokens_details=True), 3)
+    try:
+        router_config = RouterConfig(workers=[w.url for w in workers], tokenizer=str(model), block_size=BS,
+                                     health_interval_s=0, predicted_ttl_s=600.0)
+        async with start_router(router_config) as router, aiohttp.ClientSession() as s:
+            async def send(body: dict) -> dict:
+                async with s.post(router.url + "/v1/chat/completions", json=body) as r:
+                    assert r.status == 200, await r.text()
+                    return await r.json()
+
+            await send(turn)
+            await send(second)
+            third = {**second, "messages": [*second["messages"], {"role": "assistant", "content": "Done."},
+                                             {"role": "user", "content": "Thanks; and the fourth?"}]}
+            got = await send(third)
+        text = tokenizer.render_chat_request(second)
+        assert "<tools>" in text and '"arguments": {"q": "notes"}' in text
+        # The third prompt extends the second: the full blocks they share (as vLLM renders
+        # them, the tool call included) were cached where the router sent it, and only those.
+        second_ids = tokenizer.encode(text, add_special_tokens=False)
+        third_ids = tokenizer.encode(tokenizer.render_chat_request(third), add_special_tokens=False)
+        shared = next((i for i, (a, b) in enumerate(zip(second_ids, third_ids, strict=False)) if a != b),
+                      min(len(second_ids), len(third_ids)))
+        assert shared > len(tokenizer.encode(tokenizer.render_chat_request(turn), add_special_tokens=False))
+        assert got["usage"]["prompt_tokens_details"]["cached_tokens"] == shared // BS * BS
+    finally:
+        await asyncio.gather(*(w.close() for w in workers))
