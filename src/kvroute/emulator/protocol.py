@@ -318,19 +318,22 @@ def chat_prompt_ids(body: dict, ctx: ServingContext) -> list[int]:
         raise validation_error("messages: Input should be a valid list", "messages")
     if not messages:
         raise ApiError("messages must not be empty", param="messages")
+    # Every message is checked (with vLLM's errors) whichever renderer reads it.
     flat = [_message_text(m, i) for i, m in enumerate(messages)]
     tokenizer = ctx.tokenizer
-    if isinstance(tokenizer, HFTokenizer):
-        text = tokenizer.render_chat_request(body)
-        if text is None:
-            raise ApiError(
-                "the emulator renders only what vLLM renders from text: this chat's tools, tool "
-                "calls, chat_template or continue_final_message are not (or the template raised)",
-                param="messages",
-            )
-    else:
-        add_generation_prompt = _field(body, "add_generation_prompt", (bool,), True)
+    add_generation_prompt = _field(body, "add_generation_prompt", (bool,), True)
+    if not isinstance(tokenizer, HFTokenizer):
         text = tokenizer.apply_chat_template(flat, add_generation_prompt=add_generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=False)
+    text = tokenizer.render_chat_request(body)
+    if text is None:
+        # The template's own refusal, if that is why (raises UserError with its message).
+        tokenizer.apply_chat_template(flat, add_generation_prompt=add_generation_prompt)
+        raise ApiError(
+            "the emulator renders what vLLM renders from text, and not this chat's tools or "
+            "tool calls (malformed), its own chat_template, or continue_final_message",
+            param="messages",
+        )
     return tokenizer.encode(text, add_special_tokens=False)
 
 
