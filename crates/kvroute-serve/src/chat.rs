@@ -355,9 +355,7 @@ fn tool_dicts(tools: &[Json]) -> Option<Vec<Json>> {
             let Json::Object(tool) = tool else {
                 return None;
             };
-            if !matches!(tool.get("type"), None | Some(Json::String(_)))
-                || tool.get("type").is_some_and(|t| t != "function")
-            {
+            if tool.get("type").is_some_and(|t| t != "function") {
                 return None;
             }
             let Some(Json::Object(function)) = tool.get("function") else {
