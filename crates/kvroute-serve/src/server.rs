@@ -863,13 +863,14 @@ async fn generate(
     // Parsing a large body takes a multiple of its size (its JSON tree, its tokens): at most
     // LARGE_BODIES are parsed at once, the others wait, read (the body budget bounds those).
     // Waiting for a slot only once the body is in, a client that sends slowly holds none.
-    let large_permit = if raw.len() > shared.config.offload_bytes {
+    let large = raw.len() > shared.config.offload_bytes;
+    let large_permit = if large {
         shared.large_bodies.acquire().await.ok()
     } else {
         None
     };
     let started = Instant::now();
-    let prompt = if raw.len() > shared.config.offload_bytes {
+    let prompt = if large {
         shared.metrics.offloaded.fetch_add(1, Ordering::Relaxed);
         let (s, r) = (shared.clone(), raw.clone());
         match tokio::task::spawn_blocking(move || s.prompts.parse(route, &r)).await {
