@@ -7,15 +7,25 @@ index as predicted entries, which is what this reads."""
 from __future__ import annotations
 
 import asyncio
+import json
+import shutil
+import sys
 import time
+from pathlib import Path
+from collections.abc import Callable
 
 import aiohttp
 import pytest
 from aiohttp import web
 
 from kvroute.blocks import DEFAULT_HASH_SEED, BlockHasher
+from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.proxy import RouterConfig, start_router
 from kvroute.tokens import HFTokenizer, Tokenizer, flatten_message_content, load_tokenizer
+
+sys.path.insert(0, str(Path(__file__).parent))
+from jinja_reference import compile_reference  # noqa: E402
+from test_chat_template import TOOL_CALLS_STYLE  # noqa: E402
 
 BS = 16
 SYSTEM = "You are a careful assistant. " * 12 + "Réponds en français, s'il te plaît: naïve café."
@@ -106,27 +116,24 @@ async def test_without_a_tokenizer_prompts_hash_as_the_synthetic_tokenizer_does(
     ), bodies)
 
 
+def _with_chat_template(model_dir: Path, copy: Path, template: Callable[[str], str | list[dict]]) -> Path:
+    """A copy of ``model_dir`` whose ``tokenizer_config.json`` has ``template(its own
+    chat_template)`` as its chat template (a string, or a list of named templates)."""
+    shutil.copytree(model_dir, copy)
+    config_file = copy / "tokenizer_config.json"
+    config = json.loads(config_file.read_text())
+    config["chat_template"] = template(config["chat_template"])
+    config_file.write_text(json.dumps(config))
+    return copy
+
+
 async def test_a_chat_with_tools_hashes_as_vllm_renders_it(tiny_model_dir, tmp_path):
     """A tokenizer whose templates are named (``default``, and ``tool_use`` for requests with
     tools, as transformers picks them): the router renders a chat with tools and tool calls as
     vLLM does, its conversation built here by hand and rendered by jinja2 (tool call arguments
     parsed from their JSON string, keys in pydantic's order, the client's extra keys dropped)."""
-    import json
-    import shutil
-    import sys
-    from pathlib import Path
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from jinja_reference import compile_reference
-    from test_chat_template import TOOL_CALLS_STYLE
-
-    model = tmp_path / "named-templates"
-    shutil.copytree(tiny_model_dir, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    default = config["chat_template"]
-    config["chat_template"] = [{"name": "default", "template": default},
-                               {"name": "tool_use", "template": TOOL_CALLS_STYLE}]
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    model = _with_chat_template(tiny_model_dir, tmp_path / "named-templates", lambda default: [
+        {"name": "default", "template": default}, {"name": "tool_use", "template": TOOL_CALLS_STYLE}])
     tokenizer = load_tokenizer(str(model))
     tools = [{"type": "function", "function": {"name": "lookup", "description": "Find a note",
                                                "parameters": {"type": "object", "properties": {"q": {"type": "string"}}}}}]
@@ -162,21 +169,7 @@ async def test_a_tool_conversation_hits_its_own_blocks_on_emulated_workers(tiny_
     turn of a tool conversation goes to the worker that served the one before and finds it
     cached there, the tool call and its parsed arguments included: both render the chat as
     vLLM does, so the blocks the router predicts are those the worker stored."""
-    import json
-    import shutil
-    import sys
-    from pathlib import Path
-
-    from kvroute.emulator import EmulatorConfig, start_workers
-
-    sys.path.insert(0, str(Path(__file__).parent))
-    from test_chat_template import TOOL_CALLS_STYLE
-
-    model = tmp_path / "tool-use"
-    shutil.copytree(tiny_model_dir, model)
-    config = json.loads((model / "tokenizer_config.json").read_text())
-    config["chat_template"] = TOOL_CALLS_STYLE
-    (model / "tokenizer_config.json").write_text(json.dumps(config))
+    model = _with_chat_template(tiny_model_dir, tmp_path / "tool-use", lambda _default: TOOL_CALLS_STYLE)
     tokenizer = load_tokenizer(str(model))
     tools = [{"type": "function", "function": {"name": "lookup", "parameters": {"type": "object"}}}]
     first = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": USER}]
