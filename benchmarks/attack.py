@@ -380,7 +380,7 @@ async def hold_bodies(router: RouterProcess, request: bytes, connections: int) -
 async def part_body_budget(workers: list[str], log: Path, connections: int, body_mb: int, budget: str) -> None:
     print(f"\n6. {connections} clients each holding a chunked {body_mb} MB body all but sent, against "
           f"--max-buffered-body-bytes {budget} and against a budget too large to matter")
-    # Chunked, so that the budget's doubling reservations are what is measured.
+    # Chunked, as a client streaming its upload sends it (a declared length is read the same way).
     body = b'{"prompt": "' + b"x" * (body_mb << 20) + b'", "max_tokens": 1}'
     head = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nConnection: close\r\n"
             b"Content-Type: application/json\r\nTransfer-Encoding: chunked\r\n\r\n")
