@@ -11,8 +11,8 @@ import json
 import shutil
 import sys
 import time
-from pathlib import Path
 from collections.abc import Callable
+from pathlib import Path
 
 import aiohttp
 import pytest
