@@ -13,7 +13,9 @@ and ``kvroute serve`` in front of them, then prints:
 5. what a valid client sees while 1,100 slow connections are open against a router started
    under RLIMIT_NOFILE 1024 (answered 200, answered 503, failed silently);
 6. the router's RSS while 32 clients each hold a chunked 32 MB body all but sent, with
-   ``--max-buffered-body-bytes 256MiB`` (the rest get 503) and with a budget too large to matter.
+   ``--max-buffered-body-bytes 256MiB`` (the rest get 503) and with a budget too large to matter;
+7. the router's RSS while 32 clients each ask for a 32 MB non-streamed answer (logprobs of a
+   long generation run to megabytes; here a worker of this script's) and read none of it.
 
     python benchmarks/attack.py                      # the whole run (~4 min)
     python benchmarks/attack.py --slow 500 --prompts 100   # quicker
@@ -395,6 +397,55 @@ async def part_body_budget(workers: list[str], log: Path, connections: int, body
     print("   (0: answered 503 and closed while the client was still sending, so it saw a reset)")
 
 
+async def part_unread_answers(log: Path, connections: int, answer_mb: int) -> None:
+    print(f"\n7. {connections} clients each asking for a {answer_mb} MB non-streamed answer and reading none of it")
+    from aiohttp import web
+
+    answer = json.dumps({"id": "cmpl-long", "object": "text_completion",
+                         "choices": [{"index": 0, "text": "y" * (answer_mb << 20)}]}).encode()
+
+    async def handle(request: web.Request) -> web.Response:
+        await request.read()
+        if request.path == "/health":
+            return web.Response()
+        return web.Response(body=answer, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    worker = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    writers: list[asyncio.StreamWriter] = []
+    try:
+        async with RouterProcess([worker], [], log) as router:
+            base = rss_mb(router.proc.pid)
+            request = post(b"/v1/completions", b'{"prompt": "hello", "max_tokens": 1}')
+            for _ in range(connections):
+                _, writer = await asyncio.open_connection(router.host, router.port)
+                writer.transport.pause_reading()  # reads nothing
+                writer.write(request)
+                writers.append(writer)
+            peak = base
+            for _ in range(15):
+                await asyncio.sleep(0.2)
+                peak = max(peak, rss_mb(router.proc.pid))
+            health = await probe_health(router.host, router.port)
+            for writer in writers:
+                writer.close()
+            writers.clear()
+            await asyncio.sleep(0.5)
+            after = rss_mb(router.proc.pid)
+        shown = "no answer" if health is None else f"{1000 * health:.1f} ms"
+        print(f"   router RSS {base:.0f} MB before, {peak:.0f} MB at most over 3 s with the answers unread "
+              f"({connections} x {answer_mb} MB asked for), {after:.0f} MB once the clients left; "
+              f"/health meanwhile: {shown}")
+    finally:
+        for writer in writers:
+            writer.close()
+        await runner.cleanup()
+
+
 async def main(args: argparse.Namespace) -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
@@ -421,6 +472,7 @@ async def main(args: argparse.Namespace) -> None:
         await part_fd_exhaustion(workers, tmp / "router-1024.log", args.fd_slow, args.probes)
         await part_body_budget(workers, tmp / "router-budget.log", args.big_bodies, args.big_body_mb,
                                args.body_budget)
+        await part_unread_answers(tmp / "router-answers.log", args.big_answers, args.big_answer_mb)
     finally:
         for fleet in fleets:
             await fleet.close()
@@ -437,6 +489,8 @@ if __name__ == "__main__":
     parser.add_argument("--big-bodies", type=int, default=32, help="clients holding large bodies in part 6")
     parser.add_argument("--big-body-mb", type=int, default=32, help="each one's body in part 6, MB")
     parser.add_argument("--body-budget", default="256MiB", help="the router's --max-buffered-body-bytes in part 6")
+    parser.add_argument("--big-answers", type=int, default=32, help="clients not reading their answers in part 7")
+    parser.add_argument("--big-answer-mb", type=int, default=32, help="each one's answer in part 7, MB")
     parser.add_argument("--slowloris", metavar="HOST:PORT:N", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.slowloris:

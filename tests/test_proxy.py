@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import subprocess
+import sys
 from collections.abc import AsyncIterator
 
 import aiohttp
@@ -195,6 +197,91 @@ async def test_worker_dying_mid_body_is_a_502_json():
                 assert "failed while answering" in (await r.json())["error"]["message"]
         assert router.metric("kvroute_router_retries_total") == 0
 
+
+
+def long_answer(size: int) -> bytes:
+    """A completion answer of about ``size`` bytes (as logprobs of a long generation make)."""
+    return json.dumps({"id": "cmpl-long", "object": "text_completion",
+                       "choices": [{"index": 0, "text": "y" * size}]}).encode()
+
+
+async def test_a_long_whole_answer_is_relayed_exact_with_its_length():
+    """An answer longer than the router holds (64 KiB) is relayed as it comes: the client gets
+    every byte, framed by Content-Length as the worker's was."""
+    answer = long_answer(3 << 20)
+
+    async def long(request: web.Request) -> web.Response:
+        return web.Response(body=answer, content_type="application/json")
+
+    async with FakeWorker(long) as url, start_router(RouterConfig(workers=[url])) as router:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{router.url}/v1/completions", json={"prompt": [1, 2]}) as r:
+                assert r.status == 200 and r.headers[WORKER_HEADER] == url
+                assert r.headers["Content-Length"] == str(len(answer))
+                assert await r.read() == answer
+
+
+async def test_worker_dying_in_a_long_whole_answer_aborts_the_clients_connection():
+    """Past what the router holds, the answer's head is already the client's: a worker dying
+    after it leaves the client an answer short of its Content-Length (an error, never a
+    quietly truncated answer), counted as the worker's body error, and not retried."""
+    async def dies(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "application/json",
+                                               "Content-Length": str(1 << 20)})
+        await response.prepare(request)
+        await response.write(b'{"id": "cmpl-' + b"y" * (200 << 10))
+        await asyncio.sleep(0.05)
+        request.transport.abort()
+        return response
+
+    async with FakeWorker(dies) as url, start_router(RouterConfig(workers=[url])) as router:
+        async with aiohttp.ClientSession() as s:
+            async with s.post(f"{router.url}/v1/completions", json={"prompt": [1, 2]}) as r:
+                assert r.status == 200
+                with pytest.raises(aiohttp.ClientPayloadError):
+                    await r.read()
+        assert router.metric("kvroute_router_upstream_errors_total", worker=url, kind="body") == 1
+        assert router.metric("kvroute_router_retries_total") == 0
+
+
+async def test_clients_not_reading_long_answers_do_not_hold_them_in_the_router():
+    """16 clients that ask for 16 MB answers and read none of them: the router (its own
+    process) holds about a megabyte each, not the answers (256 MB before it relayed them)."""
+    answer = long_answer(16 << 20)
+
+    async def long(request: web.Request) -> web.Response:
+        return web.Response(body=answer, content_type="application/json")
+
+    def rss_mb(pid: int) -> float:
+        with open(f"/proc/{pid}/status") as status:
+            kb = next(int(line.split()[1]) for line in status if line.startswith("VmRSS:"))
+        return kb / 1024
+
+    async with FakeWorker(long) as url:
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "kvroute", "serve", "--port", "0", "--worker", url,
+            "--policy", "round-robin", stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+        )
+        clients: list[asyncio.StreamWriter] = []
+        try:
+            line = (await asyncio.wait_for(proc.stdout.readline(), 30)).decode()
+            host, port = line.split("listening on http://")[1].split(",")[0].rsplit(":", 1)
+            before = rss_mb(proc.pid)
+            request = (b"POST /v1/completions HTTP/1.1\r\nHost: r\r\nContent-Type: application/json\r\n"
+                       b"Content-Length: 13\r\n\r\n{\"prompt\": 1}")
+            for _ in range(16):
+                reader, writer = await asyncio.open_connection(host, int(port))
+                writer.transport.pause_reading()  # the client reads nothing
+                writer.write(request)
+                clients.append(writer)
+            await asyncio.sleep(2)
+            held = rss_mb(proc.pid) - before
+            assert held < 64, f"the router grew by {held:.0f} MB"
+        finally:
+            for writer in clients:
+                writer.close()
+            proc.terminate()
+            await proc.wait()
 
 def slow_stream_worker(chunks: int, delay: float):
     async def handler(request: web.Request) -> web.StreamResponse:

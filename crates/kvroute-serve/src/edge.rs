@@ -79,11 +79,30 @@ pub fn derived_max_body_bytes(max_length: usize, longest_token_bytes: usize) -> 
 }
 
 /// What the router answers with: whole bodies and relayed streams alike.
-pub type Body = BoxBody<Bytes, Infallible>;
+pub type Body = BoxBody<Bytes, Aborted>;
+
+/// Why a response body stopped short: its worker broke in the middle of an answer too long to
+/// hold ([`crate::relay::Framing::Bytes`]). hyper then closes the client's connection without
+/// ending the message, so the client sees the answer incomplete rather than cut short quietly.
+#[derive(Debug)]
+pub struct Aborted;
+
+impl std::fmt::Display for Aborted {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the worker broke mid-answer")
+    }
+}
+
+impl std::error::Error for Aborted {}
 
 /// A whole body.
 pub fn full(bytes: impl Into<Bytes>) -> Body {
-    Full::new(bytes.into()).boxed()
+    Full::new(bytes.into()).map_err(never).boxed()
+}
+
+/// The error of a body that cannot fail, as the router's [`Body`] error.
+pub fn never(never: Infallible) -> Aborted {
+    match never {}
 }
 
 /// The body of an OpenAI-style error.

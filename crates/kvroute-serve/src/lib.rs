@@ -23,7 +23,8 @@
 //!    route, the answer relayed frame by frame with the `x-kvroute-worker` header; a worker that
 //!    does not answer (refused connection, first-byte timeout) is retried on another one, only
 //!    before the first byte; one that dies or goes silent mid-stream ends the client's stream
-//!    with an SSE error event.
+//!    with an SSE error event (mid-answer: a 502 while the answer is short enough to hold,
+//!    the client's connection closed short of it when longer).
 //!
 //! Pure decisions live apart from the I/O: [`prompt`] (body → prompt), [`fleet`] (membership,
 //! health, ejection and routing, fed outcomes and times), [`metrics`] (counters and their text).

@@ -10,6 +10,13 @@
 //! silent mid-stream the client gets an SSE error event and the end of the stream (no
 //! `[DONE]`): never a silently truncated answer. When the client leaves, the body is dropped
 //! with the worker's connection, and vLLM aborts the request.
+//!
+//! A whole (non-streamed) answer is read before it is relayed while it is short
+//! ([`read_answer`], up to [`crate::server::BUFFERED_ANSWER_BYTES`]), so a worker that breaks
+//! while sending it gets the client a 502; a longer one (logprobs of a long generation run to
+//! megabytes) is relayed the same way as a stream, so that clients reading slowly hold a
+//! bounded amount of the router's memory each, and a worker breaking in it aborts the
+//! client's connection.
 
 use std::convert::Infallible;
 use std::pin::Pin;
@@ -22,6 +29,8 @@ use hyper::body::{Body as HttpBody, Frame, Incoming, SizeHint};
 use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
+
+use crate::edge::Aborted;
 
 /// The client to the workers (pooled keep-alive connections).
 pub type Upstream = Client<HttpConnector, Full<Bytes>>;
@@ -251,9 +260,27 @@ pub trait StreamHooks: Send + Sync {
     fn ended(self: Box<Self>, ending: Ending);
 }
 
-/// A worker's event stream relayed as the client's response body, whole events at a time (a
-/// worker dying mid-event never leaves the client half an event to choke on); on a broken or
-/// silent worker the SSE error event comes last.
+/// How a [`RelayBody`] cuts what it relays, and how a broken worker shows.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Framing {
+    /// Server-sent events, whole events at a time (a worker dying mid-event never leaves the
+    /// client half an event to choke on); a broken or silent worker's stream ends with an SSE
+    /// error event.
+    Events,
+    /// Bytes as they come (a whole answer too long to hold); a broken or silent worker ends
+    /// the body with [`Aborted`], which closes the client's connection short of the answer.
+    Bytes,
+}
+
+/// What a [`RelayBody`] sends after the worker's last bytes.
+enum Tail {
+    /// The SSE error event.
+    Event(Bytes),
+    /// The error that aborts the client's connection.
+    Abort,
+}
+
+/// A worker's answer relayed as the client's response body, framed by [`Framing`].
 ///
 /// The client's connection polls it and it polls the worker's body: no task or channel
 /// between them, so a chunk costs one wake-up, and a slow client slows its worker (hyper
@@ -261,22 +288,48 @@ pub trait StreamHooks: Send + Sync {
 /// The idle timeout runs while it waits for the worker, from the moment it starts to.
 pub struct RelayBody {
     upstream: Incoming,
+    framing: Framing,
     idle: Option<Duration>,
     /// Armed while waiting for the worker (None: not waiting, or no idle timeout).
     silence: Option<Pin<Box<tokio::time::Sleep>>>,
     waiting: bool,
+    /// What was read of the answer before relaying began, sent first.
+    head: Option<Bytes>,
     /// Bytes of an event not yet complete.
     pending: BytesMut,
     worker: String,
     /// Taken when the stream ends: None once it has.
     hooks: Option<Box<dyn StreamHooks>>,
-    /// The SSE error event still to send, then the end.
-    error: Option<Bytes>,
+    /// What is still to send after the worker's bytes, then the end.
+    tail: Option<Tail>,
 }
 
 impl RelayBody {
-    /// Relay `upstream` from `worker`, at most `idle` between two chunks (None: no limit).
-    pub fn new(
+    /// Relay the event stream `upstream` from `worker`, at most `idle` between two chunks
+    /// (None: no limit).
+    pub fn events(
+        upstream: Incoming,
+        idle: Option<Duration>,
+        worker: &str,
+        hooks: Box<dyn StreamHooks>,
+    ) -> Self {
+        Self::new(Framing::Events, Bytes::new(), upstream, idle, worker, hooks)
+    }
+
+    /// Relay a whole answer that began with `head` (already read) and goes on in `upstream`.
+    pub fn bytes(
+        head: Bytes,
+        upstream: Incoming,
+        idle: Option<Duration>,
+        worker: &str,
+        hooks: Box<dyn StreamHooks>,
+    ) -> Self {
+        Self::new(Framing::Bytes, head, upstream, idle, worker, hooks)
+    }
+
+    fn new(
+        framing: Framing,
+        head: Bytes,
         upstream: Incoming,
         idle: Option<Duration>,
         worker: &str,
@@ -284,13 +337,15 @@ impl RelayBody {
     ) -> Self {
         Self {
             upstream,
+            framing,
             idle,
             silence: None,
             waiting: false,
+            head: (!head.is_empty()).then_some(head),
             pending: BytesMut::new(),
             worker: worker.to_owned(),
             hooks: Some(hooks),
-            error: None,
+            tail: None,
         }
     }
 
@@ -299,12 +354,14 @@ impl RelayBody {
             hooks.ended(ending);
         }
         if matches!(ending, Ending::Died | Ending::Silent) {
-            let message = format!(
-                "worker {} failed mid-stream: {}",
-                self.worker,
-                ending.problem(self.idle)
-            );
-            self.error = Some(sse_error(&message));
+            self.tail = Some(match self.framing {
+                Framing::Events => Tail::Event(sse_error(&format!(
+                    "worker {} failed mid-stream: {}",
+                    self.worker,
+                    ending.problem(self.idle)
+                ))),
+                Framing::Bytes => Tail::Abort,
+            });
         }
     }
 
@@ -333,16 +390,22 @@ impl RelayBody {
 
 impl HttpBody for RelayBody {
     type Data = Bytes;
-    type Error = Infallible;
+    type Error = Aborted;
 
     fn poll_frame(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<Frame<Bytes>, Infallible>>> {
+    ) -> Poll<Option<Result<Frame<Bytes>, Aborted>>> {
         let this = &mut *self;
+        if let Some(head) = this.head.take() {
+            return Poll::Ready(Some(Ok(Frame::data(head))));
+        }
         loop {
             if this.ended() {
-                return Poll::Ready(this.error.take().map(|e| Ok(Frame::data(e))));
+                return Poll::Ready(this.tail.take().map(|tail| match tail {
+                    Tail::Event(event) => Ok(Frame::data(event)),
+                    Tail::Abort => Err(Aborted),
+                }));
             }
             let data = match Pin::new(&mut this.upstream).poll_frame(cx) {
                 Poll::Pending => {
@@ -373,8 +436,10 @@ impl HttpBody for RelayBody {
             if let Some(hooks) = this.hooks.as_mut() {
                 hooks.first_data();
             }
-            if this.pending.is_empty() && data.ends_with(b"\n\n") {
-                return Poll::Ready(Some(Ok(Frame::data(data)))); // whole events, no copy
+            if this.framing == Framing::Bytes
+                || (this.pending.is_empty() && data.ends_with(b"\n\n"))
+            {
+                return Poll::Ready(Some(Ok(Frame::data(data)))); // no copy
             }
             this.pending.extend_from_slice(&data);
             let cut = events_end(&this.pending);
@@ -385,11 +450,19 @@ impl HttpBody for RelayBody {
     }
 
     fn is_end_stream(&self) -> bool {
-        self.ended() && self.error.is_none()
+        self.ended() && self.tail.is_none() && self.head.is_none()
     }
 
+    /// A whole answer's exact length while its worker declared one (hyper then sends it as
+    /// `Content-Length`); a stream's is unknown (events are regrouped, an error event may come).
     fn size_hint(&self) -> SizeHint {
-        SizeHint::default()
+        let upstream = self.upstream.size_hint();
+        match (self.framing, upstream.exact()) {
+            (Framing::Bytes, Some(rest)) => {
+                SizeHint::with_exact(rest + self.head.as_ref().map_or(0, |h| h.len() as u64))
+            }
+            _ => SizeHint::default(),
+        }
     }
 }
 
@@ -416,6 +489,31 @@ pub async fn collect(
         out.extend_from_slice(&data);
     }
     Ok(out.freeze())
+}
+
+/// What [`read_answer`] read of a whole answer.
+pub enum AnswerStart {
+    /// All of it (at most the limit).
+    Whole(Bytes),
+    /// Its first bytes, past the limit by less than one frame; the rest is still to come.
+    Head(Bytes),
+}
+
+/// Read a whole answer from `body` while it stays within `limit` bytes, each frame awaited at
+/// most `idle`: [`AnswerStart::Head`] as soon as it passes the limit.
+pub async fn read_answer(
+    body: &mut Incoming,
+    idle: Option<Duration>,
+    limit: usize,
+) -> Result<AnswerStart, Ending> {
+    let mut out = BytesMut::new();
+    while let Some(data) = next_data(body, idle).await? {
+        out.extend_from_slice(&data);
+        if out.len() > limit {
+            return Ok(AnswerStart::Head(out.freeze()));
+        }
+    }
+    Ok(AnswerStart::Whole(out.freeze()))
 }
 
 #[cfg(test)]

@@ -35,13 +35,17 @@ use crate::edge::{self, Body};
 use crate::fleet::{Fleet, Membership};
 use crate::metrics::{Metrics, Open};
 use crate::prompt::{Prompt, Prompts, Route};
-use crate::relay::{self, Ending, RefreshUpstream, RelayBody, SignalBody, Upstream};
+use crate::relay::{self, AnswerStart, Ending, RefreshUpstream, RelayBody, SignalBody, Upstream};
 
 /// Response header naming the worker that served the request.
 pub const WORKER_HEADER: &str = "x-kvroute-worker";
-/// The largest non-streamed answer relayed (vLLM's are kilobytes; logprobs of a long
-/// generation a few megabytes).
+/// The largest `/v1/models` answer relayed (read whole; vLLM's are a few hundred bytes a model).
 pub const MAX_ANSWER_BYTES: usize = 64 << 20;
+/// Whole answers up to this size are read before they are relayed, so that a worker breaking
+/// while it sends one gets the client a 502 (vLLM's are kilobytes); longer ones (logprobs of a
+/// long generation run to megabytes) are relayed as they come, so that clients that read them
+/// slowly each hold at most about this much of the router's memory, not the whole answer.
+pub const BUFFERED_ANSWER_BYTES: usize = 64 << 10;
 /// How many times as often as a healthy worker one out of the available set is checked.
 pub const UNHEALTHY_CHECKS_PER_INTERVAL: u32 = 4;
 /// How long the event consumer lets batches gather after taking some: one wake-up of its
@@ -546,7 +550,7 @@ struct TrackedBody {
 
 impl hyper::body::Body for TrackedBody {
     type Data = Bytes;
-    type Error = std::convert::Infallible;
+    type Error = edge::Aborted;
 
     fn poll_frame(
         mut self: std::pin::Pin<&mut Self>,
@@ -809,11 +813,14 @@ impl Drop for Load {
     }
 }
 
-/// A streamed answer's accounting, told by its [`RelayBody`]: the load it puts on its worker
+/// A relayed answer's accounting, told by its [`RelayBody`]: the load it puts on its worker
 /// until it ends, how it ended, and the request in flight until then.
 struct Streamed {
     shared: Arc<Shared>,
     worker: String,
+    /// What broke when the worker does (`kvroute_router_upstream_errors_total{kind}`):
+    /// `stream`, or `body` for a whole answer.
+    kind: &'static str,
     load: Load,
     _in_flight: InFlight,
 }
@@ -827,7 +834,7 @@ impl relay::StreamHooks for Streamed {
         match ending {
             Ending::Complete => {}
             Ending::ClientLeft => self.shared.metrics.client_disconnect(&self.worker),
-            Ending::Died | Ending::Silent => self.shared.broke(&self.worker, "stream", ending),
+            Ending::Died | Ending::Silent => self.shared.broke(&self.worker, self.kind, ending),
         }
         // The load and the request in flight end here, with self.
     }
@@ -1024,10 +1031,11 @@ async fn forward(
             let hooks = Box::new(Streamed {
                 shared: shared.clone(),
                 worker: choice.name.clone(),
+                kind: "stream",
                 load,
                 _in_flight: in_flight,
             });
-            let body = RelayBody::new(body, idle, &choice.name, hooks);
+            let body = RelayBody::events(body, idle, &choice.name, hooks);
             let mut response = answered(parts.status, &parts.headers, body.boxed(), &choice.name);
             response
                 .headers_mut()
@@ -1035,15 +1043,25 @@ async fn forward(
             return response;
         }
         load.first_byte();
-        let whole = relay::collect(body, idle, MAX_ANSWER_BYTES).await;
-        drop(load);
-        return match whole {
-            Ok(bytes) => answered(
+        let mut body = body;
+        return match relay::read_answer(&mut body, idle, BUFFERED_ANSWER_BYTES).await {
+            Ok(AnswerStart::Whole(bytes)) => answered(
                 parts.status,
                 &parts.headers,
                 edge::full(bytes),
                 &choice.name,
             ),
+            Ok(AnswerStart::Head(head)) => {
+                let hooks = Box::new(Streamed {
+                    shared: shared.clone(),
+                    worker: choice.name.clone(),
+                    kind: "body",
+                    load,
+                    _in_flight: in_flight,
+                });
+                let body = RelayBody::bytes(head, body, idle, &choice.name, hooks);
+                answered(parts.status, &parts.headers, body.boxed(), &choice.name)
+            }
             Err(ending) => {
                 shared.broke(&choice.name, "body", ending);
                 let message = format!(
