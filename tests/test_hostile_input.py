@@ -491,9 +491,9 @@ def test_serve_flags_for_timeouts_ejection_and_auth(monkeypatch):
     config = serve_config([])
     assert (config.api_key, config.forward_authorization) == (None, False)
     # Timeouts are on by default, long enough for a 130k-token prefill; 0 turns them off.
-    assert (config.first_byte_timeout_s, config.stream_idle_timeout_s) == (600.0, 300.0)
-    config = serve_config(["--first-byte-timeout", "0", "--stream-idle-timeout", "0"])
-    assert (config.first_byte_timeout_s, config.stream_idle_timeout_s) == (None, None)
+    assert (config.first_byte_timeout_s, config.stream_idle_timeout_s, config.send_timeout_s) == (600.0, 300.0, 60.0)
+    config = serve_config(["--first-byte-timeout", "0", "--stream-idle-timeout", "0", "--send-timeout", "0"])
+    assert (config.first_byte_timeout_s, config.stream_idle_timeout_s, config.send_timeout_s) == (None, None, None)
     config = serve_config(["--api-key", "k", "--public-metrics", "--forward-authorization",
                            "--first-byte-timeout", "2.5", "--stream-idle-timeout", "30",
                            "--eject-after", "5", "--eject-base", "10"])
@@ -505,7 +505,8 @@ def test_serve_flags_for_timeouts_ejection_and_auth(monkeypatch):
     monkeypatch.setenv("KVROUTE_WORKER_API_KEY", "worker-env")
     config = serve_config([])
     assert (config.api_key, config.worker_api_key) == ("from-env", "worker-env")
-    for bad in (["--first-byte-timeout", "-1"], ["--stream-idle-timeout", "-1"], ["--eject-after", "-1"],
+    for bad in (["--first-byte-timeout", "-1"], ["--stream-idle-timeout", "-1"], ["--send-timeout", "-1"],
+                ["--eject-after", "-1"],
                 ["--api-key", " "], ["--header-timeout", "0"], ["--max-connections", "0"]):
         with pytest.raises(UserError):
             serve_config(bad)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import gzip
 import json
+import socket
 import subprocess
 import sys
 import time
@@ -113,6 +114,50 @@ async def test_an_idle_kept_alive_connection_is_closed_after_the_keepalive_timeo
     finally:
         await runner.cleanup()
 
+
+
+async def test_a_client_that_reads_none_of_its_answer_is_closed_after_the_send_timeout():
+    """A client that takes no byte of a long answer for --send-timeout is closed (counted
+    `send`); one that reads slowly but steadily gets all of it, however long that takes."""
+    answer = json.dumps({"id": "x", "choices": [{"text": "y" * (8 << 20)}]}).encode()
+
+    async def long(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=answer, content_type="application/json")
+
+    app = web.Application()
+    app.router.add_post("/v1/chat/completions", long)
+    runner = web.AppRunner(app, shutdown_timeout=0.1)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0, send_timeout_s=0.5)
+        async with start_router(config) as router:
+            host, port = router.url.removeprefix("http://").rsplit(":", 1)
+            request = _post(b"/v1/chat/completions", b'{"messages": [{"role": "user", "content": "hi"}]}')
+            sock = socket.create_connection((host, int(port)))
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)  # the router's buffers fill
+            reader, writer = await asyncio.open_connection(sock=sock)
+            writer.transport.pause_reading()
+            writer.write(request)
+            await asyncio.sleep(1.5)  # reads nothing
+            assert router.metric("kvroute_router_client_timeouts_total", kind="send") == 1
+            # The router let go of it (the client still holds its end).
+            assert router.metric("kvroute_router_client_connections") == 0
+            writer.close()
+
+            reader, writer = await asyncio.open_connection(host, int(port))
+            writer.write(request)
+            got = 0
+            while chunk := await asyncio.wait_for(reader.read(256 << 10), 5):
+                got += len(chunk)
+                await asyncio.sleep(0.05)  # about 5 MB/s: 2 s for the answer, 4 send timeouts
+            writer.close()
+            assert got > len(answer)  # the head and all of the answer
+            assert router.metric("kvroute_router_client_timeouts_total", kind="send") == 1
+    finally:
+        await runner.cleanup()
 
 async def test_a_slow_body_gets_408():
     runner, url, seen = await _worker()

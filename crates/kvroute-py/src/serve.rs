@@ -139,7 +139,7 @@ impl NativeRouter {
         workers, *, host, port, threads, policy, policy_options, seed, block_size, hash_seed,
         tokenizer, prompt_cache_bytes, predicted_ttl_s, predicted_capacity_blocks, index_max_bytes,
         max_body_bytes, max_buffered_body_bytes, max_json_depth, offload_bytes, header_timeout_s,
-        keepalive_timeout_s, body_timeout_s, max_connections, connect_timeout_s,
+        keepalive_timeout_s, send_timeout_s, body_timeout_s, max_connections, connect_timeout_s,
         first_byte_timeout_s, stream_idle_timeout_s, max_attempts, health_interval_s,
         health_timeout_s, eject_after_failures, eject_base_s, api_key, metrics_public,
         worker_api_key, forward_authorization, events_topic, retention, retention_capacity_blocks,
@@ -168,6 +168,7 @@ impl NativeRouter {
         offload_bytes: usize,
         header_timeout_s: f64,
         keepalive_timeout_s: f64,
+        send_timeout_s: Option<f64>,
         body_timeout_s: f64,
         max_connections: usize,
         connect_timeout_s: f64,
@@ -217,6 +218,7 @@ impl NativeRouter {
             offload_bytes,
             header_timeout: positive(header_timeout_s, "header_timeout_s")?,
             keepalive_timeout: positive(keepalive_timeout_s, "keepalive_timeout_s")?,
+            send_timeout: limit(send_timeout_s, "send_timeout_s")?,
             body_timeout: positive(body_timeout_s, "body_timeout_s")?,
             max_connections,
             connect_timeout: positive(connect_timeout_s, "connect_timeout_s")?,
@@ -361,6 +363,7 @@ fn serve_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
     out.set_item("offload_bytes", d.offload_bytes)?;
     out.set_item("header_timeout_s", secs(d.header_timeout))?;
     out.set_item("keepalive_timeout_s", secs(d.keepalive_timeout))?;
+    out.set_item("send_timeout_s", d.send_timeout.map(secs))?;
     out.set_item("body_timeout_s", secs(d.body_timeout))?;
     out.set_item("connect_timeout_s", secs(d.connect_timeout))?;
     out.set_item("first_byte_timeout_s", d.first_byte_timeout.map(secs))?;

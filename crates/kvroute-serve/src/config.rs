@@ -145,6 +145,9 @@ pub struct ServeConfig {
     pub header_timeout: Duration,
     /// Seconds an idle kept-alive client connection stays open.
     pub keepalive_timeout: Duration,
+    /// How long a client may take no byte of its answer while the router has more to write
+    /// before its connection is closed (None: without limit).
+    pub send_timeout: Option<Duration>,
     /// Seconds for a whole request body to arrive once its head has.
     pub body_timeout: Duration,
     /// Client connections open at once; more are answered 503 and closed.
@@ -203,6 +206,7 @@ impl Default for ServeConfig {
             offload_bytes: 256 * 1024,
             header_timeout: Duration::from_secs(10),
             keepalive_timeout: Duration::from_secs(75),
+            send_timeout: Some(Duration::from_secs(60)),
             body_timeout: Duration::from_secs(60),
             max_connections: 4096,
             connect_timeout: Duration::from_secs(2),

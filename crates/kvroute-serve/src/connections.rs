@@ -1,5 +1,6 @@
 //! What one client connection may hold: a request head within `header_timeout`, an idle
-//! kept-alive connection for `keepalive_timeout`, and a place among `max_connections`.
+//! kept-alive connection for `keepalive_timeout`, an answer it does not read for
+//! `send_timeout`, and a place among `max_connections`.
 //!
 //! hyper's own head timer runs from the end of the previous answer, so it cannot keep an idle
 //! connection open longer than a head may take to arrive (load balancers keep theirs ~60 s and
@@ -13,7 +14,11 @@
 //! - a head partly received: `header_timeout` after its first byte (408, counted `header`);
 //! - a kept-alive connection idle between requests: `keepalive_timeout` (closed, `idle`);
 //! - a request being served: no limit here (the body and first-byte timeouts are the
-//!   handler's).
+//!   handler's);
+//! - in any phase, an answer the client has taken no byte of for `send_timeout` while the
+//!   router had more to write (the socket's buffers full): closed, counted `send`. A client
+//!   that stops reading would otherwise hold its connection, its worker's and what they
+//!   buffer for as long as it likes.
 //!
 //! At `max_connections` a new connection first sheds the one waiting longest for a head
 //! ([`Registry::shed_candidate`]: slow-header connections cannot lock valid clients out);
@@ -64,19 +69,36 @@ pub enum Expiry {
     Timeout408,
 }
 
-/// When the connection in `phase` since `since` must be acted on, and how (None: no limit
-/// while a request is served).
+/// The limits [`deadline`] applies.
+#[derive(Clone, Copy, Debug)]
+pub struct Limits {
+    pub header_timeout: Duration,
+    pub keepalive_timeout: Duration,
+    /// None: a client may leave its answer unread indefinitely.
+    pub send_timeout: Option<Duration>,
+}
+
+/// When the connection in `phase` since `since`, its writes stalled since `stalled` (None:
+/// they are not), must be acted on, and how (None: no limit while a request is served and
+/// its answer flows).
 pub fn deadline(
     phase: Phase,
     since: Duration,
-    header_timeout: Duration,
-    keepalive_timeout: Duration,
+    stalled: Option<Duration>,
+    limits: &Limits,
 ) -> Option<(Duration, Expiry)> {
-    match phase {
-        Phase::Fresh => Some((since + header_timeout, Expiry::Close("header"))),
-        Phase::Head => Some((since + header_timeout, Expiry::Timeout408)),
-        Phase::Idle => Some((since + keepalive_timeout, Expiry::Close("idle"))),
+    let by_phase = match phase {
+        Phase::Fresh => Some((since + limits.header_timeout, Expiry::Close("header"))),
+        Phase::Head => Some((since + limits.header_timeout, Expiry::Timeout408)),
+        Phase::Idle => Some((since + limits.keepalive_timeout, Expiry::Close("idle"))),
         Phase::Busy => None,
+    };
+    let by_send = stalled
+        .zip(limits.send_timeout)
+        .map(|(at, limit)| (at + limit, Expiry::Close("send")));
+    match (by_phase, by_send) {
+        (Some(p), Some(s)) => Some(if s.0 < p.0 { s } else { p }),
+        (p, s) => p.or(s),
     }
 }
 
@@ -85,6 +107,9 @@ pub struct ConnState {
     phase: AtomicU8,
     /// When the phase began, in nanoseconds since the registry's start.
     since_ns: AtomicU64,
+    /// When the socket last refused a write after taking one (nanoseconds since the
+    /// registry's start, at least 1), 0 while writes go through.
+    stalled_ns: AtomicU64,
     origin: Instant,
     /// Set when another connection shed this one.
     pub shed: AtomicBool,
@@ -97,6 +122,7 @@ impl ConnState {
         let s = Self {
             phase: AtomicU8::new(Phase::Fresh as u8),
             since_ns: AtomicU64::new(0),
+            stalled_ns: AtomicU64::new(0),
             origin,
             shed: AtomicBool::new(false),
             changed: Notify::new(),
@@ -141,6 +167,34 @@ impl ConnState {
     pub fn answer_ended(&self) {
         if Phase::from_u8(self.phase.load(Ordering::Acquire)) == Phase::Busy {
             self.set(Phase::Idle);
+        }
+    }
+
+    /// The socket refused a write (its buffers are full): a stall begins unless one has.
+    /// Wakes the watchdog only then, not at every refusal.
+    fn write_refused(&self) {
+        let now = self.now_ns().max(1);
+        if self
+            .stalled_ns
+            .compare_exchange(0, now, Ordering::AcqRel, Ordering::Acquire)
+            .is_ok()
+        {
+            self.changed.notify_one();
+        }
+    }
+
+    /// The socket took bytes: no stall (the watchdog finds it over when it looks).
+    fn write_taken(&self) {
+        if self.stalled_ns.load(Ordering::Relaxed) != 0 {
+            self.stalled_ns.store(0, Ordering::Release);
+        }
+    }
+
+    /// Since when writes are stalled (time since the registry's start), None while they are not.
+    pub fn stalled(&self) -> Option<Duration> {
+        match self.stalled_ns.load(Ordering::Acquire) {
+            0 => None,
+            ns => Some(Duration::from_nanos(ns)),
         }
     }
 
@@ -227,7 +281,7 @@ pub fn shed_candidate(states: impl Iterator<Item = (Phase, Duration)>) -> Option
         .map(|(i, _)| i)
 }
 
-/// A client socket that tells its [`ConnState`] when bytes arrive.
+/// A client socket that tells its [`ConnState`] when bytes arrive and when writes stall.
 pub struct WatchedIo<T> {
     inner: T,
     state: Arc<ConnState>,
@@ -254,13 +308,26 @@ impl<T: AsyncRead + Unpin> AsyncRead for WatchedIo<T> {
     }
 }
 
+impl<T> WatchedIo<T> {
+    /// Tell the state what a write did.
+    fn watch_write(&self, result: Poll<io::Result<usize>>) -> Poll<io::Result<usize>> {
+        match result {
+            Poll::Pending => self.state.write_refused(),
+            Poll::Ready(Ok(n)) if n > 0 => self.state.write_taken(),
+            Poll::Ready(_) => {}
+        }
+        result
+    }
+}
+
 impl<T: AsyncWrite + Unpin> AsyncWrite for WatchedIo<T> {
     fn poll_write(
         mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write(cx, buf)
+        let result = Pin::new(&mut self.inner).poll_write(cx, buf);
+        self.watch_write(result)
     }
 
     fn poll_flush(mut self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<io::Result<()>> {
@@ -276,7 +343,8 @@ impl<T: AsyncWrite + Unpin> AsyncWrite for WatchedIo<T> {
         cx: &mut Context<'_>,
         bufs: &[io::IoSlice<'_>],
     ) -> Poll<io::Result<usize>> {
-        Pin::new(&mut self.inner).poll_write_vectored(cx, bufs)
+        let result = Pin::new(&mut self.inner).poll_write_vectored(cx, bufs);
+        self.watch_write(result)
     }
 
     fn is_write_vectored(&self) -> bool {
@@ -290,22 +358,62 @@ mod tests {
 
     const S: fn(u64) -> Duration = Duration::from_secs;
 
+    const LIMITS: Limits = Limits {
+        header_timeout: Duration::from_secs(10),
+        keepalive_timeout: Duration::from_secs(75),
+        send_timeout: Some(Duration::from_secs(60)),
+    };
+
     #[test]
     fn each_phase_has_its_limit() {
-        let (h, k) = (S(10), S(75));
         assert_eq!(
-            deadline(Phase::Fresh, S(1), h, k),
+            deadline(Phase::Fresh, S(1), None, &LIMITS),
             Some((S(11), Expiry::Close("header")))
         );
         assert_eq!(
-            deadline(Phase::Head, S(2), h, k),
+            deadline(Phase::Head, S(2), None, &LIMITS),
             Some((S(12), Expiry::Timeout408))
         );
         assert_eq!(
-            deadline(Phase::Idle, S(3), h, k),
+            deadline(Phase::Idle, S(3), None, &LIMITS),
             Some((S(78), Expiry::Close("idle")))
         );
-        assert_eq!(deadline(Phase::Busy, S(4), h, k), None);
+        assert_eq!(deadline(Phase::Busy, S(4), None, &LIMITS), None);
+    }
+
+    #[test]
+    fn a_stalled_answer_has_the_send_limit_in_any_phase_unless_it_is_off() {
+        assert_eq!(
+            deadline(Phase::Busy, S(4), Some(S(5)), &LIMITS),
+            Some((S(65), Expiry::Close("send")))
+        );
+        // Its last bytes still flushing after the answer ended: the earlier limit wins.
+        assert_eq!(
+            deadline(Phase::Idle, S(4), Some(S(5)), &LIMITS),
+            Some((S(65), Expiry::Close("send")))
+        );
+        assert_eq!(
+            deadline(Phase::Idle, S(4), Some(S(30)), &LIMITS),
+            Some((S(79), Expiry::Close("idle")))
+        );
+        let off = Limits {
+            send_timeout: None,
+            ..LIMITS
+        };
+        assert_eq!(deadline(Phase::Busy, S(4), Some(S(5)), &off), None);
+    }
+
+    #[test]
+    fn a_stall_begins_at_the_first_refused_write_and_ends_at_a_taken_one() {
+        let s = ConnState::new(Instant::now());
+        assert_eq!(s.stalled(), None);
+        s.write_refused();
+        let began = s.stalled().expect("a stall");
+        std::thread::sleep(Duration::from_millis(2));
+        s.write_refused(); // still the same stall
+        assert_eq!(s.stalled(), Some(began));
+        s.write_taken();
+        assert_eq!(s.stalled(), None);
     }
 
     #[test]

@@ -246,7 +246,8 @@ impl Metrics {
         self.client_disconnects.inc(&[worker]);
     }
 
-    /// A client connection or request closed for being too slow (`header`, `body`).
+    /// A client connection or request closed for being too slow (`header`, `body`, `idle`,
+    /// `shed`, `send`).
     pub fn client_timeout(&self, kind: &str) {
         self.client_timeouts.inc(&[kind]);
     }
@@ -424,7 +425,7 @@ impl Metrics {
         self.client_timeouts.write(
             &mut out,
             "kvroute_router_client_timeouts",
-            "Client connections or requests closed for being too slow: header, body",
+            "Client connections or requests closed for being too slow: header, body, idle, shed, send",
             &["kind"],
         );
         self.rejected.write(

@@ -482,25 +482,27 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
         .timer(TokioTimer::new())
         .serve_connection(TokioIo::new(WatchedIo::new(stream, state.clone())), service);
     tokio::pin!(connection);
-    let (header, keepalive) = (
-        shared.config.header_timeout,
-        shared.config.keepalive_timeout,
-    );
+    let limits = connections::Limits {
+        header_timeout: shared.config.header_timeout,
+        keepalive_timeout: shared.config.keepalive_timeout,
+        send_timeout: shared.config.send_timeout,
+    };
     loop {
         let notified = state.changed.notified();
         if state.shed.load(Ordering::Acquire) {
             break;
         }
         let (phase, since) = state.phase();
-        let limit = connections::deadline(phase, since, header, keepalive);
+        let stalled = state.stalled();
+        let limit = connections::deadline(phase, since, stalled, &limits);
         let wait = limit.map(|(at, _)| at.saturating_sub(state.now()));
         tokio::select! {
             _ = &mut connection => break,
             _ = notified => continue,
             _ = sleep_or_never(wait) => {
-                // The phase may have moved on since the deadline was read.
+                // The phase may have moved on, or the stall ended, since the deadline was read.
                 let Some((_, expiry)) = limit else { continue };
-                if state.phase() != (phase, since) {
+                if state.phase() != (phase, since) || state.stalled() != stalled {
                     continue;
                 }
                 match expiry {

@@ -25,6 +25,7 @@ from kvroute.proxy.config import (
     DEFAULT_OFFLOAD_BYTES,
     DEFAULT_PREDICTED_CAPACITY_BLOCKS,
     DEFAULT_PROMPT_CACHE_BYTES,
+    DEFAULT_SEND_TIMEOUT_S,
     DEFAULT_STREAM_IDLE_TIMEOUT_S,
     EVENTS_PREDICTED_TTL_S,
     MAX_JSON_DEPTH,
@@ -76,7 +77,7 @@ SSE error event and no [DONE]. --eject-after consecutive timeouts or 5xx answers
 Hostile clients: every limit is on by default and counted when it fires (metrics in
 parentheses). A request head must arrive within --header-timeout and its body within
 --body-timeout (kvroute_router_client_timeouts); idle connections close after
---keepalive-timeout; at --max-connections a new connection sheds the slowest waiting one,
+--keepalive-timeout, and those whose client reads none of its answer for --send-timeout; at --max-connections a new connection sheds the slowest waiting one,
 or gets a 503 and is closed (kvroute_router_connections_refused), instead of the descriptors
 running out and the port going silent. Bodies over --max-body-bytes get 413 before they are read, compressed ones
 415 (never expanded), JSON nested deeper than %(depth)d levels 400
@@ -209,6 +210,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="seconds an idle client connection is kept open; keep it above your "
                         "load balancer's idle timeout (60 s on AWS and GCP) so that it never sends "
                         "on a connection being closed (default: %(default)g)")
+    limits.add_argument("--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT_S, metavar="S",
+                        help="seconds a client may take no byte of its answer while the router has "
+                        "more to write before its connection is closed (a client that stops "
+                        "reading holds its connection and its worker's); 0: no limit (default: "
+                        "%(default)g, as nginx's send_timeout)")
     limits.add_argument("--max-connections", type=int, metavar="N",
                         help="open client connections at most. At the limit a new connection closes "
                         "the one waiting longest for its request head (a slow client); when none "
@@ -309,7 +315,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     if args.kv_capacity_blocks is not None and args.kv_capacity_blocks < 1:
         raise UserError(f"--kv-capacity-blocks must be >= 1, got {args.kv_capacity_blocks}")
     for flag, value in (("--first-byte-timeout", args.first_byte_timeout),
-                        ("--stream-idle-timeout", args.stream_idle_timeout)):
+                        ("--stream-idle-timeout", args.stream_idle_timeout),
+                        ("--send-timeout", args.send_timeout)):
         if value is not None and value < 0:
             raise UserError(f"{flag} must be positive (0: no limit), got {value:g}")
     for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
@@ -349,6 +356,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         header_timeout_s=args.header_timeout,
         body_timeout_s=args.body_timeout,
         keepalive_timeout_s=args.keepalive_timeout,
+        send_timeout_s=args.send_timeout or None,
         max_connections=args.max_connections,
         offload_bytes=parse_bytes(args.offload_bytes),
         prompt_cache_bytes=parse_bytes(args.prompt_cache_bytes),

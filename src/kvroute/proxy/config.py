@@ -61,6 +61,10 @@ DEFAULT_BODY_TIMEOUT_S: float = _SERVE["body_timeout_s"]
 #: common load balancers (AWS ALB, GCP), so a balancer never sends on a connection the router
 #: is closing; clients that pool connections close theirs sooner (httpx: 5 s).
 DEFAULT_KEEPALIVE_TIMEOUT_S: float = _SERVE["keepalive_timeout_s"]
+#: Seconds a client may take no byte of its answer while the router has more to write (its
+#: socket's buffers full) before its connection is closed: nginx's ``send_timeout``. A client
+#: that stops reading would otherwise hold its connection, its worker's and what they buffer.
+DEFAULT_SEND_TIMEOUT_S: float = _SERVE["send_timeout_s"]
 
 
 @dataclass
@@ -109,6 +113,9 @@ class RouterConfig:
         header_timeout_s / keepalive_timeout_s / max_connections: what one client connection
             may hold; ``max_connections`` None:
             :func:`kvroute.proxy.resources.default_max_connections`.
+        send_timeout_s: how long a client may leave its answer unread while the router has
+            more to write before its connection is closed (None: no limit). Default
+            :data:`DEFAULT_SEND_TIMEOUT_S`.
         body_timeout_s: seconds for a request body to arrive in full (408 beyond).
         max_json_depth: deeper bodies get 400 (:data:`MAX_JSON_DEPTH`).
         offload_bytes: larger bodies are parsed, tokenized and hashed on a worker thread.
@@ -158,6 +165,7 @@ class RouterConfig:
     header_timeout_s: float = DEFAULT_HEADER_TIMEOUT_S
     body_timeout_s: float = DEFAULT_BODY_TIMEOUT_S
     keepalive_timeout_s: float = DEFAULT_KEEPALIVE_TIMEOUT_S
+    send_timeout_s: float | None = DEFAULT_SEND_TIMEOUT_S
     max_connections: int | None = None
     max_json_depth: int = MAX_JSON_DEPTH
     offload_bytes: int = DEFAULT_OFFLOAD_BYTES

@@ -70,7 +70,7 @@ def native_arguments(config: RouterConfig) -> dict[str, Any]:
         max_body_bytes=config.max_body_bytes, max_buffered_body_bytes=config.max_buffered_body_bytes,
         max_json_depth=config.max_json_depth,
         offload_bytes=config.offload_bytes, header_timeout_s=config.header_timeout_s,
-        keepalive_timeout_s=config.keepalive_timeout_s,
+        keepalive_timeout_s=config.keepalive_timeout_s, send_timeout_s=config.send_timeout_s,
         body_timeout_s=config.body_timeout_s,
         max_connections=config.max_connections or default_max_connections(),
         connect_timeout_s=config.connect_timeout_s,
