@@ -180,16 +180,23 @@ async def test_worker_dying_mid_stream_ends_with_an_error_event_not_a_truncation
                 pass
 
 
-async def test_worker_dying_mid_body_is_a_502_json():
+def dies_mid_answer(length: int, sent: bytes):
+    """A worker handler that declares a JSON answer of ``length`` bytes, sends ``sent`` of it
+    and dies."""
     async def dies(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": "500"})
+        response = web.StreamResponse(headers={"Content-Type": "application/json", "Content-Length": str(length)})
         await response.prepare(request)
-        await response.write(b'{"id": "cmpl-')
+        await response.write(sent)
         await asyncio.sleep(0.05)
         request.transport.abort()
         return response
 
-    async with FakeWorker(dies) as url, start_router(RouterConfig(workers=[url])) as router:
+    return dies
+
+
+async def test_worker_dying_mid_body_is_a_502_json():
+    async with FakeWorker(dies_mid_answer(500, b'{"id": "cmpl-')) as url, \
+            start_router(RouterConfig(workers=[url])) as router:
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{router.url}/v1/completions", json={"prompt": [1, 2]}) as r:
                 assert r.status == 502
@@ -225,16 +232,8 @@ async def test_worker_dying_in_a_long_whole_answer_aborts_the_clients_connection
     """Past what the router holds, the answer's head is already the client's: a worker dying
     after it leaves the client an answer short of its Content-Length (an error, never a
     quietly truncated answer), counted as the worker's body error, and not retried."""
-    async def dies(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "application/json",
-                                               "Content-Length": str(1 << 20)})
-        await response.prepare(request)
-        await response.write(b'{"id": "cmpl-' + b"y" * (200 << 10))
-        await asyncio.sleep(0.05)
-        request.transport.abort()
-        return response
-
-    async with FakeWorker(dies) as url, start_router(RouterConfig(workers=[url])) as router:
+    async with FakeWorker(dies_mid_answer(1 << 20, b'{"id": "cmpl-' + b"y" * (200 << 10))) as url, \
+            start_router(RouterConfig(workers=[url])) as router:
         async with aiohttp.ClientSession() as s:
             async with s.post(f"{router.url}/v1/completions", json={"prompt": [1, 2]}) as r:
                 assert r.status == 200

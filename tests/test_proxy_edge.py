@@ -25,21 +25,23 @@ from kvroute.proxy.resources import default_max_connections
 
 
 async def _worker(app_routes=None) -> tuple[web.AppRunner, str, list[bytes]]:
+    """A fake worker: ``app_routes`` (method, path, handler) first, so they take the place of
+    its own completions and health routes."""
     seen: list[bytes] = []
 
     async def completions(request: web.Request) -> web.Response:
         seen.append(await request.read())
         return web.json_response({"id": "x", "choices": []})
 
-    app = web.Application(client_max_size=2**30)
-    app.router.add_post("/v1/completions", completions)
-    app.router.add_post("/v1/chat/completions", completions)
     async def health(request: web.Request) -> web.Response:
         return web.Response()
 
-    app.router.add_get("/health", health)
+    app = web.Application(client_max_size=2**30)
     for method, path, handler in app_routes or ():
         app.router.add_route(method, path, handler)
+    app.router.add_post("/v1/completions", completions)
+    app.router.add_post("/v1/chat/completions", completions)
+    app.router.add_get("/health", health)
     runner = web.AppRunner(app, shutdown_timeout=0.1)
     await runner.setup()
     await web.TCPSite(runner, "127.0.0.1", 0).start()
@@ -125,12 +127,7 @@ async def test_a_client_that_reads_none_of_its_answer_is_closed_after_the_send_t
         await request.read()
         return web.Response(body=answer, content_type="application/json")
 
-    app = web.Application()
-    app.router.add_post("/v1/chat/completions", long)
-    runner = web.AppRunner(app, shutdown_timeout=0.1)
-    await runner.setup()
-    await web.TCPSite(runner, "127.0.0.1", 0).start()
-    url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    runner, url, _ = await _worker([("POST", "/v1/chat/completions", long)])
     try:
         config = RouterConfig(workers=[url], health_interval_s=0, send_timeout_s=0.5)
         async with start_router(config) as router:

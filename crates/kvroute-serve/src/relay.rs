@@ -313,7 +313,18 @@ impl RelayBody {
         worker: &str,
         hooks: Box<dyn StreamHooks>,
     ) -> Self {
-        Self::new(Framing::Events, Bytes::new(), upstream, idle, worker, hooks)
+        Self {
+            upstream,
+            framing: Framing::Events,
+            idle,
+            silence: None,
+            waiting: false,
+            head: None,
+            pending: BytesMut::new(),
+            worker: worker.to_owned(),
+            hooks: Some(hooks),
+            tail: None,
+        }
     }
 
     /// Relay a whole answer that began with `head` (already read) and goes on in `upstream`.
@@ -324,29 +335,10 @@ impl RelayBody {
         worker: &str,
         hooks: Box<dyn StreamHooks>,
     ) -> Self {
-        Self::new(Framing::Bytes, head, upstream, idle, worker, hooks)
-    }
-
-    fn new(
-        framing: Framing,
-        head: Bytes,
-        upstream: Incoming,
-        idle: Option<Duration>,
-        worker: &str,
-        hooks: Box<dyn StreamHooks>,
-    ) -> Self {
-        Self {
-            upstream,
-            framing,
-            idle,
-            silence: None,
-            waiting: false,
-            head: (!head.is_empty()).then_some(head),
-            pending: BytesMut::new(),
-            worker: worker.to_owned(),
-            hooks: Some(hooks),
-            tail: None,
-        }
+        let mut body = Self::events(upstream, idle, worker, hooks);
+        body.framing = Framing::Bytes;
+        body.head = (!head.is_empty()).then_some(head);
+        body
     }
 
     fn end(&mut self, ending: Ending) {
