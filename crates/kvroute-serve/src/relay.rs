@@ -252,10 +252,11 @@ pub fn events_end(data: &[u8]) -> usize {
     lf.max(crlf)
 }
 
-/// What a relayed stream tells the request that started it: its first bytes (vLLM sends the
-/// head before the prefill, so they, not the head, mark the end of the prefill) and how it
-/// ended (dropped unfinished, which is the client leaving, counts as [`Ending::ClientLeft`]).
-pub trait StreamHooks: Send + Sync {
+/// What a relayed answer tells the request that started it: its first bytes (vLLM sends a
+/// stream's head before the prefill, so they, not the head, mark the end of the prefill) and
+/// how it ended (dropped unfinished, which is the client leaving, counts as
+/// [`Ending::ClientLeft`]).
+pub trait RelayHooks: Send + Sync {
     fn first_data(&mut self);
     fn ended(self: Box<Self>, ending: Ending);
 }
@@ -299,7 +300,7 @@ pub struct RelayBody {
     pending: BytesMut,
     worker: String,
     /// Taken when the stream ends: None once it has.
-    hooks: Option<Box<dyn StreamHooks>>,
+    hooks: Option<Box<dyn RelayHooks>>,
     /// What is still to send after the worker's bytes, then the end.
     tail: Option<Tail>,
 }
@@ -311,7 +312,7 @@ impl RelayBody {
         upstream: Incoming,
         idle: Option<Duration>,
         worker: &str,
-        hooks: Box<dyn StreamHooks>,
+        hooks: Box<dyn RelayHooks>,
     ) -> Self {
         Self {
             upstream,
@@ -333,7 +334,7 @@ impl RelayBody {
         upstream: Incoming,
         idle: Option<Duration>,
         worker: &str,
-        hooks: Box<dyn StreamHooks>,
+        hooks: Box<dyn RelayHooks>,
     ) -> Self {
         let mut body = Self::events(upstream, idle, worker, hooks);
         body.framing = Framing::Bytes;

@@ -817,7 +817,7 @@ impl Drop for Load {
 
 /// A relayed answer's accounting, told by its [`RelayBody`]: the load it puts on its worker
 /// until it ends, how it ended, and the request in flight until then.
-struct Streamed {
+struct Relayed {
     shared: Arc<Shared>,
     worker: String,
     /// What broke when the worker does (`kvroute_router_upstream_errors_total{kind}`):
@@ -827,7 +827,7 @@ struct Streamed {
     _in_flight: InFlight,
 }
 
-impl relay::StreamHooks for Streamed {
+impl relay::RelayHooks for Relayed {
     fn first_data(&mut self) {
         self.load.first_byte();
     }
@@ -1030,7 +1030,7 @@ async fn forward(
             .get(CONTENT_TYPE)
             .is_some_and(|v| v.as_bytes().starts_with(b"text/event-stream"));
         if event_stream {
-            let hooks = Box::new(Streamed {
+            let hooks = Box::new(Relayed {
                 shared: shared.clone(),
                 worker: choice.name.clone(),
                 kind: "stream",
@@ -1054,7 +1054,7 @@ async fn forward(
                 &choice.name,
             ),
             Ok(AnswerStart::Head(head)) => {
-                let hooks = Box::new(Streamed {
+                let hooks = Box::new(Relayed {
                     shared: shared.clone(),
                     worker: choice.name.clone(),
                     kind: "body",
