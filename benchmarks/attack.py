@@ -394,7 +394,8 @@ async def part_body_budget(workers: list[str], log: Path, connections: int, body
             base, peak, statuses = await hold_bodies(router, request, connections)
         print(f"   {label:>9}: router RSS {base:.0f} MB before, {peak:.0f} MB at most with the bodies held "
               f"({connections} x {body_mb} MB sent); statuses {dict(sorted(statuses.items()))}")
-    print("   (0: answered 503 and closed while the client was still sending, so it saw a reset)")
+    print("   (0: no answer; a 503 reaches a client still sending, since the router reads and discards "
+          "the rest of its body before closing)")
 
 
 async def part_unread_answers(log: Path, connections: int, answer_mb: int) -> None:

@@ -156,6 +156,35 @@ async def test_a_client_that_reads_none_of_its_answer_is_closed_after_the_send_t
     finally:
         await runner.cleanup()
 
+
+def _send_all_then_read(url: str, request: bytes) -> bytes:
+    """What a simple client does: send the whole request, then read the answer (b"" when the
+    connection was reset instead)."""
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as sock:
+        try:
+            sock.sendall(request)
+            return sock.recv(4096)
+        except OSError:
+            return b""
+
+
+async def test_a_client_still_sending_a_refused_body_gets_the_answer_not_a_reset():
+    """A client that sends all of a 16 MB body over the limit before it reads gets its 413:
+    the router reads and discards the rest before it closes (closing on unread bytes resets
+    the connection, and the client would see a broken pipe instead)."""
+    runner, url, seen = await _worker()
+    try:
+        config = RouterConfig(workers=[url], health_interval_s=0, max_body_bytes=1 << 20)
+        async with start_router(config) as router:
+            request = _post(b"/v1/completions", b'{"prompt": "' + b"x" * (16 << 20) + b'"}')
+            for _ in range(3):
+                answer = await asyncio.to_thread(_send_all_then_read, router.url, request)
+                assert _status(answer) == 413, answer[:100]
+        assert seen == []
+    finally:
+        await runner.cleanup()
+
 async def test_a_slow_body_gets_408():
     runner, url, seen = await _worker()
     try:

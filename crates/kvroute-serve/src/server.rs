@@ -46,6 +46,10 @@ pub const MAX_ANSWER_BYTES: usize = 64 << 20;
 /// long generation run to megabytes) are relayed as they come, so that clients that read them
 /// slowly each hold at most about this much of the router's memory, not the whole answer.
 pub const BUFFERED_ANSWER_BYTES: usize = 64 << 10;
+/// How long a connection hyper is done with waits for its client to close ([`linger`]).
+const LINGER_TIME: Duration = Duration::from_secs(5);
+/// How much a lingering connection reads and discards at most.
+const LINGER_BYTES: usize = 64 << 20;
 /// How many times as often as a healthy worker one out of the available set is checked.
 pub const UNHEALTHY_CHECKS_PER_INTERVAL: u32 = 4;
 /// How long the event consumer lets batches gather after taking some: one wake-up of its
@@ -478,46 +482,81 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
             }
         })
     };
-    let connection = http1::Builder::new()
-        .timer(TokioTimer::new())
-        .serve_connection(TokioIo::new(WatchedIo::new(stream, state.clone())), service);
-    tokio::pin!(connection);
     let limits = connections::Limits {
         header_timeout: shared.config.header_timeout,
         keepalive_timeout: shared.config.keepalive_timeout,
         send_timeout: shared.config.send_timeout,
     };
-    loop {
-        let notified = state.changed.notified();
-        if state.shed.load(Ordering::Acquire) {
-            break;
-        }
-        let (phase, since) = state.phase();
-        let stalled = state.stalled();
-        let limit = connections::deadline(phase, since, stalled, &limits);
-        let wait = limit.map(|(at, _)| at.saturating_sub(state.now()));
-        tokio::select! {
-            _ = &mut connection => break,
-            _ = notified => continue,
-            _ = sleep_or_never(wait) => {
-                // The phase may have moved on, or the stall ended, since the deadline was read.
-                let Some((_, expiry)) = limit else { continue };
-                if state.phase() != (phase, since) || state.stalled() != stalled {
-                    continue;
-                }
-                match expiry {
-                    Expiry::Timeout408 => {
-                        shared.metrics.client_timeout("header");
-                        answer_and_close(&raw, &HEAD_TIMEOUT);
+    // Whether hyper ended the connection (true) or the watchdog did; hyper's side of it is
+    // dropped at the end of the block.
+    let by_hyper = {
+        let connection = http1::Builder::new()
+            .timer(TokioTimer::new())
+            .serve_connection(TokioIo::new(WatchedIo::new(stream, state.clone())), service);
+        tokio::pin!(connection);
+        loop {
+            let notified = state.changed.notified();
+            if state.shed.load(Ordering::Acquire) {
+                break false;
+            }
+            let (phase, since) = state.phase();
+            let stalled = state.stalled();
+            let limit = connections::deadline(phase, since, stalled, &limits);
+            let wait = limit.map(|(at, _)| at.saturating_sub(state.now()));
+            tokio::select! {
+                _ = &mut connection => break true,
+                _ = notified => continue,
+                _ = sleep_or_never(wait) => {
+                    // The phase may have moved on, or the stall ended, since the deadline
+                    // was read.
+                    let Some((_, expiry)) = limit else { continue };
+                    if state.phase() != (phase, since) || state.stalled() != stalled {
+                        continue;
                     }
-                    Expiry::Close(kind) => shared.metrics.client_timeout(kind),
+                    match expiry {
+                        Expiry::Timeout408 => {
+                            shared.metrics.client_timeout("header");
+                            answer_and_close(&raw, &HEAD_TIMEOUT);
+                        }
+                        Expiry::Close(kind) => shared.metrics.client_timeout(kind),
+                    }
+                    break false;
                 }
-                break;
             }
         }
+    };
+    if by_hyper {
+        linger(raw).await;
+    } else {
+        let _ = raw.shutdown(std::net::Shutdown::Both);
     }
-    let _ = raw.shutdown(std::net::Shutdown::Both);
     shared.connections.close(id);
+}
+
+/// Close a connection hyper is done with the way nginx's `lingering_close` does: end the
+/// sending side (the answer, then FIN), then read and discard what the client still sends
+/// until it closes, for at most [`LINGER_TIME`] and [`LINGER_BYTES`]. Closing a socket with
+/// unread bytes resets the connection, and a client still sending a body the router refused
+/// (413, or 503 over the body budget) would see the reset instead of the answer.
+async fn linger(raw: std::net::TcpStream) {
+    use tokio::io::AsyncReadExt;
+    let _ = raw.shutdown(std::net::Shutdown::Write);
+    if raw.set_nonblocking(true).is_err() {
+        return;
+    }
+    let Ok(mut stream) = TcpStream::from_std(raw) else {
+        return;
+    };
+    let deadline = tokio::time::Instant::now() + LINGER_TIME;
+    // Small: every lingering connection has one (4,096 of them hold 32 MiB).
+    let mut buf = [0u8; 8 << 10];
+    let mut discarded = 0;
+    while discarded < LINGER_BYTES {
+        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => discarded += n,
+            _ => return, // the client closed, failed or took too long: close
+        }
+    }
 }
 
 /// `stream` and a second (std) handle on its socket.
