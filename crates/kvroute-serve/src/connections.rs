@@ -20,8 +20,9 @@
 //!   that stops reading would otherwise hold its connection, its worker's and what they
 //!   buffer for as long as it likes.
 //!
-//! At `max_connections` a new connection first sheds the one waiting longest for a head
-//! ([`Registry::shed_candidate`]: slow-header connections cannot lock valid clients out);
+//! At `max_connections` a new connection first sheds a lingering one (done, its answer sent),
+//! else the one waiting longest for a head ([`shed_candidate`]: slow-header connections
+//! cannot lock valid clients out);
 //! when none waits it is answered 503 and closed (the server's), so the descriptors never run
 //! out and the port never goes silent.
 
@@ -47,6 +48,9 @@ pub enum Phase {
     Busy,
     /// Kept alive between requests.
     Idle,
+    /// Done, its answer sent: what the client still sends is read and discarded until it
+    /// closes (the server's lingering close), bounded by the server.
+    Lingering,
 }
 
 impl Phase {
@@ -55,7 +59,8 @@ impl Phase {
             0 => Phase::Fresh,
             1 => Phase::Head,
             2 => Phase::Busy,
-            _ => Phase::Idle,
+            3 => Phase::Idle,
+            _ => Phase::Lingering,
         }
     }
 }
@@ -92,6 +97,7 @@ pub fn deadline(
         Phase::Head => Some((since + limits.header_timeout, Expiry::Timeout408)),
         Phase::Idle => Some((since + limits.keepalive_timeout, Expiry::Close("idle"))),
         Phase::Busy => None,
+        Phase::Lingering => return None, // bounded by the lingering close itself
     };
     let by_send = stalled
         .zip(limits.send_timeout)
@@ -198,6 +204,11 @@ impl ConnState {
         }
     }
 
+    /// Its answers are done: the connection lingers until the client closes.
+    pub fn lingering(&self) {
+        self.set(Phase::Lingering);
+    }
+
     /// Time since the registry's start.
     pub fn now(&self) -> Duration {
         Duration::from_nanos(self.now_ns())
@@ -249,9 +260,9 @@ impl Registry {
         self.open.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Shed the connection waiting longest for a request head (fresh, or a head partly
-    /// received), if any: true when one was told to close.
-    pub fn shed_oldest_head(&self) -> bool {
+    /// Shed a lingering connection, else the one waiting longest for a request head (fresh,
+    /// or a head partly received), if any: true when one was told to close.
+    pub fn shed_one(&self) -> bool {
         let open = self.lock();
         let states: Vec<(Phase, Duration, &Arc<ConnState>)> = open
             .values()
@@ -271,13 +282,14 @@ impl Registry {
     }
 }
 
-/// Index of the connection to shed among `(phase, since)`: the one waiting longest for a
-/// head; None when every one is serving a request or kept alive between requests.
+/// Index of the connection to shed among `(phase, since)`: the longest lingering one (its
+/// answers are sent), else the one waiting longest for a head; None when every one is serving
+/// a request or kept alive between requests.
 pub fn shed_candidate(states: impl Iterator<Item = (Phase, Duration)>) -> Option<usize> {
     states
         .enumerate()
-        .filter(|(_, (p, _))| matches!(p, Phase::Fresh | Phase::Head))
-        .min_by_key(|(_, (_, since))| *since)
+        .filter(|(_, (p, _))| matches!(p, Phase::Fresh | Phase::Head | Phase::Lingering))
+        .min_by_key(|(_, (p, since))| (*p != Phase::Lingering, *since))
         .map(|(i, _)| i)
 }
 
@@ -427,6 +439,10 @@ mod tests {
         assert_eq!(shed_candidate(states.into_iter()), Some(3));
         let served = [(Phase::Busy, S(1)), (Phase::Idle, S(2))];
         assert_eq!(shed_candidate(served.into_iter()), None);
+        // A lingering connection goes first, however young.
+        let lingering = [(Phase::Fresh, S(1)), (Phase::Lingering, S(9))];
+        assert_eq!(shed_candidate(lingering.into_iter()), Some(1));
+        assert_eq!(deadline(Phase::Lingering, S(1), Some(S(1)), &LIMITS), None);
     }
 
     #[test]
@@ -444,15 +460,15 @@ mod tests {
     }
 
     #[test]
-    fn the_registry_sheds_the_oldest_head_once() {
+    fn the_registry_sheds_the_oldest_head_once_and_never_a_served_connection() {
         let r = Registry::default();
         let (_, served) = r.open();
         served.request_started();
         let (_, waiting) = r.open();
-        assert!(r.shed_oldest_head());
+        assert!(r.shed_one());
         assert!(waiting.shed.load(Ordering::Relaxed));
         assert!(!served.shed.load(Ordering::Relaxed));
-        assert!(!r.shed_oldest_head()); // the shed one is not picked twice
+        assert!(!r.shed_one()); // the shed one is not picked twice
         assert_eq!(r.len(), 2);
     }
 }

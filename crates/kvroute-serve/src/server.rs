@@ -445,7 +445,7 @@ async fn accept_loop(
             _ = stopped.changed() => return,
         };
         if shared.connections.len() >= shared.config.max_connections {
-            if shared.connections.shed_oldest_head() {
+            if shared.connections.shed_one() {
                 shared.metrics.client_timeout("shed");
             } else {
                 shared
@@ -526,7 +526,7 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
         }
     };
     if by_hyper {
-        linger(raw).await;
+        linger(raw, &state).await;
     } else {
         let _ = raw.shutdown(std::net::Shutdown::Both);
     }
@@ -535,11 +535,13 @@ async fn serve_connection(shared: Arc<Shared>, stream: TcpStream) {
 
 /// Close a connection hyper is done with the way nginx's `lingering_close` does: end the
 /// sending side (the answer, then FIN), then read and discard what the client still sends
-/// until it closes, for at most [`LINGER_TIME`] and [`LINGER_BYTES`]. Closing a socket with
-/// unread bytes resets the connection, and a client still sending a body the router refused
-/// (413, or 503 over the body budget) would see the reset instead of the answer.
-async fn linger(raw: std::net::TcpStream) {
+/// until it closes, for at most [`LINGER_TIME`] and [`LINGER_BYTES`], or until a new
+/// connection at the limit sheds it. Closing a socket with unread bytes resets the connection,
+/// and a client still sending a body the router refused (413, or 503 over the body budget)
+/// would see the reset instead of the answer.
+async fn linger(raw: std::net::TcpStream, state: &ConnState) {
     use tokio::io::AsyncReadExt;
+    state.lingering();
     let _ = raw.shutdown(std::net::Shutdown::Write);
     if raw.set_nonblocking(true).is_err() {
         return;
@@ -551,10 +553,14 @@ async fn linger(raw: std::net::TcpStream) {
     // Small: every lingering connection has one (4,096 of them hold 32 MiB).
     let mut buf = [0u8; 8 << 10];
     let mut discarded = 0;
-    while discarded < LINGER_BYTES {
-        match tokio::time::timeout_at(deadline, stream.read(&mut buf)).await {
-            Ok(Ok(n)) if n > 0 => discarded += n,
-            _ => return, // the client closed, failed or took too long: close
+    while discarded < LINGER_BYTES && !state.shed.load(Ordering::Acquire) {
+        let shed = state.changed.notified();
+        tokio::select! {
+            read = tokio::time::timeout_at(deadline, stream.read(&mut buf)) => match read {
+                Ok(Ok(n)) if n > 0 => discarded += n,
+                _ => return, // the client closed, failed or took too long: close
+            },
+            _ = shed => {}
         }
     }
 }
