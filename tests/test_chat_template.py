@@ -425,7 +425,8 @@ _VALUES = st.one_of(
     st.lists(st.one_of(st.integers(-5, 5), _TEXT, st.none()), max_size=4),
     st.dictionaries(
         st.sampled_from(["k", "a", "role", "é"]),
-        st.one_of(st.integers(), _TEXT),
+        # minijinja's integers are at most 128 bits (see the test after this one).
+        st.one_of(st.integers(-(2**127), 2**127 - 1), _TEXT),
         max_size=3,
     ),
 )
@@ -445,6 +446,17 @@ def test_snippets_render_as_in_jinja2(snippet: str, x: Any, messages: list[dict]
     expected = _outcome_reference(reference, messages, True, {"x": x})
     got = _outcome_native(native, messages, True, {"x": x})
     _assert_same(expected, got)
+
+
+def test_an_integer_beyond_128_bits_is_refused_not_rendered_otherwise() -> None:
+    """jinja2 renders any Python integer; minijinja holds at most 128 bits, so the native
+    renderer refuses a larger one rather than render a different number (the router then
+    routes such a request untokenized, and the engine judges it)."""
+    native = ChatTemplate("{{ x }}", SPECIAL_TOKENS)
+    assert _outcome_native(native, [], True, {"x": 2**127 - 1}) == ("text", str(2**127 - 1))
+    for big in (2**127, -(2**127) - 1, 10**40):
+        outcome = _outcome_native(native, [], True, {"x": {"k": big}})
+        assert outcome[0] == "error" and "beyond 128 bits" in outcome[1]
 
 
 def test_the_own_templates_reach_their_main_paths() -> None:
