@@ -77,7 +77,8 @@ SSE error event and no [DONE]. --eject-after consecutive timeouts or 5xx answers
 Hostile clients: every limit is on by default and counted when it fires (metrics in
 parentheses). A request head must arrive within --header-timeout and its body within
 --body-timeout (kvroute_router_client_timeouts); idle connections close after
---keepalive-timeout, and those whose client reads none of its answer for --send-timeout; at --max-connections a new connection sheds the slowest waiting one,
+--keepalive-timeout, and those whose client reads none of its answer for --send-timeout; at
+--max-connections a new connection sheds a lingering one (its answer sent) or the slowest waiting one,
 or gets a 503 and is closed (kvroute_router_connections_refused), instead of the descriptors
 running out and the port going silent. Bodies over --max-body-bytes get 413 before they are read, compressed ones
 415 (never expanded), JSON nested deeper than %(depth)d levels 400
@@ -217,8 +218,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "%(default)g, as nginx's send_timeout)")
     limits.add_argument("--max-connections", type=int, metavar="N",
                         help="open client connections at most. At the limit a new connection closes "
-                        "the one waiting longest for its request head (a slow client); when none "
-                        "waits, it is answered 503 and closed. "
+                        "one that lingers after its answer, else the one waiting longest for its "
+                        "request head (a slow client); when none does, it is answered 503 and closed. "
                         f"Default: (RLIMIT_NOFILE - {FD_RESERVE}) / 2, after raising the soft limit to "
                         "the hard one: each connection with a request in flight also holds one to a "
                         "worker, so the descriptors never run out (448 under ulimit -n 1024)")
