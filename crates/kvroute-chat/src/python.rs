@@ -23,7 +23,7 @@ pub fn write_str(out: &mut impl Write, value: &Value) -> fmt::Result {
 /// Write `repr(value)`: `None`, `True`/`False`, ints, floats as Python writes them, quoted
 /// strings, `[...]` lists, `(...)` tuples and `{k: v}` dicts (in insertion order).
 ///
-/// Strings are quoted and escaped as Python's `repr` does it (see [`python_escapes`] for the
+/// Strings are quoted and escaped as Python's `repr` does it (see `python_escapes` for the
 /// one gap: unassigned code points).
 pub fn write_repr(out: &mut impl Write, value: &Value) -> fmt::Result {
     match value.kind() {

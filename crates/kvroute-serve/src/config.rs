@@ -105,7 +105,7 @@ impl WorkerSpec {
 /// Everything the native router runs with. Durations of `None` mean "no limit".
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
-    /// Where to listen (port 0: an ephemeral one, see [`crate::Server::port`]).
+    /// Where to listen (port 0: an ephemeral one, see [`crate::server::Server::local_addr`]).
     pub host: String,
     pub port: u16,
     /// Runtime worker threads (at least 1).
