@@ -468,20 +468,17 @@ impl Drop for RelayBody {
     }
 }
 
-/// The whole of `body` (at most `limit` bytes), each frame awaited at most `idle`.
+/// The whole of `body` (at most `limit` bytes; a longer one is an error), each frame awaited
+/// at most `idle`.
 pub async fn collect(
     mut body: Incoming,
     idle: Option<Duration>,
     limit: usize,
 ) -> Result<Bytes, Ending> {
-    let mut out = BytesMut::new();
-    while let Some(data) = next_data(&mut body, idle).await? {
-        if out.len() + data.len() > limit {
-            return Err(Ending::Died);
-        }
-        out.extend_from_slice(&data);
+    match read_answer(&mut body, idle, limit).await? {
+        AnswerStart::Whole(bytes) => Ok(bytes),
+        AnswerStart::Head(_) => Err(Ending::Died),
     }
-    Ok(out.freeze())
 }
 
 /// What [`read_answer`] read of a whole answer.
