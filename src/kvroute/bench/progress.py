@@ -1,25 +1,13 @@
-"""Progress display for sweeps (``kvroute bench`` and ``kvroute experiment``)."""
+"""Progress of the bench's sweeps (``kvroute bench`` and ``kvroute experiment``)."""
 
 from __future__ import annotations
 
 from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
+from rich.progress import Progress
 
 from kvroute.bench.runner import SweepHooks
+from kvroute.progress import LineProgress
 from kvroute.records import RequestRecord
-
-
-def sweep_progress(console: Console) -> Progress:
-    """The bars' layout: description, bar, done/total, elapsed; cleared when finished."""
-    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                    console=console, transient=True)
-
 
 #: What vLLM (and the emulator) answer for a prompt past max-model-len, in its several versions.
 _TOO_LONG = ("maximum context length", "max_model_len", "maximum model length", "longer than the maximum")
@@ -32,9 +20,10 @@ def refused_for_length(record: RequestRecord) -> bool:
 
 
 class ProgressHooks(SweepHooks):
-    """Rich bars: the whole sweep, and the phase (warmup / measure) of the current trial."""
+    """The whole sweep and the phase (warmup / measure) of the current trial, as rich bars or
+    as lines (``kvroute.progress.sweep_progress``)."""
 
-    def __init__(self, progress: Progress, console: Console, total_trials: int) -> None:
+    def __init__(self, progress: Progress | LineProgress, console: Console, total_trials: int) -> None:
         self.progress = progress
         self.console = console
         self.sweep = progress.add_task("sweep", total=total_trials)

@@ -13,7 +13,7 @@ from rich.console import Console
 from kvroute import aio
 from kvroute.bench.client import check_bench_url
 from kvroute.bench.files import ResultsWriter, tables_as_html
-from kvroute.bench.progress import ProgressHooks, sweep_progress
+from kvroute.bench.progress import ProgressHooks
 from kvroute.bench.prompts import (
     PROMPT_FORMATS,
     BenchWorkload,
@@ -41,8 +41,10 @@ from kvroute.commands._common import (
 )
 from kvroute.engine import PRESETS
 from kvroute.errors import UserError
+from kvroute.progress import sweep_progress
 from kvroute.records import Point
 from kvroute.report import output_console, print_tables, print_trace_tables
+from kvroute.trace.format import missing_trace, trace_path
 from kvroute.workload import LengthDist, parse_int_list
 
 NAME = "bench"
@@ -111,10 +113,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     w.add_argument("--turns", type=int, default=4, help="turns per session (default %(default)s)")
     w.add_argument("--turn-tokens", default="64", metavar="N|LO:HI|A,B",
                    help="tokens of each later user message (default %(default)s)")
-    w.add_argument("--trace", type=Path, default=None, metavar="JSONL",
+    w.add_argument("--trace", type=trace_path, default=None, metavar="JSONL|synthetic",
                    help="replay a trace, open loop by its timestamps: Mooncake's format (hash_ids; prompts "
                         "synthesized as token ids) or kvroute's (timestamp, prompt or token ids, output "
-                        "tokens, optional session id), auto-detected")
+                        "tokens, optional session id), auto-detected; `synthetic`: Mooncake's synthetic trace, shipped with kvroute")
     w.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="the workers run X times faster than real time (kvroute emulate --time-scale X): "
                         "a trace is sent X times faster and measured times are multiplied by X")
@@ -181,7 +183,7 @@ def _check_workload_flags(args: Namespace) -> None:
         raise UserError(f"--time-scale must be > 0, got {args.time_scale}")
     if args.trace is not None:
         if not args.trace.is_file():
-            raise UserError(f"trace {args.trace} does not exist")
+            raise missing_trace(args.trace)
         return
     if (args.closed_loop or args.start or args.duration is not None or args.max_requests is not None
             or args.cut_sessions):
@@ -238,7 +240,7 @@ def run(args: Namespace) -> int:
         setup.update(model=model, blocks=blocks, block_size=block_size, geometry=geometry_source,
                      workloads=workloads, target=target)
         total = len(workloads) * len(options.load_levels) * options.trials
-        with sweep_progress(console) as progress:
+        with sweep_progress(console, "bench") as progress:
             hooks = ProgressHooks(progress, console, total)
             runner = BenchRunner(target, options, writer, hooks)
             runner_box.append(runner)
@@ -302,7 +304,7 @@ def _report(args, options: BenchOptions, setup: dict, points: list[Point], write
         if workloads[0].trace is not None and not options.rate and all(p.concurrency == 0 for p in points):
             print_trace_tables(points, c)
         else:
-            print_tables(points, capacity, c, reference=reference)
+            print_tables(points, capacity, c, reference=reference, zipf_alpha=args.zipf)
 
     render(console)
     if any(p.concurrency == 0 for p in points):

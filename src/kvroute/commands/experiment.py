@@ -13,7 +13,7 @@ from kvroute import aio
 from kvroute.aio import Terminated, stop_on_sigterm
 from kvroute.analytic import MODEL_PRESETS
 from kvroute.bench.files import ResultsWriter, tables_as_html
-from kvroute.bench.progress import ProgressHooks, sweep_progress
+from kvroute.bench.progress import ProgressHooks
 from kvroute.commands._common import add_trace_window_arguments, add_workload_arguments, workload_spec
 from kvroute.emulator.config import DEFAULT_MAX_MODEL_LEN
 from kvroute.engine import PRESETS
@@ -28,6 +28,7 @@ from kvroute.experiment import (
     run_experiment,
 )
 from kvroute.fleet import VllmServeOptions, external, launch_emulated, launch_vllm
+from kvroute.progress import LineProgress, sweep_progress
 from kvroute.proxy.config import RETENTION_MODES
 from kvroute.report import (
     output_console,
@@ -39,6 +40,7 @@ from kvroute.report import (
 )
 from kvroute.routing.policies import POLICIES
 from kvroute.tinymodel import TinyModelConfig
+from kvroute.trace.format import missing_trace, trace_path
 from kvroute.units import parse_bytes, parse_tokens
 from kvroute.vllm_setup import VllmInstall
 from kvroute.workload import parse_int_list
@@ -139,9 +141,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="KV capacity per started worker in tokens (3M, 500k; decimal) instead of the "
                         "reference's 1 GiB (emulated) or --kv-cache-memory-bytes (vLLM)")
     t = parser.add_argument_group("trace (instead of the reference workload)")
-    t.add_argument("--trace", type=Path, default=None, metavar="JSONL",
+    t.add_argument("--trace", type=trace_path, default=None, metavar="JSONL|synthetic",
                    help="replay a trace by its timestamps through each topology: Mooncake's format "
-                        "(hash_ids) or kvroute's, auto-detected; prompts are synthesized per hash id")
+                        "(hash_ids) or kvroute's, auto-detected; prompts are synthesized per hash id; `synthetic`: Mooncake's synthetic trace, shipped with kvroute")
     add_trace_window_arguments(t)
     g = parser.add_argument_group("real vLLM workers (--engine vllm)")
     g.add_argument("--kv-cache-memory-bytes", default=None, metavar="SIZE",

@@ -5,14 +5,6 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
-from rich.progress import (
-    BarColumn,
-    MofNCompleteColumn,
-    Progress,
-    TextColumn,
-    TimeElapsedColumn,
-)
-
 from kvroute.analytic import capacity_for_mean_lengths
 from kvroute.commands import _trace_sim as trace_sim
 from kvroute.commands._common import (
@@ -26,6 +18,7 @@ from kvroute.commands._common import (
 )
 from kvroute.engine import PRESETS, get_preset
 from kvroute.errors import UserError
+from kvroute.progress import sweep_progress
 from kvroute.proxy.config import RETENTION_MODES
 from kvroute.records import Point, write_points_json
 from kvroute.report import output_console, print_tables
@@ -122,10 +115,7 @@ def run(args: argparse.Namespace) -> int:
     points = sweep_points(workers, prefixes, concurrency, policies, retention)
     console = output_console()
     results: list[Point] = []
-    with Progress(
-        TextColumn("[bold]sim[/bold] {task.description}"), BarColumn(), MofNCompleteColumn(),
-        TimeElapsedColumn(), console=console, transient=True,
-    ) as progress:
+    with sweep_progress(console, "sim") as progress:
         task = progress.add_task("", total=len(points) * trials)
         for point in points:
             progress.update(task, description=f"W={point.workers} K={point.prefixes} c={point.concurrency} {point.label}")
@@ -137,7 +127,7 @@ def run(args: argparse.Namespace) -> int:
     capacity = capacity_for_mean_lengths(
         spec.prefix_tokens.mean, spec.suffix_tokens.mean, spec.output_tokens, num_blocks, block_size
     )
-    print_tables(results, capacity, console)
+    print_tables(results, capacity, console, zipf_alpha=args.zipf)
     if any(p.retention != "off" for p in points):
         print_refreshes(results, console)
     if args.json:
