@@ -188,6 +188,44 @@ def test_hit_measures_agreement_says_when_refreshes_were_taken_out_of_the_worker
     plain = TrialStats(10, 0, 8, 0.8, 0.7, None, None, None, None, None, None, 1.0, 1.0,
                        metrics_token_hit_rate=0.72)
     quiet = hit_measures_agreement([Point(6, 24, 8, "router", [plain])])
-    assert "max |Δ| = 0.0200 over 1 trials" in quiet and "refreshes" not in quiet
+    assert "max |Δ| = 0.0200 over 1 trial" in quiet and "refreshes" not in quiet
     refreshed = hit_measures_agreement([Point(6, 24, 8, "router", [replace(plain, refreshes=5)])])
     assert "refreshes, as it measured them, taken out of the workers' counters" in refreshed
+
+    simulated = hit_measures_agreement([Point(6, 24, 8, "kv-aware", [plain]),
+                                        Point(6, 24, 8, "kv-aware+retain-auto",
+                                              [replace(plain, refreshes=5, metrics_token_hit_rate=None)])])
+    assert "over 1 trial; 1 trial with retention's refreshes not compared" in simulated
+    assert "taken out" not in simulated
+
+
+def _hit_table_text(points: list[Point], capacity: float, **kwargs) -> str:
+    from rich.console import Console
+
+    from kvroute.report import print_hit_rate_table
+
+    console = Console(width=400, record=True)
+    print_hit_rate_table(points, capacity, console, **kwargs)
+    return console.export_text()
+
+
+def test_hit_rate_table_marks_a_rate_above_the_routing_bound_and_explains_it() -> None:
+    from kvroute.records import TrialStats
+
+    def point(policy: str, hit: float) -> Point:
+        return Point(6, 24, 8, policy, [TrialStats(10, 0, 8, hit, hit, None, None, None, None, None, None, 1.0, 1.0)])
+
+    text = _hit_table_text([point("router", 0.983), point("service", 0.169)], 3.84)
+    assert "98.3%*" in text and "16.9%*" not in text and "96.0%" in text  # min(1, 6·3.84/24)
+    assert "* above min(1, W·C/K)" in text and "C = 3.84: the requests one worker's KV cache holds" in text
+    plain = _hit_table_text([point("router", 0.90)], 3.84)
+    assert "*" not in plain
+
+
+def test_hit_rate_table_leaves_the_uniform_formulas_out_under_zipf() -> None:
+    from kvroute.records import TrialStats
+
+    p = Point(6, 64, 8, "kv-aware", [TrialStats(10, 0, 8, 0.746, 0.7, None, None, None, None, None, None, 1.0, 1.0)])
+    text = _hit_table_text([p], 3.84, zipf_alpha=1.2)
+    assert "min(1, 6·C/K)" not in text and "36.0%" not in text
+    assert "assume equally popular prefixes: not shown for Zipf α = 1.2" in text

@@ -63,8 +63,12 @@ def hit_rate_table(
     concurrency: int = 8,
     reference: list[Point] | None = None,
     reference_label: str = "sim",
+    zipf_alpha: float = 0.0,
 ) -> Table:
+    """Table 1. The formulas' columns hold for equally popular prefixes only: under Zipf
+    popularity (``zipf_alpha`` > 0) they are left out and the caption says why."""
     c = _pick_concurrency(points, concurrency)
+    formulas = capacity_requests is not None and not zipf_alpha
     chosen = [p for p in points if p.concurrency == c]
     topologies = sorted({(p.workers, p.policy) for p in chosen}, key=lambda t: (-t[0], t[1]))
     fleet_sizes = sorted({w for w, _ in topologies}, reverse=True)
@@ -75,26 +79,39 @@ def hit_rate_table(
         table.add_column(f"{w}w {pol}", justify="right")
         if reference:
             table.add_column(f"{reference_label}", justify="right", style="dim")
-    if capacity_requests is not None:
+    if formulas:
         table.add_column("min(1, C/K)", justify="right", style="cyan")
         for w in fleet_sizes:
             table.add_column(f"min(1, {w}·C/K)", justify="right", style="cyan")
     by = _index(chosen)
+    above_bound = False
     for k in sorted({p.prefixes for p in chosen}):
         row = [str(k)]
         for w, pol in topologies:
             p = by.get((w, k, c, pol))
-            row.append(_pct(p.median("request_hit_rate")) if p else "—")
+            cell = _pct(p.median("request_hit_rate")) if p else "—"
+            if p and formulas and (p.median("request_hit_rate") or 0) > min(1.0, w * capacity_requests / k) + 0.0005:
+                above_bound = True
+                cell += "*"
+            row.append(cell)
             if reference:
                 r = ref.get((w, k, c, pol))
                 row.append(_pct(r.median("request_hit_rate")) if r else "—")
-        if capacity_requests is not None:
+        if formulas:
             row.append(_pct(min(1.0, capacity_requests / k)))
             row.extend(_pct(min(1.0, w * capacity_requests / k)) for w in fleet_sizes)
         table.add_row(*row)
     notes = []
     if capacity_requests is not None:
-        notes.append(f"C = {capacity_requests:.2f} requests' worth of KV blocks per worker")
+        notes.append(f"C = {capacity_requests:.2f}: the requests one worker's KV cache holds (its blocks ÷ a "
+                     "request's prompt and output blocks); K = the number of distinct shared prefixes")
+    if zipf_alpha:
+        notes.append(f"min(1, C/K) and min(1, W·C/K) assume equally popular prefixes: not shown for Zipf "
+                     f"α = {zipf_alpha:g} (kvroute predict --zipf {zipf_alpha:g} gives Che's LRU approximation)")
+    if above_bound:
+        notes.append("* above min(1, W·C/K): C counts a whole request's blocks, but only the shared prefix is "
+                     "reused; a worker fits more prefixes than requests, and retention keeps them while each "
+                     "request's own blocks go first")
     notes.append(hit_measures_agreement(points))
     table.caption = "\n".join(notes)
     return table
@@ -110,13 +127,19 @@ def hit_measures_agreement(points: list[Point]) -> str:
         if t.metrics_token_hit_rate is not None
     ]
     if not diffs:
+        if any(t.refreshes for p in points for t in p.trials):
+            return ("token hit ratio: per-request measure only (the simulated workers' counters count "
+                    "retention's refreshes too, so they are not compared)")
         return "token hit ratio: per-request measure only (no worker metrics scraped)"
-    refreshed = any(t.refreshes for p in points for t in p.trials)
+    refreshed = any(t.refreshes for p in points for t in p.trials if t.metrics_token_hit_rate is not None)
+    left_out = sum(1 for p in points for t in p.trials if t.refreshes and t.metrics_token_hit_rate is None)
     return (
         f"token hit ratio, per-request usage vs worker counters: max |Δ| = {max(diffs):.4f} "
-        f"over {len(diffs)} trials"
+        f"over {len(diffs)} trial{'s' if len(diffs) != 1 else ''}"
         + (" (the router's retention refreshes, as it measured them, taken out of the workers' counters)"
            if refreshed else "")
+        + (f"; {left_out} trial{'s' if left_out != 1 else ''} with retention's refreshes not compared (the simulated workers' "
+           "counters count the refreshes too)" if left_out else "")
     )
 
 
@@ -202,13 +225,14 @@ def print_tables(
     console: Console | None = None,
     reference: list[Point] | None = None,
     reference_label: str = "sim",
+    zipf_alpha: float = 0.0,
 ) -> None:
     """Print the four tables (and a failure summary when requests failed)."""
     console = console or Console()
     if not points:
         console.print("no points to report")
         return
-    print_hit_rate_table(points, capacity_requests, console, reference, reference_label)
+    print_hit_rate_table(points, capacity_requests, console, reference, reference_label, zipf_alpha)
     print_latency_tables(points, console)
 
 
@@ -218,9 +242,16 @@ def print_hit_rate_table(
     console: Console,
     reference: list[Point] | None = None,
     reference_label: str = "sim",
+    zipf_alpha: float = 0.0,
 ) -> None:
-    """Table 1, the answer: the request hit rate by K and topology."""
-    console.print(hit_rate_table(points, capacity_requests, reference=reference, reference_label=reference_label))
+    """Table 1, the answer: the request hit rate by K and topology, its notes as lines below it
+    (as a caption they would wrap to the table's width)."""
+    table = hit_rate_table(points, capacity_requests, reference=reference, reference_label=reference_label,
+                           zipf_alpha=zipf_alpha)
+    notes, table.caption = table.caption, None
+    console.print(table)
+    for note in str(notes or "").splitlines():
+        console.print(note, soft_wrap=True, highlight=False)
 
 
 def trace_replay_table(points: list[Point], reference: list[Point] | None = None,

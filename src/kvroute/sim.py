@@ -74,7 +74,10 @@ class TrialResult:
         return sum(s.hits for s in self.window_stats) / queries if queries else None
 
     def stats(self) -> TrialStats:
-        stats = summarize(self.records, self.duration_s, self.metrics_token_hit_rate)
+        # The workers' counters count retention's refreshes like any request; the simulator
+        # has no per-refresh prompt counts to take them out, so such a trial has no second measure.
+        counters = self.metrics_token_hit_rate if not self.refreshes else None
+        stats = summarize(self.records, self.duration_s, counters)
         stats.refreshes = self.refreshes
         stats.refresh_engine_s = self.refresh_engine_s
         return stats

@@ -19,6 +19,7 @@ from kvroute.commands._common import add_trace_window_arguments
 from kvroute.errors import UserError
 from kvroute.report import output_console
 from kvroute.trace import load_trace
+from kvroute.trace.format import trace_path
 from kvroute.trace.plots import write_plots
 from kvroute.trace.reuse import POLICIES, TraceReuse, _fmt_tokens, analyze
 from kvroute.workload import parse_int_list
@@ -33,8 +34,8 @@ PAPER = {
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("trace (instead of a workload shape)")
-    g.add_argument("--trace", type=Path, default=None, metavar="JSONL",
-                   help="analyze a trace: Mooncake's format (hash_ids) or kvroute's, auto-detected")
+    g.add_argument("--trace", type=trace_path, default=None, metavar="JSONL|synthetic",
+                   help="analyze a trace: Mooncake's format (hash_ids) or kvroute's, auto-detected; `synthetic`: Mooncake's synthetic trace, shipped with kvroute")
     add_trace_window_arguments(g)
     g.add_argument("--warmup", type=float, default=0.0, metavar="S",
                    help="requests of the first S seconds fill the caches but are not counted")

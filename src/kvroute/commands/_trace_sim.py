@@ -25,15 +25,16 @@ from kvroute.records import Point, busiest_share, write_points_json
 from kvroute.report import output_console
 from kvroute.sim import WorkerConfig
 from kvroute.trace import load_trace
+from kvroute.trace.format import trace_path
 from kvroute.trace.simulate import simulate_trace, trace_inputs, trace_policy
 from kvroute.workload import parse_int_list
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("trace (instead of a workload shape)")
-    g.add_argument("--trace", type=Path, default=None, metavar="JSONL",
+    g.add_argument("--trace", type=trace_path, default=None, metavar="JSONL|synthetic",
                    help="replay a trace by its timestamps: Mooncake's format (hash_ids) or kvroute's, "
-                        "auto-detected; prompts are synthesized per hash id")
+                        "auto-detected; prompts are synthesized per hash id; `synthetic`: Mooncake's synthetic trace, shipped with kvroute")
     g.add_argument("--time-scale", type=float, default=1.0, metavar="X",
                    help="send the trace X times faster than recorded (default 1)")
     g.add_argument("--out", type=Path, default=None, metavar="DIR",

@@ -185,7 +185,7 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
     trace = None
     if args.trace is not None:
         if not args.trace.is_file():
-            raise UserError(f"trace {args.trace} does not exist")
+            raise missing_trace(args.trace)
         if args.prefixes or args.concurrency or args.quick:
             raise UserError("--trace replays the trace's own requests by their timestamps; "
                             "drop --prefixes, --concurrency and --quick")
@@ -251,7 +251,7 @@ def run(args: argparse.Namespace) -> int:
         install, vllm_options = _vllm_options(args, plan)
 
     async def main() -> None:
-        with stop_on_sigterm(), sweep_progress(console) as progress:
+        with stop_on_sigterm(), sweep_progress(console, "experiment") as progress:
             hooks = ProgressHooks(progress, console, plan.total_trials)
 
             async def start_fleet(workers: int):
@@ -283,7 +283,8 @@ def run(args: argparse.Namespace) -> int:
         if plan.trace is not None:
             print_trace_tables(result.measured, c, reference=result.predicted or None)
         else:
-            print_tables(result.measured, result.capacity, c, reference=result.predicted or None)
+            print_tables(result.measured, result.capacity, c, reference=result.predicted or None,
+                         zipf_alpha=args.zipf)
 
     render(console)
     meta = {
@@ -309,7 +310,8 @@ def run(args: argparse.Namespace) -> int:
         lead = tables_as_html(lambda c: c.print(trace_replay_table(result.measured, reference)))
         rest = tables_as_html(lambda c: print_latency_tables(result.measured, c, by_load=False))
     else:
-        lead = tables_as_html(lambda c: print_hit_rate_table(result.measured, result.capacity, c, reference))
+        lead = tables_as_html(lambda c: print_hit_rate_table(result.measured, result.capacity, c, reference,
+                                                             zipf_alpha=args.zipf))
         rest = tables_as_html(lambda c: print_latency_tables(result.measured, c))
     if plan.trace is not None:
         meta["trace"] = {"path": str(plan.trace.path), "start_s": plan.trace.start_s,
@@ -325,7 +327,7 @@ def run(args: argparse.Namespace) -> int:
 
 
 async def _start_vllm(workers: int, install: VllmInstall, options: VllmServeOptions, work_dir: Path,
-                      progress: Progress, console: Console):
+                      progress: Progress | LineProgress, console: Console):
     work_dir = work_dir / f"W{workers}"
     console.print(
         f"starting {workers} vLLM workers ({options.kv_cache_memory_bytes / 2**20:.2f} MiB of KV each; "

@@ -431,11 +431,40 @@ def _common_head(chains: list[tuple[int, ...]]) -> int:
     return head if head < max(len(c) for c in chains) else max(head - 1, 0)
 
 
+#: Traces shipped inside the package (``data/``, with their licence), by the name ``--trace`` takes.
+SHIPPED_TRACES = {"synthetic": Path(__file__).parent / "data" / "synthetic_trace.jsonl"}
+#: Where Mooncake's traces are published (the conversation and tool&agent traces are not shipped).
+MOONCAKE_TRACES_URL = "https://github.com/kvcache-ai/Mooncake/tree/main/FAST25-release/traces"
+
+
+def trace_path(text: str) -> Path:
+    """A ``--trace`` value as a path: a shipped trace's name (``synthetic``) or its file name
+    when no such file is here (``synthetic_trace.jsonl``, as the Mooncake docs name it) gives
+    the shipped file; anything else is a path."""
+    if text in SHIPPED_TRACES:
+        return SHIPPED_TRACES[text]
+    path = Path(text)
+    if not path.exists() and path.parent == Path("."):
+        for shipped in SHIPPED_TRACES.values():
+            if shipped.name == path.name:
+                return shipped
+    return path
+
+
+def missing_trace(path: Path | str, reason: str = "no such file") -> UserError:
+    """The error for a trace that cannot be read, saying where traces come from."""
+    shipped = ", ".join(f"--trace {name}" for name in SHIPPED_TRACES)
+    return UserError(
+        f"cannot read trace {path}: {reason}. Shipped with kvroute: {shipped} (Mooncake's synthetic "
+        f"trace); Mooncake's conversation and tool&agent traces: {MOONCAKE_TRACES_URL}"
+    )
+
+
 def load_trace(path: Path | str, default_output_tokens: int = 64) -> Trace:
     """Read and parse a trace file (``parse_trace``)."""
     try:
         with open(path, "rb") as f:
             lines = f.readlines()
     except OSError as exc:
-        raise UserError(f"cannot read trace {path}: {exc.strerror or exc}") from None
+        raise missing_trace(path, (exc.strerror or str(exc)).lower()) from None
     return parse_trace(lines, str(path), default_output_tokens)
