@@ -30,7 +30,9 @@ same rate. Its round trip is what the kernel and the scheduler take without any 
 loop, so an overhead p99 near the floor's p99 is scheduler wake-up latency, not client code.
 
     python benchmarks/bench_client_overhead.py [--requests 2000] [--output-tokens 16]
-        [--client lean,aiohttp] [--rounds 2] [--servers canned] [--floor]
+        [--client lean,aiohttp] [--rounds 2] [--servers canned] [--floor] [--json PATH]
+
+It prints one line per server and client and writes every figure to --json.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import socket
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 import numpy as np
 
@@ -345,6 +348,8 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1, help="alternations of the clients (default %(default)s)")
     parser.add_argument("--servers", default="canned,emulator", help="servers to measure against")
     parser.add_argument("--floor", action="store_true", help="also measure the raw-socket loopback floor")
+    parser.add_argument("--json", type=Path, default=Path("bench_client_overhead.json"), metavar="PATH",
+                        help="where every figure is written as JSON (default %(default)s)")
     args = parser.parse_args()
     if args.serve_canned:
         _run(_serve_canned(*args.serve_canned))
@@ -389,6 +394,7 @@ def main() -> None:
         floor_p99: list[float] = []
         if floor_port is not None:
             _floor(floor_port, payload, 50, args.rate)  # warm up
+        print(_header(), flush=True)
         for name, (_, port) in servers.items():
             url = f"http://127.0.0.1:{port}"
             requests = _requests(args.requests, args.output_tokens, tag_index=name == "canned")
@@ -428,18 +434,35 @@ def main() -> None:
                 entry["clients"] = per_client
             results[name] = entry
             for c in clients:
-                print(name, c, json.dumps(per_client[c], indent=1), flush=True)
+                print(_row(name, c, per_client[c], levels), flush=True)
         if floor_trips:
             results["floor"] = {"round_trip_p50_ms": _pct(floor_trips, 50) * 1e3,
                                 "round_trip_p99_ms": _pct(floor_trips, 99) * 1e3, "load_1min": floor_load,
                                 "round_trip_p99_ms_by_window": floor_p99}
-            print("floor", json.dumps(results["floor"], indent=1), flush=True)
+            print(f"{'floor':9s} {'raw socket':10s} {'':>14s} {'':>14s} "
+                  f"{results['floor']['round_trip_p50_ms']:.2f} / {results['floor']['round_trip_p99_ms']:.2f}"
+                  " ms round trip", flush=True)
     finally:
         procs = [proc for proc, _ in servers.values()] + ([floor_proc] if floor_proc is not None else [])
         for proc in procs:
             proc.terminate()
             proc.wait(10)
-    print(json.dumps(results))
+    args.json.write_text(json.dumps(results, indent=1))
+    print(f"every figure (per window, load averages, collector pauses): {args.json}")
+
+
+def _row(server: str, client: str, entry: dict, levels: list[int]) -> str:
+    """One line of the summary table: a client against a server."""
+    overhead = (f"{entry['overhead_p50_ms']:.2f} / {entry['overhead_p99_ms']:.2f}"
+                if "overhead_p50_ms" in entry else "-")
+    rates = ", ".join(f"c={level}: {entry['max_rate'][level]['requests_per_s']:.0f}/s" for level in levels)
+    failed = f", {entry['failed']} failed" if entry["failed"] else ""
+    return (f"{server:9s} {client:10s} {entry['ttft_p50_ms']:6.2f} / {entry['ttft_p99_ms']:6.2f} "
+            f"{overhead:>14s} {rates}{failed}")
+
+
+def _header() -> str:
+    return f"{'server':9s} {'client':10s} {'TTFT p50/p99 ms':>15s} {'overhead ms':>14s} most requests/s"
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from kvroute.proxy.config import (
 from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
 from kvroute.proxy.resources import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
 from kvroute.proxy.router import Router
-from kvroute.routing.policies import POLICIES
+from kvroute.routing.policies import POLICIES, make_policy
 from kvroute.units import parse_bytes
 
 NAME = "serve"
@@ -309,6 +309,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             )
         per_worker[normalize_worker_url(worker)] = EventsSource(endpoint, replay or None)
     options = parse_policy_options(args.policy_option)
+    make_policy(args.policy, **options)  # a bad option or value: one line now, not a traceback later
+    if not 0 <= args.port <= 65535:
+        raise UserError(f"--port must be 0-65535 (0: a free one), got {args.port}")
     if args.block_size < 1:
         raise UserError(f"--block-size must be >= 1, got {args.block_size}")
     if args.max_attempts < 1:

@@ -263,6 +263,18 @@ def policy_parameters(name: str) -> set[str]:
     return set(inspect.signature(cls).parameters) - {"rng"} if cls is not None else set()
 
 
+def _check_numbers(name: str, cls: type, options: dict[str, object]) -> None:
+    """Refuse text (or a boolean) given for a numeric option, naming the option, before the
+    native policy sees it (its own error names neither the option nor the value)."""
+    parameters = inspect.signature(cls).parameters
+    for key, value in options.items():
+        annotation = str(parameters[key].annotation)
+        wants_number = "float" in annotation or "int" in annotation
+        if wants_number and (isinstance(value, (str, bool)) or (value is None and "None" not in annotation)):
+            kind = "a number" + (" or none" if "None" in annotation else "")
+            raise UserError(f"policy {name!r}: option {key} takes {kind}, got {value!r}")
+
+
 def make_policy(name: str, rng: random.Random | None = None, **options) -> Policy:
     """A fresh policy object by name (``kvroute sim --policy`` / ``kvroute serve --policy``);
     ``options`` are the policy class's keyword arguments (e.g. ``load_factor``)."""
@@ -277,6 +289,7 @@ def make_policy(name: str, rng: random.Random | None = None, **options) -> Polic
             f"policy {name!r} takes no option {', '.join(unknown)}"
             f" (it takes: {', '.join(sorted(accepted)) or 'none'})"
         )
+    _check_numbers(name, cls, options)
     try:
         return cls(rng=rng, **options)
     except TypeError as exc:  # a text where a number belongs, and the like
