@@ -576,12 +576,9 @@ async def start_emulated(workers: int, tokenizer: Path, timing: str, run_dir: Pa
         "--block-size", str(BLOCK_SIZE), "--kv-cache-memory-bytes", "1GiB",
         "--kv-events-config", json.dumps(config), *extra_args,
     ], startup_timeout_s=STARTUP_TIMEOUT_S)
-    # "  worker i: URL/v1  kv-events ENDPOINT (replay REPLAY)" -> "ENDPOINT,REPLAY"
-    endpoints = []
-    for line in fleet.log:
-        if "kv-events " in line:
-            words = line.split("kv-events ", 1)[1].replace("(replay ", "").rstrip(")").split()
-            endpoints.append(",".join(w.replace("0.0.0.0", "127.0.0.1") for w in words))
+    # Each worker's (endpoint, replay) as its banner gives them -> "ENDPOINT,REPLAY" on loopback
+    endpoints = [",".join(e.replace("0.0.0.0", "127.0.0.1") for e in events if e)
+                 for events in fleet.kv_events if events]
 
     def count() -> dict[str, int]:
         return {url: _request_success(url) for url in fleet.urls}

@@ -134,8 +134,8 @@ def test_report_leads_with_the_answer_and_folds_the_settings(sweep, tmp_path):
     page = _report(tmp_path, *sweep).read_text()
     assert "<title>kvroute experiment report</title>" in page
     answer = page.index('id="answer"')
-    assert answer < page.index("1. Request hit rate") < page.index('alt="hit_rate_vs_k"') < page.index("2. TTFT")
-    assert page.index("2. TTFT") < page.index('alt="ttft_cdf"') < page.index('id="settings"')
+    assert answer < page.index("1. Request hit rate") < page.index('title="hit_rate_vs_k.png"') < page.index("2. TTFT")
+    assert page.index("2. TTFT") < page.index('title="ttft_cdf.png"') < page.index('id="settings"')
     settings = page[page.index('<details id="settings">'):]
     assert "<details id=\"settings\"><summary>" in page  # collapsed: no `open`
     # The simulator's points are summarized, not dumped (they are in summary.json).
@@ -229,3 +229,46 @@ def test_hit_rate_table_leaves_the_uniform_formulas_out_under_zipf() -> None:
     text = _hit_table_text([p], 3.84, zipf_alpha=1.2)
     assert "min(1, 6·C/K)" not in text and "36.0%" not in text
     assert "assume equally popular prefixes: not shown for Zipf α = 1.2" in text
+
+
+def test_headline_says_the_answer_in_one_sentence() -> None:
+    from kvroute.records import TrialStats
+    from kvroute.report import headline
+
+    def point(policy: str, k: int, hit: float) -> Point:
+        return Point(6, k, 8, policy, [TrialStats(10, 0, 8, hit, hit, None, None, None, None, None, None, 1.0, 1.0)])
+
+    text = headline([point("router", 24, 0.954), point("service", 24, 0.169), point("router", 2, 0.98)], 3.84)
+    assert text.startswith("At K = 24 on 6 workers (concurrency 8), 95.4% of requests hit the prefix cache "
+                           "through router and 16.9% through service; min(1, C/K) = 16.0%")
+
+
+def test_report_opens_with_the_headline_and_captions_its_plots(tmp_path: Path) -> None:
+    from kvroute.bench.files import PLOT_CAPTIONS, write_html
+
+    png = tmp_path / "ttft_cdf.png"
+    png.write_bytes(b"\x89PNG\r\n\x1a\n")
+    page = write_html(tmp_path / "report.html", {"command": "experiment", "capacity_requests": 3.84}, "<pre></pre>",
+                      [png], None, "At K = 24 on 6 workers (concurrency 8), 95.4% of requests hit.").read_text()
+    assert '<p class="headline">At K = 24 on 6 workers' in page
+    assert f"<figcaption>{PLOT_CAPTIONS['ttft_cdf.png']}</figcaption>" in page
+    assert "<figcaption>ttft_cdf.png</figcaption>" not in page
+    assert "C = 3.84 requests fit in one worker&#x27;s KV cache" in page
+
+
+def test_log_axes_label_at_least_four_plain_ticks_even_over_a_narrow_range() -> None:
+    from kvroute.bench.files import _plain_log_ticks
+    from kvroute.plotting import pyplot
+
+    plt = pyplot()
+    for low, high, expected in ((40, 90, [40, 50, 60, 80]), (15, 1200, [20, 50, 100, 200, 500, 1000]),
+                                (28, 320, [30, 50, 100, 200, 300])):
+        fig, ax = plt.subplots()
+        ax.set_xscale("log")
+        ax.plot([low, high], [0, 1])
+        ax.set_xlim(low, high)
+        _plain_log_ticks(ax.xaxis)
+        assert list(ax.xaxis.get_major_locator()()) == expected
+        labels = [ax.xaxis.get_major_formatter()(v, i) for i, v in enumerate(expected)]
+        assert labels[-1] in ("80", "1k", "300")
+        plt.close(fig)

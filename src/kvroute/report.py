@@ -117,6 +117,29 @@ def hit_rate_table(
     return table
 
 
+def headline(points: list[Point], capacity_requests: float | None = None, concurrency: int = 8) -> str | None:
+    """The answer in one sentence, for the top of a report: each topology's request hit rate
+    at the largest fleet and K measured (at ``concurrency``, else the middle level), beside the
+    formulas when the prefixes are equally popular, e.g. "At K = 24 on 6 workers (concurrency
+    8), 95.4% of requests hit the prefix cache through router and 16.9% through service"."""
+    closed = [p for p in points if p.concurrency > 0 and p.median("request_hit_rate") is not None]
+    if not closed:
+        return None
+    c = _pick_concurrency(closed, concurrency)
+    w = max(p.workers for p in closed if p.concurrency == c)
+    k = max(p.prefixes for p in closed if (p.concurrency, p.workers) == (c, w))
+    chosen = sorted((p for p in closed if (p.concurrency, p.workers, p.prefixes) == (c, w, k)),
+                    key=lambda p: -(p.median("request_hit_rate") or 0))
+    rates = [f"{_pct(p.median('request_hit_rate'))} through {p.policy}" for p in chosen]
+    said = rates[0] if len(rates) == 1 else ", ".join(rates[:-1]) + f" and {rates[-1]}"
+    said = said.replace(" through", " of requests hit the prefix cache through", 1)
+    line = f"At K = {k} on {w} workers (concurrency {c}), {said}"
+    if capacity_requests is not None:
+        line += (f"; min(1, C/K) = {_pct(min(1.0, capacity_requests / k))}, the routing bound "
+                 f"min(1, {w}·C/K) = {_pct(min(1.0, w * capacity_requests / k))} (uniform popularity)")
+    return line + "."
+
+
 def hit_measures_agreement(points: list[Point]) -> str:
     """How far the token hit ratio from per-request ``cached_tokens`` is from the one from the
     workers' Prometheus counters (docs/experiment.md rule 4), over every trial."""
@@ -245,13 +268,13 @@ def print_hit_rate_table(
     zipf_alpha: float = 0.0,
 ) -> None:
     """Table 1, the answer: the request hit rate by K and topology, its notes as lines below it
-    (as a caption they would wrap to the table's width)."""
+    (as a caption they would wrap to the table's width, not the console's)."""
     table = hit_rate_table(points, capacity_requests, reference=reference, reference_label=reference_label,
                            zipf_alpha=zipf_alpha)
     notes, table.caption = table.caption, None
     console.print(table)
     for note in str(notes or "").splitlines():
-        console.print(note, soft_wrap=True, highlight=False)
+        console.print(note, highlight=False)
 
 
 def trace_replay_table(points: list[Point], reference: list[Point] | None = None,

@@ -9,6 +9,7 @@
 //! is a 503. While draining (SIGTERM) new requests get 503 and `/health` fails; in-flight ones
 //! finish.
 
+use std::collections::HashSet;
 use std::net::SocketAddr;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, LazyLock, Mutex, MutexGuard};
@@ -1229,12 +1230,16 @@ async fn engine_kv_blocks(shared: &Shared, url: &str) -> Option<usize> {
 }
 
 /// Log what the KV-event consumer reports (each a reset of a worker's index entries, which
-/// the consumer has already made).
+/// the consumer has already made), and workers leaving or rejoining the available set.
 async fn notice_loop(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
+    let mut out: HashSet<String> = HashSet::new();
     loop {
         tokio::select! {
             _ = tokio::time::sleep(NOTICE_INTERVAL) => {},
             _ = stopped.changed() => return,
+        }
+        for line in availability_changes(&shared, &mut out) {
+            eprintln!("{line}");
         }
         let notices = {
             let consumer = shared.consumer.lock().unwrap_or_else(|p| p.into_inner());
@@ -1245,6 +1250,14 @@ async fn notice_loop(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
         for notice in notices {
             let worker = notice.worker;
             match notice.item {
+                // Expected 0: the router had none of this worker's batches yet (it subscribed
+                // after the engine's replay buffer wrapped), so nothing it knew is lost.
+                Item::ReplayFailed {
+                    expected: 0, got, ..
+                } => eprintln!(
+                    "kvroute serve: worker {worker}: joined its KV event stream at batch {got} (older ones are \
+                     past its replay buffer); blocks it cached before then count once it stores them again"
+                ),
                 Item::ReplayFailed {
                     expected,
                     got,
@@ -1270,6 +1283,43 @@ async fn notice_loop(shared: Arc<Shared>, mut stopped: watch::Receiver<bool>) {
             }
         }
     }
+}
+
+/// The log lines for workers that left or rejoined the available set since the last call
+/// (`out`: the workers reported out): an operator sees a dead worker in the log, not only as
+/// a 502 and a 503 on `/health`.
+fn availability_changes(shared: &Shared, out: &mut HashSet<String>) -> Vec<String> {
+    let now = shared.now();
+    let fleet = shared.fleet();
+    let total = fleet.members().len();
+    let available = fleet.available_count(now);
+    let mut lines = Vec::new();
+    for m in fleet.members() {
+        let is_out = !m.available(now);
+        if is_out && out.insert(m.name.clone()) {
+            let why = if !m.ready {
+                "discovery says it no longer takes requests".to_string()
+            } else if now < m.ejected_until {
+                format!(
+                    "ejected for {:.0} s after failed requests in a row",
+                    m.ejected_until - now
+                )
+            } else {
+                "its health check (GET /health) failed or it refused a connection; checked again every few seconds".to_string()
+            };
+            lines.push(format!(
+                "kvroute serve: worker {} is out: {why} ({available} of {total} workers available)",
+                m.name
+            ));
+        } else if !is_out && out.remove(&m.name) {
+            lines.push(format!(
+                "kvroute serve: worker {} is back ({available} of {total} workers available)",
+                m.name
+            ));
+        }
+    }
+    out.retain(|name| fleet.members().iter().any(|m| &m.name == name));
+    lines
 }
 
 /// Send `worker` its refreshes (the prefix's ids plus one, `max_tokens` 1), each on a task

@@ -190,6 +190,12 @@ def check_bench_url(url: str) -> SplitResult:
     return parts
 
 
+def openai_base_url(url: str) -> str:
+    """The server's base URL, whether ``url`` names it or its OpenAI API root: vLLM and
+    ``kvroute emulate`` print ``http://HOST:PORT/v1``, the bench appends ``/v1/...`` itself."""
+    return url.rstrip("/").removesuffix("/v1")
+
+
 class BenchClient:
     """Sends requests to one OpenAI-compatible base URL.
 

@@ -27,6 +27,7 @@ import numpy as np
 from kvroute.errors import UserError
 from kvroute.plotting import pyplot
 from kvroute.records import MEDIAN_FIELDS, Point, RequestRecord, write_points_json
+from kvroute.report import headline
 
 if TYPE_CHECKING:
     from kvroute.bench.runner import TrialResult
@@ -135,7 +136,8 @@ class ResultsWriter:
         written = [summary, write_csv(self.out / CSV, points)]
         pngs = write_plots(self.out, points, self.samples, capacity, reference, self.timelines, reference_timelines)
         written += pngs
-        written.append(write_html(self.out / HTML, meta, tables_html, pngs, lead_html))
+        written.append(write_html(self.out / HTML, meta, tables_html, pngs, lead_html,
+                                  headline(points, capacity) if not self.timelines else None))
         return written
 
 
@@ -227,13 +229,33 @@ def _short_number(v: float) -> str:
     return f"{v:g}"
 
 
-def _plain_log_ticks(axis) -> None:
-    """Log-scale ticks as plain numbers (30, 100, 300, 1k), without the crowded minor labels."""
-    from matplotlib.ticker import FuncFormatter, LogLocator, NullFormatter
+#: Log-axis tick values per decade, from the sparsest: 1-2-5 reads as 20, 50, 100, 200, 500,
+#: 1k; a narrower view (hits at 40-90 ms) gets denser ones, so that at least four show.
+_LOG_TICK_STEPS = ((1.0, 2.0, 5.0), (1.0, 2.0, 3.0, 5.0), (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0))
 
-    axis.set_major_locator(LogLocator(base=10, subs=(1.0, 3.0)))
+
+def _plain_log_ticks(axis) -> None:
+    """Log-scale ticks as plain numbers (20, 50, 100, 200, 500, 1k), chosen from the axis's
+    view once the data are drawn, so a narrow range still gets labelled ticks."""
+    from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
+
+    low, high = sorted(axis.get_view_interval())
+    if not low > 0:
+        return
+    for steps in _LOG_TICK_STEPS:
+        ticks = [m * 10.0 ** e for e in range(int(np.floor(np.log10(low))), int(np.ceil(np.log10(high))) + 1)
+                 for m in steps if low <= m * 10.0 ** e <= high]
+        if len(ticks) >= 4:
+            break
+    axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(FuncFormatter(lambda v, _: _short_number(v)))
+    axis.set_minor_locator(NullLocator())
     axis.set_minor_formatter(NullFormatter())
+
+
+#: Below this many samples a CDF is drawn as its points joined by lines: as a staircase a
+#: handful of misses reads as a few flat steps.
+_FEW_SAMPLES = 20
 
 
 def plot_hit_rate(points: list[Point], capacity: float | None, reference: list[Point] | None = None):
@@ -303,18 +325,22 @@ def plot_ttft_cdf(points: list[Point], samples: dict[tuple[int, int, int, str], 
                 if point is None:
                     continue
                 for values, style in ((point.hit, "-"), (point.miss, "--")):
-                    if values:
-                        xs = np.sort(np.asarray(values)) * 1000
-                        ax.step(xs, np.arange(1, len(xs) + 1) / len(xs), style, color=colors[name],
-                                where="post", lw=1.6)
+                    if not values:
+                        continue
+                    xs = np.sort(np.asarray(values)) * 1000
+                    ys = np.arange(1, len(xs) + 1) / len(xs)
+                    if len(xs) < _FEW_SAMPLES:
+                        ax.plot(xs, ys, style, marker="o", ms=3.5, color=colors[name], lw=1.2)
+                    else:
+                        ax.step(xs, ys, style, color=colors[name], where="post", lw=1.6)
             ax.set_title(f"{w} workers, K = {k}" if k else f"{w} workers", fontsize=9)  # K 0: a trace
             ax.set_xscale("log")
-            _plain_log_ticks(ax.xaxis)
-            ax.grid(alpha=0.3)
+            ax.grid(alpha=0.3, which="both")
             if i == len(fleets) - 1:
                 ax.set_xlabel("TTFT (ms)")
             if j == 0:
                 ax.set_ylabel("fraction of requests")
+    _plain_log_ticks(axes[0][0].xaxis)  # shared by every panel, so set once the data are in
     handles = [Line2D([], [], color=colors[n], lw=2) for n in names]
     handles += [Line2D([], [], color="0.3", ls="-"), Line2D([], [], color="0.3", ls="--")]
     labels = [*names, "hit", "miss"]
@@ -347,7 +373,6 @@ def plot_ttft_vs_concurrency(points: list[Point]):
                         ms=4)
             ax.set_title(f"{w} workers, K = {k}", fontsize=9)
             ax.set_yscale("log")
-            _plain_log_ticks(ax.yaxis)
             ax.set_xticks(range(len(levels)), [str(c) for c in levels])
             ax.set_xlim(-0.4, len(levels) - 0.6)
             ax.grid(alpha=0.3)
@@ -355,6 +380,7 @@ def plot_ttft_vs_concurrency(points: list[Point]):
                 ax.set_xlabel("concurrency")
             if j == 0:
                 ax.set_ylabel("TTFT (ms)")
+    _plain_log_ticks(axes[0][0].yaxis)  # shared by every panel
     handles = [Line2D([], [], color=colors[n], lw=2) for n in names]
     handles += [Line2D([], [], color="0.3", ls="-", marker="o"), Line2D([], [], color="0.3", ls="--", marker="s", ms=4)]
     labels = [*names, "p50", "p99"]
@@ -542,22 +568,41 @@ def _summary_line(meta: dict) -> str:
             shown = ", ".join(map(str, value)) if isinstance(value, list) else str(value)
             parts.append(f"{label} {shown}")
     if meta.get("capacity_requests") is not None:
-        parts.append(f"C = {meta['capacity_requests']:.2f}")
+        parts.append(f"C = {meta['capacity_requests']:.2f} requests fit in one worker's KV cache")
     line = " · ".join(parts)
     if meta.get("partial"):
         line += " · stopped early: what was measured"
     return line
 
 
-def write_html(path: Path, meta: dict, tables_html: str, pngs: list[Path], lead_html: str | None = None) -> Path:
-    """One self-contained page that leads with the answer: the hit-rate table (``lead_html``,
-    when given apart) beside the hit-rate plot, then the other tables and plots; the run's
-    settings last, folded. Tables as rendered in the terminal (with their colours), plots as
-    base64 PNGs."""
+#: What each plot shows, as its caption in the report (the file name is in the image's title).
+PLOT_CAPTIONS = {
+    "hit_rate_vs_k.png": "Request hit rate against K, the number of distinct shared prefixes: measured "
+                         "(lines, one colour per topology), the simulator's prediction (crosses), "
+                         "min(1, C/K) (dashed) and the routing bound min(1, W·C/K) (dotted).",
+    "ttft_cdf.png": "Time to first token, cumulative, at the lowest concurrency: hits (solid) and misses "
+                    "(dashed) per topology. A few misses are drawn as points.",
+    "ttft_vs_concurrency.png": "Time to first token as concurrency rises: median (p50, solid) and tail "
+                               "(p99, dashed) per topology.",
+    "hit_rate_over_time.png": "Token hit ratio over the replay, measured and as the simulator replays "
+                              "the same requests.",
+    "worker_load_over_time.png": "Requests in flight on each worker over the replay: a hotspot is one "
+                                 "line far above the others.",
+}
+
+
+def write_html(path: Path, meta: dict, tables_html: str, pngs: list[Path], lead_html: str | None = None,
+               headline_text: str | None = None) -> Path:
+    """One self-contained page that leads with the answer: a headline sentence, the hit-rate
+    table (``lead_html``, when given apart) beside the hit-rate plot, then the other tables and
+    plots, each with a caption saying what it shows; the run's settings last, folded. Tables
+    as rendered in the terminal (with their colours), plots as base64 PNGs."""
 
     def figure(p: Path) -> str:
-        return (f'<figure><img alt="{html.escape(p.stem)}" src="data:image/png;base64,'
-                f'{base64.b64encode(p.read_bytes()).decode()}"><figcaption>{html.escape(p.name)}</figcaption></figure>')
+        caption = PLOT_CAPTIONS.get(p.name, p.name)
+        return (f'<figure><img alt="{html.escape(caption)}" title="{html.escape(p.name)}" '
+                f'src="data:image/png;base64,{base64.b64encode(p.read_bytes()).decode()}">'
+                f'<figcaption>{html.escape(caption)}</figcaption></figure>')
 
     lead_pngs = [p for p in pngs if p.name in ("hit_rate_vs_k.png", "hit_rate_over_time.png")]
     other_pngs = [p for p in pngs if p not in lead_pngs]
@@ -574,11 +619,12 @@ def write_html(path: Path, meta: dict, tables_html: str, pngs: list[Path], lead_
 <style>
 body {{ font-family: system-ui, sans-serif; margin: 1.5em 2em; max-width: 96em; color: #222; }}
 h1 {{ margin-bottom: 0.2em; }}
+p.headline {{ font-size: 1.15em; margin: 0.3em 0; }}
 p.summary {{ color: #555; margin-top: 0; }}
 .lead {{ display: flex; flex-wrap: wrap; gap: 1.5em; align-items: flex-start; }}
 pre {{ font-size: 13px; line-height: 1.25; margin: 0; }}
 figure {{ display: inline-block; margin: 0 1em 1em 0; }}
-figcaption {{ color: #666; font-size: 12px; }}
+figcaption {{ color: #555; font-size: 13px; max-width: 46em; }}
 img {{ max-width: 100%; }}
 details {{ margin-top: 2em; }}
 summary {{ cursor: pointer; font-weight: 600; }}
@@ -587,6 +633,7 @@ table.meta td {{ font-family: ui-monospace, monospace; font-size: 13px; }}
 </style></head>
 <body>
 <h1>{html.escape(title)}</h1>
+{f'<p class="headline">{html.escape(headline_text)}</p>' if headline_text else ""}
 <p class="summary">{html.escape(_summary_line(meta))}</p>
 <section class="lead" id="answer">
 <div class="tables">{lead}</div>

@@ -25,7 +25,7 @@ from dataclasses import astuple, dataclass, field
 import aiohttp
 
 from kvroute.analytic import capacity_for_mean_lengths
-from kvroute.bench.client import BenchClient, run_closed_loop, run_open_loop, run_sequential
+from kvroute.bench.client import BenchClient, openai_base_url, run_closed_loop, run_open_loop, run_sequential
 from kvroute.bench.prompts import BenchRequest, BenchWorkload, poisson_schedule
 from kvroute.bench.scrape import (
     CacheDelta,
@@ -223,7 +223,7 @@ def parse_router_refreshes(metrics_text: str) -> RouterRefreshes | None:
 async def router_refreshes(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> RouterRefreshes | None:
     """:func:`parse_router_refreshes` of ``url``'s ``/metrics`` (``url`` may end in ``/v1``);
     None when it is not a kvroute router (a worker, a balancer) or does not answer."""
-    base = url.rstrip("/").removesuffix("/v1")
+    base = openai_base_url(url)
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     try:
         async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
@@ -314,7 +314,7 @@ class BenchRunner:
         self._checked_cached_tokens = options.allow_missing_cached_tokens
         self._warned_reset = False
         #: Whether the target is a kvroute router whose refreshes to count (None: not asked
-        #: yet; False: it is not, so its /metrics is not read again).
+        #: yet; asked once, before the first trial).
         self._router_metrics: bool | None = None
         self._warned_refreshes = False
 
@@ -324,6 +324,11 @@ class BenchRunner:
         scraper = MetricsScraper(list(self.target.metrics_urls)) if self.target.metrics_urls else None
         if scraper is None and self.options.reset:
             self._warn_reset("no --metrics-url given, so worker caches cannot be reset between trials")
+        if self._router_metrics is None:
+            # Asked before the first trial, not inside it: behind a Service this GET is a
+            # connection, which takes one of the balancer's random draws, and the trial's
+            # draws must be the simulator's (the experiment reseeds as each trial starts).
+            self._router_metrics = await router_refreshes(self.target.url, self.target.api_key) is not None
         done: list[Point] = []
         try:
             for workload in workloads:
@@ -403,13 +408,11 @@ class BenchRunner:
 
     async def _refreshes(self) -> RouterRefreshes | None:
         """The target router's refreshes so far, once settled
-        (:func:`settled_router_refreshes`); a target that is not a kvroute router is asked
-        once."""
-        if self._router_metrics is False:
+        (:func:`settled_router_refreshes`); None for a target that is not a kvroute router
+        (never asked inside a trial)."""
+        if not self._router_metrics:
             return None
-        n = await settled_router_refreshes(self.target.url, self.target.api_key)
-        self._router_metrics = n is not None
-        return n
+        return await settled_router_refreshes(self.target.url, self.target.api_key)
 
     def _warn_unmeasured_refreshes(self) -> None:
         if not self._warned_refreshes:

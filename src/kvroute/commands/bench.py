@@ -11,7 +11,7 @@ from pathlib import Path
 from rich.console import Console
 
 from kvroute import aio
-from kvroute.bench.client import check_bench_url
+from kvroute.bench.client import check_bench_url, openai_base_url
 from kvroute.bench.files import ResultsWriter, tables_as_html
 from kvroute.bench.progress import ProgressHooks
 from kvroute.bench.prompts import (
@@ -29,6 +29,7 @@ from kvroute.bench.runner import (
     BenchTarget,
     capacity_for,
     discover_model,
+    router_refreshes,
     server_cache_config,
     simulate_points,
 )
@@ -84,8 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "as vLLM's own clients read it); sent to --url only, never saved")
     t.add_argument("--workers", "-W", type=int, default=None,
                    help="workers behind URL, for labels and the formula (default: number of --metrics-url)")
-    t.add_argument("--label", default="service",
-                   help="topology name in the reports, e.g. service or router (default %(default)s)")
+    t.add_argument("--label", default=None,
+                   help="topology name in the reports, e.g. service or router (default: router when "
+                        "URL is a kvroute router, which its /metrics tells, else service)")
 
     load = parser.add_argument_group("load")
     load.add_argument("--concurrency", "-c", default="4,8,16", metavar="C[,C...]",
@@ -208,6 +210,7 @@ def _geometry(args: Namespace, configs: list[tuple[int, int]], console: Console)
 
 def run(args: Namespace) -> int:
     check_bench_url(args.url)
+    args.url = openai_base_url(args.url)
     metrics_urls = _metrics_urls(args.metrics_url)
     options = _options(args)
     if args.workers is not None and args.workers < 1:
@@ -236,7 +239,8 @@ def run(args: Namespace) -> int:
             vocab = safe_vocabulary(tokenizer)
         encoder = PromptEncoder(prompt_format, model, tokenizer, ignore_eos=not args.no_ignore_eos)
         workloads = _workloads(args, encoder, vocab)
-        target = BenchTarget(args.url, metrics_urls, model, args.label, args.workers, args.api_key)
+        label = args.label or ("router" if await router_refreshes(args.url, args.api_key) is not None else "service")
+        target = BenchTarget(args.url, metrics_urls, model, label, args.workers, args.api_key)
         setup.update(model=model, blocks=blocks, block_size=block_size, geometry=geometry_source,
                      workloads=workloads, target=target)
         total = len(workloads) * len(options.load_levels) * options.trials

@@ -12,6 +12,7 @@ from kvroute import aio
 from kvroute.emulator.config import DEFAULT_MAX_MODEL_LEN, MODEL_PRESETS, EmulatorConfig
 from kvroute.engine.cost import PRESETS
 from kvroute.errors import UserError
+from kvroute.kvevents import KVEventsConfig
 from kvroute.units import parse_bytes, parse_tokens
 
 NAME = "emulate"
@@ -163,11 +164,63 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
     return config
 
 
+def check_own_ports(config: EmulatorConfig, workers: int, port: int) -> None:
+    """Refuse a ``--workers N`` group whose workers would take each other's ports: worker i
+    serves HTTP on ``port + i`` and moves every KV-event port by i too, so with events on P
+    and replay on P + 1 (vLLM's 5557/5558 pattern) worker 1's events land on worker 0's
+    replay socket. Ephemeral ports (0, ``*``) and ipc endpoints never clash.
+
+    Raises:
+        UserError: naming both workers, the sockets and a way out.
+    """
+    if workers < 2:
+        return
+    taken: dict[int, str] = {}
+
+    def take(number: int | None, what: str) -> None:
+        if not number:
+            return
+        if number in taken:
+            raise UserError(
+                f"{what} is port {number}, which {taken[number]} already uses: --workers {workers} "
+                "moves the HTTP port and every KV-event port by one a worker, so keep the ports "
+                f"you give at least {workers} apart (e.g. events on 5557, replay on {5557 + workers + 8})"
+            )
+        taken[number] = what
+
+    events = KVEventsConfig.from_json(config.kv_events_config) if config.kv_events_config else None
+    for i in range(workers):
+        take(port + i if port else None, f"worker {i}'s HTTP port")
+        if events is None or not events.publishes:
+            continue
+        moved = events.with_port_offset(i)
+        take(_tcp_port(moved.endpoint), f"worker {i}'s KV-event endpoint {moved.endpoint}")
+        if moved.replay_endpoint:
+            take(_tcp_port(moved.replay_endpoint), f"worker {i}'s replay endpoint {moved.replay_endpoint}")
+
+
+def _tcp_port(endpoint: str) -> int | None:
+    """A tcp endpoint's fixed port; None for an ephemeral one and for ipc/inproc."""
+    if not endpoint.startswith("tcp://"):
+        return None
+    port = endpoint.rpartition(":")[2]
+    return int(port) if port.isdigit() else None
+
+
+def events_line(endpoint: str, replay: str | None, binds: bool) -> str:
+    """A worker's event sockets and how its PUB socket meets subscribers, as vLLM decides it
+    (a wildcard or ipc binds, a concrete host connects). Scripts read the endpoints from the
+    ``kv-events ENDPOINT (replay REPLAY)`` part (``kvroute.fleet``)."""
+    line = f"kv-events {endpoint}" + (f" (replay {replay})" if replay else "")
+    return line + (" — binds" if binds else " — connects to it (a concrete host connects, as in vLLM)")
+
+
 async def _serve(config: EmulatorConfig, workers: int, host: str, port: int) -> None:
     from kvroute.emulator.server import start_workers
 
     if port and port + workers - 1 > 65535:
         raise UserError(f"--port {port} with --workers {workers} runs past port 65535")
+    check_own_ports(config, workers, port)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
@@ -181,13 +234,23 @@ async def _serve(config: EmulatorConfig, workers: int, host: str, port: int) -> 
             + (f" x{config.time_scale:g}" if config.time_scale != 1.0 else ""),
             flush=True,
         )
+        connecting = []
         for i, w in enumerate(running):
             line = f"  worker {i}: {w.url}/v1"
             if w.kv_events_endpoint:
-                line += f"  kv-events {w.kv_events_endpoint}"
-                if w.kv_events_replay_endpoint:
-                    line += f" (replay {w.kv_events_replay_endpoint})"
+                binds = w.worker.publisher.binds
+                line += "  " + events_line(w.kv_events_endpoint, w.kv_events_replay_endpoint, binds)
+                if not binds:
+                    connecting.append(w.kv_events_endpoint)
             print(line, flush=True)
+        if connecting:
+            print(
+                f"kvroute emulate: warning: the KV-event sockets connect to {', '.join(connecting)}: "
+                "a concrete host makes the publisher connect (vLLM's rule; a wildcard such as "
+                "tcp://*:5557 binds), so a subscriber must bind there. kvroute serve connects to "
+                "its workers' sockets and gets no events from these: use tcp://*:PORT",
+                file=sys.stderr, flush=True,
+            )
         await stop.wait()
     finally:
         await asyncio.gather(*(w.close() for w in running), return_exceptions=True)
