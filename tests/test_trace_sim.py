@@ -98,14 +98,14 @@ def test_experiment_replays_a_trace_through_service_and_router_beside_the_simula
     for png in ("hit_rate_over_time.png", "worker_load_over_time.png", "ttft_cdf.png"):
         assert (out / png).read_bytes()[:4] == b"\x89PNG"
     page = (out / "report.html").read_text()
-    assert page.index("1. Trace replay") < page.index('alt="hit_rate_over_time"')
+    assert page.index("1. Trace replay") < page.index('title="hit_rate_over_time.png"')
 
 
 def test_experiment_trace_flags_that_do_not_fit_are_one_line(tmp_path, capsys):
     path = write_trace(tmp_path / "t.jsonl", [{"timestamp": 0, "input_length": 512, "output_length": 4,
                                               "hash_ids": [1]}])
     for argv, needle in (
-        (["--trace", str(tmp_path / "missing.jsonl")], "does not exist"),
+        (["--trace", str(tmp_path / "missing.jsonl")], "no such file. Shipped with kvroute: --trace synthetic"),
         (["--trace", str(path), "--concurrency", "4"], "--concurrency"),
         (["--duration", "60"], "are for --trace"),
         (["--engine", "urls", "--worker", "http://127.0.0.1:9", "--kv-capacity-tokens", "3M"], "--kv-capacity-tokens"),
