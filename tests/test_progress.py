@@ -60,3 +60,28 @@ def test_a_piped_experiment_prints_a_line_per_finished_trial(tmp_path) -> None:
     out = proc.stdout
     assert re.search(r"^experiment: 2/2 done \(last: service K=4 c=2 trial 1\)", out, re.M), out
     assert out.index("experiment: 2/2 done") < out.index("1. Request hit rate")
+
+
+def test_a_trial_counts_as_done_when_its_last_measured_request_is() -> None:
+    """Not when the next trial starts: between two fleet sizes that is a fleet's start-up later."""
+    from types import SimpleNamespace
+
+    from kvroute.bench.progress import ProgressHooks
+
+    console, out = _piped_console()
+    target, workload = SimpleNamespace(label="router"), SimpleNamespace(prefixes=24)
+    record = SimpleNamespace(ok=True)
+    with LineProgress(console, "experiment", heartbeat_s=60, min_gap_s=0.0) as progress:
+        hooks = ProgressHooks(progress, console, total_trials=2)
+        hooks.trial_started(target, workload, 8, 0)
+        hooks.phase("warmup", 2)
+        hooks.request_done(record)
+        hooks.request_done(record)
+        hooks.phase("measure", 3)
+        for _ in range(3):
+            hooks.request_done(record)
+        assert "experiment: 1/2 done (last: router K=24 c=8 trial 1)" in out.getvalue()
+        hooks.trial_started(target, workload, 8, 1)
+        assert "2/2" not in out.getvalue()
+        hooks.finish()
+    assert "experiment: 2/2 done (last: router K=24 c=8 trial 2)" in out.getvalue()

@@ -80,12 +80,14 @@ class LineProgress:
         self._lock = threading.RLock()
         self._started = time.monotonic()
         self._last_line = self._started
+        self._last_done_line = self._started - min_gap_s
         self._last_reported = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def __enter__(self) -> LineProgress:
         self._started = self._last_line = time.monotonic()
+        self._last_done_line = self._started - self.min_gap_s
         self._thread = threading.Thread(target=self._heartbeat, name="kvroute-progress", daemon=True)
         self._thread.start()
         return self
@@ -144,12 +146,13 @@ class LineProgress:
 
     # lines
     def _report(self, sweep: LineTask, finished: str) -> None:
-        """A line for finished units of the sweep, unless one was written under ``min_gap_s`` ago
-        (the next line or the heartbeat then covers them)."""
+        """A line for finished units of the sweep, unless such a line was written under
+        ``min_gap_s`` ago (the next line or the heartbeat then covers them)."""
         if sweep.completed <= self._last_reported:
             return
-        if time.monotonic() - self._last_line < self.min_gap_s and sweep.completed < (sweep.total or 0):
+        if time.monotonic() - self._last_done_line < self.min_gap_s and sweep.completed < (sweep.total or 0):
             return
+        self._last_done_line = time.monotonic()
         self._write(self._sweep_line(sweep, finished))
 
     def _sweep_line(self, sweep: LineTask, finished: str) -> str:

@@ -21,7 +21,9 @@ def refused_for_length(record: RequestRecord) -> bool:
 
 class ProgressHooks(SweepHooks):
     """The whole sweep and the phase (warmup / measure) of the current trial, as rich bars or
-    as lines (``kvroute.progress.sweep_progress``)."""
+    as lines (``kvroute.progress.sweep_progress``). A trial counts as done when its last
+    measured request is (not when the next trial starts: between two fleets that is a fleet's
+    start-up later)."""
 
     def __init__(self, progress: Progress | LineProgress, console: Console, total_trials: int) -> None:
         self.progress = progress
@@ -30,16 +32,19 @@ class ProgressHooks(SweepHooks):
         self.phase_task = progress.add_task("", total=1)
         self.failed = 0
         self.refused_too_long = 0
-        self._trials_started = 0
+        self._measuring = False
+        self._measure_left = 0
+        self._trial_open = False
 
     def trial_started(self, target, workload, concurrency, trial) -> None:
-        if self._trials_started:
-            self.progress.advance(self.sweep)
-        self._trials_started += 1
+        self._close_trial()  # one that ended without its window's last request (interrupted)
+        self._trial_open = True
         load = f"c={concurrency}" if concurrency else "open loop"
         self.progress.update(self.sweep, description=f"{target.label} K={workload.prefixes} {load} trial {trial + 1}")
 
     def phase(self, description: str, total: int) -> None:
+        self._measuring = description == "measure"
+        self._measure_left = total
         self.progress.reset(self.phase_task, total=total, description=description)
 
     def request_done(self, record: RequestRecord) -> None:
@@ -48,9 +53,20 @@ class ProgressHooks(SweepHooks):
             if refused_for_length(record):
                 self.refused_too_long += 1
         self.progress.advance(self.phase_task)
+        if self._measuring:
+            self._measure_left -= 1
+            if self._measure_left <= 0:
+                self._close_trial()
+
+    def _close_trial(self) -> None:
+        if self._trial_open:
+            self._trial_open = False
+            self._measuring = False
+            self.progress.advance(self.sweep)
 
     def warning(self, message: str) -> None:
         self.console.print(f"[yellow]warning:[/yellow] {message}")
 
     def finish(self) -> None:
+        self._trial_open = False
         self.progress.update(self.sweep, completed=self.progress.tasks[self.sweep].total)
