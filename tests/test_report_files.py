@@ -256,19 +256,23 @@ def test_report_opens_with_the_headline_and_captions_its_plots(tmp_path: Path) -
     assert "C = 3.84 requests fit in one worker&#x27;s KV cache" in page
 
 
-def test_log_axes_label_at_least_four_plain_ticks_even_over_a_narrow_range() -> None:
+def test_log_axes_label_plain_ticks_as_dense_as_the_axis_allows() -> None:
     from kvroute.bench.files import _plain_log_ticks
     from kvroute.plotting import pyplot
 
     plt = pyplot()
-    for low, high, expected in ((40, 90, [40, 50, 60, 80]), (15, 1200, [20, 50, 100, 200, 500, 1000]),
-                                (28, 320, [30, 50, 100, 200, 300])):
-        fig, ax = plt.subplots()
+    cases = (((40, 90), 4.0, [40, 50, 60, 80, 100]),  # hits only (the old ticks: none); widened to 100
+             ((28, 600), 3.4, [30, 50, 100, 200, 300, 500]),
+             ((15, 1200), 3.4, [20, 50, 100, 200, 500, 1000]),
+             ((15, 1200), 8.0, [20, 30, 50, 100, 200, 300, 500, 1000]),  # a wide panel: denser
+             ((15, 1200), 1.2, [100, 1000]))  # a narrow one: sparser
+    for (low, high), width, expected in cases:
+        fig, ax = plt.subplots(figsize=(width, 2.7))
         ax.set_xscale("log")
         ax.plot([low, high], [0, 1])
         ax.set_xlim(low, high)
         _plain_log_ticks(ax.xaxis)
-        assert list(ax.xaxis.get_major_locator()()) == expected
-        labels = [ax.xaxis.get_major_formatter()(v, i) for i, v in enumerate(expected)]
-        assert labels[-1] in ("80", "1k", "300")
+        ticks = list(ax.xaxis.get_major_locator()())
+        assert [round(t) for t in ticks] == expected, (low, high, width)
+        assert ax.xaxis.get_major_formatter()(1000.0, 0) == "1k"
         plt.close(fig)

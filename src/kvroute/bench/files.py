@@ -229,24 +229,45 @@ def _short_number(v: float) -> str:
     return f"{v:g}"
 
 
-#: Log-axis tick values per decade, from the sparsest: 1-2-5 reads as 20, 50, 100, 200, 500,
-#: 1k; a narrower view (hits at 40-90 ms) gets denser ones, so that at least four show.
-_LOG_TICK_STEPS = ((1.0, 2.0, 5.0), (1.0, 2.0, 3.0, 5.0), (1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0))
+#: Log-axis tick values per decade, densest first: the densest whose labels do not crowd is
+#: used (a view of hits at 40-90 ms gets 40, 50, 60, 80; a wide one 20, 50, 100, 200, 500, 1k).
+_LOG_TICK_STEPS = ((1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 8.0), (1.0, 2.0, 3.0, 5.0), (1.0, 2.0, 5.0), (1.0,))
+#: Fewest pixels between two tick labels' centres: along x, along y.
+_TICK_SPACING_PX = {"x": 26.0, "y": 15.0}
+
+
+#: A view ending at most this many decades short of a tick is widened to it, so that the
+#: lowest and highest curves sit beside a labelled value (a p50 of 55 ms beside 50).
+_REACH_DECADES = 0.1
 
 
 def _plain_log_ticks(axis) -> None:
-    """Log-scale ticks as plain numbers (20, 50, 100, 200, 500, 1k), chosen from the axis's
-    view once the data are drawn, so a narrow range still gets labelled ticks."""
+    """Log-scale ticks as plain numbers (20, 50, 100, 200, 500, 1k), as dense as the axis's
+    length allows, chosen from its view once the data are drawn; the view is widened to a
+    tick just beyond either end."""
     from matplotlib.ticker import FixedLocator, FuncFormatter, NullFormatter, NullLocator
 
     low, high = sorted(axis.get_view_interval())
     if not low > 0:
         return
+    box = axis.axes.get_window_extent()
+    name = axis.axis_name
+    length_px = box.width if name == "x" else box.height
+    px_per_decade = length_px / max(np.log10(high / low), 1e-9)
+    reach = 10.0 ** _REACH_DECADES
     for steps in _LOG_TICK_STEPS:
-        ticks = [m * 10.0 ** e for e in range(int(np.floor(np.log10(low))), int(np.ceil(np.log10(high))) + 1)
-                 for m in steps if low <= m * 10.0 ** e <= high]
-        if len(ticks) >= 4:
+        decades = range(int(np.floor(np.log10(low))) - 1, int(np.ceil(np.log10(high))) + 2)
+        candidates = [m * 10.0 ** e for e in decades for m in steps]
+        inside = [t for t in candidates if low <= t <= high]
+        below = [t for t in candidates if low / reach <= t < low] if not inside or inside[0] > low * 1.05 else []
+        above = [t for t in candidates if high < t <= high * reach] if not inside or inside[-1] < high / 1.05 else []
+        ticks = below[-1:] + inside + above[:1]
+        gaps = np.diff(np.log10(ticks)) * px_per_decade if len(ticks) > 1 else [np.inf]
+        if min(gaps) >= _TICK_SPACING_PX[name]:
             break
+    if ticks:
+        set_limits = axis.axes.set_xlim if name == "x" else axis.axes.set_ylim
+        set_limits(min(low, ticks[0]), max(high, ticks[-1]))
     axis.set_major_locator(FixedLocator(ticks))
     axis.set_major_formatter(FuncFormatter(lambda v, _: _short_number(v)))
     axis.set_minor_locator(NullLocator())
