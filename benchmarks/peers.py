@@ -76,7 +76,7 @@ Examples:
 
     python benchmarks/peers.py --out /tmp/peers                  # compare, every router
     python benchmarks/peers.py --mode compare --routers kvroute,sglang:all,vllm-router:all,dynamo:all \
-        --warmup on,off --runs 3                                 # the README's peer table
+        --warmup on,off --runs 3                                 # docs/results.md's peer table
     python benchmarks/peers.py --quick --out /tmp/peers-smoke    # short smoke run of both modes
     python benchmarks/peers.py --mode overhead --routers kvroute,sglang,vllm-router,dynamo
     python benchmarks/peers.py --install-only                    # just prepare the venvs
@@ -184,7 +184,7 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "defaults": Setting("defaults", why=(
             "kvroute serve --policy kv-aware as shipped: --retention auto, the router also "
             "refreshes the prefixes each worker's LRU would evict while that measurably saves "
-            "prefills (README, Retention)")),
+            "prefills (docs/retention.md)")),
         "retention-off": Setting("retention-off", ("--retention", "off"), (
             "kvroute serve --retention off: placement alone, no refreshes (the default until "
             "2026-12-03)")),

@@ -8,7 +8,7 @@ the core the figures were 1.71 s and 84.9 s. Results are pinned by tests/test_si
     python benchmarks/sim_speed.py --requests 100000   # a quicker large run
     python benchmarks/sim_speed.py --trace conversation_trace.jsonl   # issue 17's replay only
 
-Pinned to one core when ``os.sched_setaffinity`` is available, except ``--trace``: the README's
+Pinned to one core when ``os.sched_setaffinity`` is available, except ``--trace``: docs/results.md's
 ``kvroute sim --trace`` command over 8 workers (random, prefix-hash and kv-aware side by side,
 goal < 10 s), whose three independent replays run in threads on every core; its wall and CPU
 time (all threads) are printed.

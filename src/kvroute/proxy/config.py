@@ -187,7 +187,7 @@ class RouterConfig:
 
 def default_retention(policy: str) -> str:
     """Retention's mode when none is given: ``auto`` with kv-aware (it refreshes only while the
-    refreshes measurably save prefills; the README's Retention section has the figures), ``off``
+    refreshes measurably save prefills; docs/results.md, Retention, has the figures), ``off``
     with every other policy, whose placement retention would override for prompts cached
     nowhere."""
     return "auto" if policy == "kv-aware" else "off"
