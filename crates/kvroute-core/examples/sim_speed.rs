@@ -10,7 +10,7 @@ use std::time::Instant;
 
 use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
 use kvroute_core::engine::cost::CostModel;
-use kvroute_core::engine::events::KvCacheEvent;
+use kvroute_core::kvevents::events::KvCacheEvent;
 use kvroute_core::placement::{Placed, Placement};
 use kvroute_core::sim::{RequestSet, Trial, WorkerConfig};
 

@@ -3,11 +3,11 @@
 //! h11). Time is passed in; effects are returned as data.
 //!
 //! * [`blocks`]: chained per-block hashes of token ids (kvroute's own block identity).
-//! * [`engine`]: the vLLM v1 worker model: `BlockPool`, scheduler, cost model, KV events.
+//! * [`engine`]: the vLLM v1 worker model: `BlockPool`, scheduler, cost model.
 //! * [`index`]: the router's index of which worker holds which block.
 //! * [`policies`] and [`routing`]: the balancing policies and the one routing step around
 //!   them, shared by the simulator and the live router.
-//! * [`kvevents`]: vLLM's KV-event wire codec and the subscriber's sequence tracker.
+//! * [`kvevents`]: vLLM's KV events, their wire codec and the subscriber's sequence tracker.
 //! * [`placement`] and [`sim`]: the seam between engines and routing, and the simulator's
 //!   event loop on virtual time.
 //! * [`retention`]: the router managing what each worker's LRU keeps (refreshes).

@@ -2,7 +2,7 @@
 //! worker gets each request (`crate::routing::RoutingStep`, the step the live router runs
 //! too). The driver tells it about the life of each request, it answers where to send it.
 
-use crate::engine::events::{HashEvents, KvCacheEvent};
+use crate::kvevents::events::{HashEvents, KvCacheEvent};
 use crate::retention::Refresh;
 
 /// Where a request was placed, and what the placement charged to that worker's load.

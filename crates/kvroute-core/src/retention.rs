@@ -69,7 +69,7 @@ use std::collections::HashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::engine::events::{HashEvents, KvCacheEvent};
+use crate::kvevents::events::{HashEvents, KvCacheEvent};
 use crate::index::KvIndex;
 use crate::placement::{Placed, Placement};
 use crate::policies::WorkerState;

@@ -20,7 +20,7 @@
 use std::collections::HashMap;
 
 use crate::admission::Admission;
-use crate::engine::events::{HashEvents, KvCacheEvent};
+use crate::kvevents::events::{HashEvents, KvCacheEvent};
 use crate::index::{KvIndex, WorkerId};
 use crate::placement::{Placed, Placement};
 use crate::policies::{Choose, RequestView, WorkerState};

@@ -760,7 +760,7 @@ mod tests {
     //! token formula rebuilt here).
     use super::*;
     use crate::blocks::DEFAULT_HASH_SEED;
-    use crate::engine::events::KvCacheEvent;
+    use crate::kvevents::events::KvCacheEvent;
 
     const GOLDEN: &str = include_str!("../../../tests/data/golden/sim_round_robin.txt");
     const SUFFIX_BASE: u64 = 1 << 40;

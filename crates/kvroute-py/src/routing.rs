@@ -5,7 +5,7 @@
 use std::time::Instant;
 
 use kvroute_core::blocks;
-use kvroute_core::engine::events::{BlockRemoved, BlockStored, KvCacheEvent};
+use kvroute_core::kvevents::events::{BlockRemoved, BlockStored, KvCacheEvent};
 use kvroute_core::index::{self, MemoryBound};
 use kvroute_core::policies::{self, Choose, KvAwareConfig, PrefixHashConfig};
 use kvroute_core::pyrandom::PyRandom;

@@ -21,7 +21,7 @@ use std::sync::Arc;
 
 use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
 use kvroute_core::engine::cost::CostModel;
-use kvroute_core::engine::events::EventBatch;
+use kvroute_core::kvevents::events::EventBatch;
 use kvroute_core::index::KvIndex;
 use kvroute_core::kvevents::codec::{self, WireFormat};
 use kvroute_core::policies::{Choose, KvAwareConfig, Policy, PrefixHashConfig, WorkerState};

@@ -22,14 +22,14 @@
 //!   request that computed it), and each is stored and later removed with its own event. A
 //!   lookup answers the oldest holder.
 //!
-//! Events are collected as data (`crate::engine::events`) when `emit_events` is on, for the
+//! Events are collected as data (`crate::kvevents::events`) when `emit_events` is on, for the
 //! engine to hand out per step: full [`KvCacheEvent`]s, or, for the simulator's own index
 //! ([`BlockPool::set_hash_events`]), the same events as [`HashEvents`] (hashes only).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::engine::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
+use crate::kvevents::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
 
 /// A KV block's id: its index in the pool.
 pub type BlockId = u32;

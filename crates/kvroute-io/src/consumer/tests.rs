@@ -10,7 +10,7 @@ use std::sync::atomic::AtomicBool;
 use std::thread;
 
 use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
-use kvroute_core::engine::events::{BlockStored, EventBatch, KvCacheEvent};
+use kvroute_core::kvevents::events::{BlockStored, EventBatch, KvCacheEvent};
 use kvroute_core::kvevents::codec::{WireFormat, encode_batch};
 
 use super::*;
