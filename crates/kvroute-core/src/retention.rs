@@ -32,7 +32,8 @@
 //! engine does) and counts running requests' blocks as freed, so it errs early: a refresh
 //! comes before the eviction, not after.
 //!
-//! Placement counts the model too ([`Retention::room_for`], used by [`RetainingPlacement`]
+//! Placement counts the model too ([`Retention::room_for`], used by the simulator's
+//! `crate::sim::placement::RetainingPlacement`
 //! and the live router): a prompt cached nowhere (its prefix new, or evicted everywhere) is
 //! sent to the worker that is home to the fewest prefix families, among those running at most
 //! `room_slack_requests` above the mean, so that a re-computed prefix lands where it displaces
@@ -69,11 +70,9 @@ use std::collections::HashMap;
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::kvevents::events::{HashEvents, KvCacheEvent};
 use crate::index::KvIndex;
-use crate::placement::{Placed, Placement};
 use crate::policies::WorkerState;
-use crate::routing::{RoutingStep, StepPlacement};
+use crate::routing::RoutingStep;
 
 /// When the router refreshes prefixes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
@@ -1107,135 +1106,6 @@ impl Retention {
             m.queue.take(k);
             m.queue.push_tail(Some(k), held);
         }
-    }
-}
-
-/// A routing step's placement with retention beside it: the simulator's hook. Every request
-/// is routed by the step (as [`StepPlacement`] does); before it is forwarded, the retention
-/// is asked which of the chosen worker's prefixes that request's new blocks would push out,
-/// and those refreshes are handed to the driver first ([`Placement::refreshes`]), so they
-/// reach a busy engine just ahead of the request and ride in its next step; and when a
-/// worker's last request finishes, it is asked again ([`Retention::poll_idle`]).
-pub struct RetainingPlacement<'a> {
-    /// The routing step, its index and policy.
-    pub placement: StepPlacement<'a>,
-    /// The retention state machine.
-    pub retention: &'a mut Retention,
-    pending: Vec<Refresh>,
-}
-
-impl<'a> RetainingPlacement<'a> {
-    /// `placement` with `retention` beside it.
-    pub fn new(placement: StepPlacement<'a>, retention: &'a mut Retention) -> Self {
-        Self {
-            placement,
-            retention,
-            pending: Vec::new(),
-        }
-    }
-}
-
-impl Placement for RetainingPlacement<'_> {
-    fn wants_events(&self) -> bool {
-        self.placement.wants_events()
-    }
-
-    fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
-        self.placement.place(block_hashes, prompt_tokens, now)
-    }
-
-    fn place_request(
-        &mut self,
-        block_hashes: &[u64],
-        prompt_head: &[u32],
-        prompt_tail: &[u32],
-        output_tokens: usize,
-        now: f64,
-    ) -> Placed {
-        // The model keeps prefix tokens for refresh prompts: the whole prompt, joined here
-        // (only with retention on; the simulator otherwise never copies a shared prefix).
-        let prompt = [prompt_head, prompt_tail].concat();
-        let prompt = prompt.as_slice();
-        let p = &mut self.placement;
-        let bs = self.retention.config().block_size;
-        let live = p.step.live_slots();
-        let r =
-            match self
-                .retention
-                .room_for(p.step, p.index.as_deref_mut(), live, block_hashes, now)
-            {
-                Some(worker) => p.step.route_to(
-                    p.index.as_deref_mut(),
-                    worker,
-                    block_hashes,
-                    prompt.len(),
-                    now,
-                ),
-                None => p.step.route(
-                    p.index.as_deref_mut(),
-                    p.policy,
-                    block_hashes,
-                    prompt.len(),
-                    None,
-                    now,
-                ),
-            };
-        let incoming = (prompt.len() + output_tokens)
-            .div_ceil(bs)
-            .saturating_sub(r.overlap);
-        self.retention.poll_step(
-            p.step,
-            p.index.as_deref_mut(),
-            r.worker,
-            incoming,
-            now,
-            &mut self.pending,
-        );
-        self.retention.routed(
-            r.worker,
-            block_hashes,
-            prompt,
-            r.overlap,
-            output_tokens,
-            now,
-        );
-        Placed {
-            worker: r.worker,
-            prefill_tokens: r.prefill_tokens,
-            ticket: r.ticket,
-        }
-    }
-
-    fn first_token(&mut self, placed: Placed) {
-        self.placement.first_token(placed);
-    }
-
-    fn finished(&mut self, placed: Placed, now: f64) {
-        self.placement.finished(placed, now);
-        let p = &mut self.placement;
-        self.retention.poll_idle(
-            p.step,
-            p.index.as_deref_mut(),
-            placed.worker,
-            now,
-            &mut self.pending,
-        );
-    }
-
-    fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
-        self.placement.apply_events(worker, events, now);
-    }
-
-    fn wants_hash_events(&self) -> bool {
-        self.placement.wants_hash_events()
-    }
-
-    fn apply_hash_events(&mut self, worker: usize, events: &HashEvents, now: f64) {
-        self.placement.apply_hash_events(worker, events, now);
-    }
-
-    fn refreshes(&mut self, _now: f64, out: &mut Vec<Refresh>) {
-        out.append(&mut self.pending);
     }
 }
 

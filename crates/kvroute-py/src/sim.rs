@@ -9,10 +9,8 @@ use kvroute_io::lock_index;
 use std::sync::Arc;
 
 use kvroute_core::engine::scheduler;
-use kvroute_core::placement::Placement;
 use kvroute_core::policies::Choose;
-use kvroute_core::retention::RetainingPlacement;
-use kvroute_core::routing::StepPlacement;
+use kvroute_core::sim::placement::{Placement, RetainingPlacement, StepPlacement};
 use kvroute_core::sim::{RequestSet, SimError, Simulation, WorkerConfig};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;

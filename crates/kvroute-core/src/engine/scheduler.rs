@@ -28,8 +28,8 @@ use std::sync::Arc;
 
 use crate::blocks::BlockHasher;
 use crate::engine::cost::CostModel;
-use crate::kvevents::events::{EventBatch, HashEvents};
 use crate::engine::pool::{BlockId, BlockPool, TokenSeq};
+use crate::kvevents::events::{EventBatch, HashEvents};
 
 /// A request's handle inside one engine, given by `Engine::add_request`. Handles of finished
 /// or aborted requests are reused.

@@ -33,8 +33,11 @@ use std::sync::Arc;
 use crate::blocks::BlockHasher;
 use crate::engine::cost::CostModel;
 use crate::engine::scheduler::{Engine, NewRequest, PrefixCacheStats, StepResult};
-use crate::placement::{Placed, Placement};
 use crate::retention::Refresh;
+
+pub mod placement;
+
+use placement::{Placed, Placement};
 
 /// One simulated worker's configuration (every worker has the same).
 #[derive(Clone, Debug)]
@@ -762,7 +765,7 @@ mod tests {
     use crate::blocks::DEFAULT_HASH_SEED;
     use crate::kvevents::events::KvCacheEvent;
 
-    const GOLDEN: &str = include_str!("../../../tests/data/golden/sim_round_robin.txt");
+    const GOLDEN: &str = include_str!("../../../../tests/data/golden/sim_round_robin.txt");
     const SUFFIX_BASE: u64 = 1 << 40;
 
     fn splitmix64(x: u64) -> u64 {
