@@ -12,9 +12,9 @@ use std::sync::Arc;
 
 use kvroute_core::blocks::{self, DEFAULT_HASH_SEED};
 use kvroute_core::engine::cost;
-use kvroute_core::kvevents::events::{EventBatch as CoreBatch, KvCacheEvent};
 use kvroute_core::engine::pool::{self, TokenSeq};
 use kvroute_core::engine::scheduler::{self, NewRequest, RequestKey, RequestSummary};
+use kvroute_core::kvevents::events::{EventBatch as CoreBatch, KvCacheEvent};
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};

@@ -7,8 +7,8 @@
 //! without creating one Python object per event: the router's index takes the
 //! [`NativeEventBatch`] it returns and reads [`NativeEventBatch::events`] in Rust.
 
-use kvroute_core::kvevents::events::{BlockRemoved, BlockStored, EventBatch, KvCacheEvent};
 use kvroute_core::kvevents::codec::{self, DecodedBatch, WireFormat};
+use kvroute_core::kvevents::events::{BlockRemoved, BlockStored, EventBatch, KvCacheEvent};
 use kvroute_core::kvevents::sequence::{self, Action};
 use pyo3::exceptions::{PyTypeError, PyValueError};
 use pyo3::prelude::*;

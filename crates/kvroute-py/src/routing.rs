@@ -5,8 +5,8 @@
 use std::time::Instant;
 
 use kvroute_core::blocks;
-use kvroute_core::kvevents::events::{BlockRemoved, BlockStored, KvCacheEvent};
 use kvroute_core::index::{self, MemoryBound};
+use kvroute_core::kvevents::events::{BlockRemoved, BlockStored, KvCacheEvent};
 use kvroute_core::policies::{self, Choose, KvAwareConfig, PrefixHashConfig};
 use kvroute_core::pyrandom::PyRandom;
 use kvroute_core::retention;

@@ -10,8 +10,8 @@ use std::sync::atomic::AtomicBool;
 use std::thread;
 
 use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
-use kvroute_core::kvevents::events::{BlockStored, EventBatch, KvCacheEvent};
 use kvroute_core::kvevents::codec::{WireFormat, encode_batch};
+use kvroute_core::kvevents::events::{BlockStored, EventBatch, KvCacheEvent};
 
 use super::*;
 use crate::zmtp::{Codec, Event, SocketType};
