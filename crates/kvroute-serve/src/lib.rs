@@ -28,6 +28,8 @@
 //!
 //! Pure decisions live apart from the I/O: [`prompt`] (body → prompt), [`fleet`] (membership,
 //! health, ejection and routing, fed outcomes and times), [`metrics`] (counters and their text).
+//! The answers every part writes (the response [`http::Body`], OpenAI-style errors) are
+//! [`http`]'s, a leaf the others import.
 
 pub mod capacity;
 pub mod chat;
@@ -35,6 +37,7 @@ pub mod config;
 pub mod connections;
 pub mod edge;
 pub mod fleet;
+pub mod http;
 pub mod metrics;
 pub mod prompt;
 pub mod relay;
