@@ -1,6 +1,7 @@
 //! The router's KV-event consumer: one thread owns every worker's sockets, follows each
-//! stream's sequence with the core's [`SequenceTracker`], decodes batches with the core's codec
-//! and applies them to the shared KV index, so no batch wakes Python.
+//! stream's sequence with the core's
+//! [`SequenceTracker`](kvroute_core::kvevents::sequence::SequenceTracker), decodes batches
+//! with the core's codec and applies them to the shared KV index, so no batch wakes Python.
 //!
 //! One message vLLM publishes is the multipart `[topic, seq (8 bytes, big-endian), payload]`
 //! on a PUB socket; its replay side is a ROUTER that answers a DEALER's `[b"", start seq]` with

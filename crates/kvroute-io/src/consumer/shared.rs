@@ -100,7 +100,7 @@ pub enum Item {
 /// An [`Item`] of one worker's stream.
 #[derive(Debug)]
 pub struct Notice {
-    /// The worker's name (as given to [`Consumer::add_worker`]).
+    /// The worker's name (as given to [`Consumer::add_worker`](super::Consumer::add_worker)).
     pub worker: String,
     /// What happened.
     pub item: Item,
