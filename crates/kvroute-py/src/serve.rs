@@ -6,6 +6,8 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use crate::index::PyKvIndex;
+use crate::retention::retention_stats_dict;
 use kvroute_core::retention::RetentionMode;
 use kvroute_serve::{EventSource, PolicySpec, ServeConfig, Server, WorkerSpec};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -278,9 +280,9 @@ impl NativeRouter {
 
     /// The index the routing step reads (a ``KvIndex`` sharing the router's).
     #[getter]
-    fn index(&self, py: Python<'_>) -> PyResult<crate::routing::PyKvIndex> {
+    fn index(&self, py: Python<'_>) -> PyResult<PyKvIndex> {
         let shared = self.with(Server::index)?;
-        crate::routing::PyKvIndex::from_shared(py, shared)
+        PyKvIndex::from_shared(py, shared)
     }
 
     /// Every worker's state: a list of dicts with ``name``, ``url``, ``ready``, ``healthy``, ``available``,
@@ -308,7 +310,7 @@ impl NativeRouter {
         let Some(stats) = self.with(Server::retention_stats)? else {
             return Ok(None);
         };
-        Ok(Some(crate::routing::retention_stats_dict(py, &stats)?))
+        Ok(Some(retention_stats_dict(py, &stats)?))
     }
 
     /// The request body limit (bytes): as given, else derived from the tokenizer.

@@ -17,7 +17,9 @@ use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::engine::{Engine, cost_of};
-use crate::routing::{ForeignPolicy, PyRetention, RoutingStep};
+use crate::policies::ForeignPolicy;
+use crate::retention::PyRetention;
+use crate::routing::RoutingStep;
 use crate::tokens::extract_tokens;
 use crate::trace::PromptTable;
 
