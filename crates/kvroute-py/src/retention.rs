@@ -234,5 +234,9 @@ pub fn retention_stats_dict<'py>(
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyRetention>()?;
+    let modes: Vec<&str> = retention::RetentionMode::ALL
+        .map(retention::RetentionMode::name)
+        .to_vec();
+    m.add("RETENTION_MODES", modes)?;
     Ok(())
 }

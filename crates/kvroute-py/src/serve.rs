@@ -190,16 +190,11 @@ impl NativeRouter {
         retention_capacity_blocks: usize,
         kv_capacity_blocks: Option<usize>,
     ) -> PyResult<Self> {
-        let retention = match retention.as_deref() {
-            None | Some("off") => None,
-            Some("on") => Some((RetentionMode::On, retention_capacity_blocks)),
-            Some("auto") => Some((RetentionMode::Auto, retention_capacity_blocks)),
-            Some(other) => {
-                return Err(PyValueError::new_err(format!(
-                    "retention {other:?}: off, on or auto"
-                )));
-            }
+        let mode = match retention.as_deref() {
+            None => RetentionMode::Off,
+            Some(name) => name.parse().map_err(PyValueError::new_err)?,
         };
+        let retention = (mode != RetentionMode::Off).then_some((mode, retention_capacity_blocks));
         let config = ServeConfig {
             host: host.clone(),
             port,

@@ -14,6 +14,10 @@ pub enum RetentionMode {
 }
 
 impl RetentionMode {
+    /// Every mode, in the order the CLI lists them (the one list of names: the Python side
+    /// takes it as `kvroute._native.RETENTION_MODES`).
+    pub const ALL: [Self; 3] = [Self::Off, Self::On, Self::Auto];
+
     /// The mode's name as the CLI spells it.
     pub fn name(self) -> &'static str {
         match self {
@@ -27,14 +31,17 @@ impl RetentionMode {
 impl std::str::FromStr for RetentionMode {
     type Err = String;
     fn from_str(s: &str) -> Result<Self, Self::Err> {
-        match s {
-            "off" => Ok(Self::Off),
-            "on" => Ok(Self::On),
-            "auto" => Ok(Self::Auto),
-            other => Err(format!(
-                "unknown retention mode {other:?}: use off, on or auto"
-            )),
-        }
+        Self::ALL
+            .into_iter()
+            .find(|m| m.name() == s)
+            .ok_or_else(|| {
+                let names = Self::ALL.map(Self::name);
+                let (last, rest) = names.split_last().expect("at least one mode");
+                format!(
+                    "unknown retention mode {s:?}: use {} or {last}",
+                    rest.join(", ")
+                )
+            })
     }
 }
 
@@ -131,5 +138,8 @@ mod tests {
         assert_eq!("auto".parse::<RetentionMode>(), Ok(RetentionMode::Auto));
         assert!("sometimes".parse::<RetentionMode>().is_err());
         assert_eq!(RetentionMode::On.name(), "on");
+        for mode in RetentionMode::ALL {
+            assert_eq!(mode.name().parse::<RetentionMode>(), Ok(mode));
+        }
     }
 }
