@@ -30,6 +30,7 @@ from kvroute import _native
 from kvroute.blocks import BlockHasher, as_token_array
 from kvroute.engine import CostModel, Engine, PrefixCacheStats
 from kvroute.errors import UserError
+from kvroute.proxy.config import default_retention
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
 from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
@@ -312,15 +313,24 @@ def run_point(
     return result
 
 
+def retention_modes(policy: str, retention: Iterable[str] | None) -> list[str]:
+    """The retention modes to simulate ``policy`` with: ``retention`` as given, or (None) what
+    ``kvroute serve`` runs with that policy (:func:`kvroute.proxy.config.default_retention`),
+    so that a plain simulation predicts the router as shipped."""
+    return [default_retention(policy)] if retention is None else list(retention)
+
+
 def sweep_points(
     workers: Iterable[int], prefixes: Iterable[int], concurrency: Iterable[int], policies: Iterable[str],
-    retention: Iterable[str] = ("off",),
+    retention: Iterable[str] | None = None,
 ) -> list[SweepPoint]:
-    retention = list(retention)
+    """Every (policy, retention, workers, prefixes, concurrency) point; ``retention`` None
+    gives each policy ``kvroute serve``'s mode for it (see :func:`retention_modes`)."""
+    retention = None if retention is None else list(retention)
     return [
         SweepPoint(w, k, c, p, r)
         for p in policies
-        for r in retention
+        for r in retention_modes(p, retention)
         for w in workers
         for k in prefixes
         for c in concurrency

@@ -23,7 +23,7 @@ from kvroute.errors import UserError
 from kvroute.plotting import pyplot
 from kvroute.records import Point, busiest_share, write_points_json
 from kvroute.report import output_console
-from kvroute.sim import WorkerConfig
+from kvroute.sim import WorkerConfig, retention_modes
 from kvroute.trace import load_trace
 from kvroute.trace.simulate import simulate_trace, trace_inputs, trace_policy
 from kvroute.workload import parse_int_list
@@ -43,7 +43,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict], kv_geometry,
-        retention: tuple[str, ...] = ("off",)) -> int:
+        retention: list[str] | None = None) -> int:
     if args.time_scale <= 0:
         raise UserError("--time-scale must be > 0")
     workers = parse_int_list(args.workers or "8", "--workers")
@@ -64,8 +64,9 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
     report_points: list[Point] = []
     samples: dict[tuple[int, int, int, str], PointSamples] = {}
     timelines: Timelines = {}
-    # (workers, policy, retention mode) per replay; a mode other than off names the row.
-    jobs = [(w, base, mode) for w in workers for base in policies for mode in retention]
+    # (workers, policy, retention mode) per replay; a mode other than off names the row. No
+    # mode given: each policy's as kvroute serve runs it.
+    jobs = [(w, base, mode) for w in workers for base in policies for mode in retention_modes(base, retention)]
     with console.status(f"simulating {len(jobs)} replays…"):
         inputs = trace_inputs(trace, args.max_model_len, args.time_scale)
         runs = {job: trace_policy(job[1], args.seed, block_size, options[job[1]]) for job in jobs}
