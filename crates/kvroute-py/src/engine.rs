@@ -71,6 +71,13 @@ fn cost_scaled(cost: &Bound<'_, PyAny>, factor: f64) -> PyResult<CostFields> {
     Ok(cost_fields(m))
 }
 
+/// The blocks of a pool of ``num_blocks`` that can hold KV: all but vLLM's null block
+/// (``kvroute_core::engine::pool::usable_blocks``).
+#[pyfunction]
+fn usable_blocks(num_blocks: usize) -> usize {
+    pool::usable_blocks(num_blocks)
+}
+
 /// The fields of every timing preset, in listing order.
 #[pyfunction]
 fn cost_presets() -> Vec<CostFields> {
@@ -859,5 +866,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cost_step_time, m)?)?;
     m.add_function(wrap_pyfunction!(cost_scaled, m)?)?;
     m.add_function(wrap_pyfunction!(cost_presets, m)?)?;
+    m.add_function(wrap_pyfunction!(usable_blocks, m)?)?;
+    m.add("NULL_BLOCK", pool::NULL_BLOCK)?;
     Ok(())
 }

@@ -19,6 +19,7 @@ from rich.table import Table
 from kvroute.bench.files import PointSamples, Timelines, write_plots
 from kvroute.commands._common import add_trace_window_arguments
 from kvroute.engine import get_preset
+from kvroute.engine.pool import usable_blocks
 from kvroute.errors import UserError
 from kvroute.plotting import pyplot
 from kvroute.records import Point, busiest_share, write_points_json
@@ -53,8 +54,9 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
     if not len(trace):
         raise UserError(f"{args.trace}: no request in the selected window")
     console = output_console()
-    table = Table(title=f"{args.trace.name}: {len(trace)} requests, {num_blocks - 1} KV blocks of "
-                        f"{block_size} per worker ({(num_blocks - 1) * block_size:,} tokens), "
+    usable = usable_blocks(num_blocks)
+    table = Table(title=f"{args.trace.name}: {len(trace)} requests, {usable} KV blocks of "
+                        f"{block_size} per worker ({usable * block_size:,} tokens), "
                         f"timing {args.timing}, time scale {args.time_scale:g}",
                   box=box.SIMPLE_HEAVY)
     for column in ("W", "policy", "simulated", "refused", "request hit", "token hit",

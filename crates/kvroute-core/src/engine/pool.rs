@@ -37,6 +37,13 @@ pub type BlockId = u32;
 /// The reserved null block.
 pub const NULL_BLOCK: BlockId = 0;
 
+/// The blocks of a pool of `num_blocks` that can hold KV: all but the null block. The one
+/// owner of that rule: the router counts a worker's `num_gpu_blocks` by it, and the Python side
+/// takes it as `kvroute._native.usable_blocks`.
+pub const fn usable_blocks(num_blocks: usize) -> usize {
+    num_blocks.saturating_sub(1)
+}
+
 /// End of the free queue's links, and an empty slot of the hash table.
 const NIL: u32 = u32::MAX;
 
@@ -431,7 +438,7 @@ impl BlockPool {
     /// Fraction of usable blocks held by requests (vLLM's `kv_cache_usage_perc`): cached but
     /// free blocks do not count, so an idle worker reads 0 even with a full cache.
     pub fn usage(&self) -> f64 {
-        1.0 - self.num_free as f64 / (self.num_blocks - 1) as f64
+        1.0 - self.num_free as f64 / usable_blocks(self.num_blocks) as f64
     }
 
     /// The oldest block holding `block_hash`, if any.
@@ -697,7 +704,7 @@ impl BlockPool {
     /// Forget every cached hash, as `/reset_prefix_cache` does. Like vLLM, refuses (returns
     /// false) while any request holds blocks.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        if self.num_free != self.num_blocks - 1 {
+        if self.num_free != usable_blocks(self.num_blocks) {
             return false;
         }
         self.cached.clear();
