@@ -5,8 +5,7 @@
 //! worker's), ask the policy, record the decision in the index as predicted entries, and
 //! charge the chosen worker's load: one request in flight, and the prompt tokens it still
 //! has to prefill after the overlap the index credits it with (at least one) until its first
-//! token. Before this module the step was written twice (the simulator around its policy
-//! call, the proxy in `_choose`), and the two drifted; now there is nothing to drift.
+//! token. One step for both, so the simulator's prediction and the router cannot drift apart.
 //!
 //! Workers are slots: [`RoutingStep::add_worker`] gives a worker (by name) a slot that stays
 //! its own until [`RoutingStep::remove_worker`]; a worker that comes back gets a fresh slot,

@@ -82,9 +82,8 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
 
         # The replays are independent trials and each runs natively without the interpreter
         # lock: side by side, one per core. The slowest start first (a policy that reads the
-        # KV index takes in every engine's events: kv-aware took ~4x random's time on the
-        # conversation trace), so that the others fill the remaining cores meanwhile instead
-        # of delaying it.
+        # KV index takes in every engine's events, several times the work), so that the others
+        # fill the remaining cores meanwhile instead of delaying it.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         order = sorted(jobs, key=lambda job: (not runs[job].needs_overlap, -job[0]))
         with ThreadPoolExecutor(max_workers=max(1, min(cores, len(jobs)))) as pool:

@@ -109,12 +109,9 @@ impl BlockMeta {
 ///
 /// A pool caches at most one hash per block, so the table never holds more than `num_blocks`
 /// entries and is sized once: no rehash ever. A miss evicts ~150 hashes and caches ~150
-/// others, and those table operations were most of a 64-worker simulation's time, paid in
+/// others, and those table operations are most of a 64-worker simulation's time, paid in
 /// probe runs (a longer run is more slots read and more mispredicted exits) more than in
-/// bytes: measured on it (`examples/sim_speed.rs`, alternating runs on one loaded core), 16-
-/// byte slots at most 1/3 full had taken ~15% off the general-purpose map (2/3 full gained
-/// nothing); 8-byte slots in the same bytes, at most 1/6 full, took ~15% more; at most 1/12
-/// full, nothing more; at most 2/3 full, they lost 25%.
+/// bytes: hence 8-byte slots kept at most 1/6 full (`examples/sim_speed.rs` times it).
 #[derive(Clone, Debug)]
 struct HashTable {
     /// (fingerprint, block); `block == NIL` is an empty slot.

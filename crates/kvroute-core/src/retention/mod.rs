@@ -41,7 +41,7 @@
 //! the least.
 //! Left to the policy it goes to the least loaded worker, which may already keep its share
 //! of prefixes: the new copy evicts one of them, whose next request misses and is re-placed
-//! in turn, a cascade that held the reference workload at c = 16 under 0.95.
+//! in turn, a cascade.
 //!
 //! When a refresh goes matters as much as which: an engine steps as soon as anything
 //! arrives, so a refresh written ahead of a request to an *idle* worker makes a step of its

@@ -243,9 +243,8 @@ pub struct Simulation<'p> {
     arrivals: Vec<Option<(Sent, NewRequest)>>,
     free_arrivals: Vec<usize>,
     /// Per worker, its step in flight (reused from step to step; None only while taken out).
-    /// Boxed, so that taking it out for a step moves a pointer: moving the ~250-byte result
-    /// out and back twice a step was 2% of a 64-worker simulation (`perf`: memcpy under
-    /// `start_step`).
+    /// Boxed, so that taking it out for a step moves a pointer, not the ~250-byte result
+    /// (twice a step, every step).
     in_step: Vec<Option<Box<StepResult>>>,
     /// Per worker, the send records of its step in flight's outputs (aligned with them).
     step_sents: Vec<Vec<Sent>>,

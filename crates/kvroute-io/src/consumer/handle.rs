@@ -35,8 +35,8 @@ impl Consumer {
     ///
     /// `coalesce`: after a turn that took messages (and left none waiting), the thread sleeps
     /// this long before polling again, so the batches of several engine steps are taken in
-    /// one wake-up. Waking costs ~20 µs of CPU on a shared 2-core VM against ~2 µs to decode
-    /// and apply a batch; a couple of milliseconds more before the index has a batch matters
+    /// one wake-up. Waking costs about ten times the CPU of decoding and applying a batch; a
+    /// couple of milliseconds more before the index has a batch matters
     /// little beside an engine step (and the predicted entries bridge it). Zero: poll again
     /// at once.
     pub fn start(index: Option<SharedIndex>, coalesce: Duration) -> io::Result<Self> {

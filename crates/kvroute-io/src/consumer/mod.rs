@@ -20,15 +20,14 @@
 //!
 //! The thread speaks ZeroMQ's wire protocol itself ([`crate::zmtp`], ZMTP 3.0 with the NULL
 //! mechanism) over non-blocking TCP and Unix sockets, as a SUB towards the engine's PUB and a
-//! DEALER towards its replay ROUTER: there is no libzmq I/O thread, which woke once per TCP
-//! segment (one per batch: ~17 µs of CPU each on a shared VM, more than decoding and applying
-//! it). The thread blocks in `poll` while every stream is idle; once batches come it takes
+//! DEALER towards its replay ROUTER: there is no libzmq I/O thread, which wakes once per TCP
+//! segment (one per batch, costing more CPU than decoding and applying it). The thread blocks in `poll` while every stream is idle; once batches come it takes
 //! what every socket holds, applies all of it under one lock of the index, and then sleeps
 //! the gathering window (`coalesce`) before it looks again, so a busy fleet costs one wake-up
-//! per window, not one per batch. That wake-up is the floor of the thread's cost (a bare 2 ms
-//! sleep costs ~18 µs of CPU on the shared VM, see `bench_wake_floor`), so a gathering turn
+//! per window, not one per batch. That wake-up is the floor of the thread's cost
+//! (`benchmarks/kv_events_consume.py` measures it), so a gathering turn
 //! whose streams are all in traffic skips the poll and reads each connection at once. What
-//! libzmq did for the old consumer it does too: connect without blocking and reconnect,
+//! libzmq does for a consumer it does too: connect without blocking and reconnect,
 //! backing off (an engine that dies or restarts is followed again when it is back; the
 //! tracker sees the restart or the gap), bind and accept several publishers (`bind`), and
 //! bound its memory (a message over [`MAX_MESSAGE`] bytes or a framing error is counted as
