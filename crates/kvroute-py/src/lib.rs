@@ -39,6 +39,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     kvevents::register(m)?;
     consumer::register(m)?;
     sim::register(m)?;
+    tokens::register(m)?;
     trace::register(m)?;
     #[cfg(feature = "bench")]
     bench::register(m)?;
