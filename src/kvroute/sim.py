@@ -323,10 +323,11 @@ def retention_modes(policy: str, retention: Iterable[str] | None) -> list[str]:
 
 def sweep_points(
     workers: Iterable[int], prefixes: Iterable[int], concurrency: Iterable[int], policies: Iterable[str],
-    retention: Iterable[str] | None = None,
+    retention: Iterable[str] | None = ("off",),
 ) -> list[SweepPoint]:
     """Every (policy, retention, workers, prefixes, concurrency) point; ``retention`` None
-    gives each policy ``kvroute serve``'s mode for it (see :func:`retention_modes`)."""
+    gives each policy ``kvroute serve``'s mode for it (see :func:`retention_modes`), as
+    ``kvroute sim`` does without ``--retention``."""
     retention = None if retention is None else list(retention)
     return [
         SweepPoint(w, k, c, p, r)
