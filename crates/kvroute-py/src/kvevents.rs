@@ -7,7 +7,6 @@
 //! without creating one Python object per event: the router's index takes the
 //! [`NativeEventBatch`] it returns and reads [`NativeEventBatch::events`] in Rust.
 
-use crate::events::{event_from_py, event_to_py};
 use kvroute_core::kvevents::codec::{self, DecodedBatch, WireFormat};
 use kvroute_core::kvevents::events::{EventBatch, KvCacheEvent};
 use kvroute_core::kvevents::sequence::{self, Action};
@@ -15,6 +14,8 @@ use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::sync::PyOnceLock;
 use pyo3::types::{PyBytes, PyList, PyType};
+
+use crate::events::{events_from_py, events_to_py};
 
 /// The Python classes the codec builds and raises, imported on first use (they live in modules
 /// that import this one).
@@ -31,12 +32,11 @@ fn decode_error(py: Python<'_>, error: codec::DecodeError) -> PyErr {
 }
 
 fn batch_to_py(py: Python<'_>, batch: &DecodedBatch) -> PyResult<Py<PyAny>> {
-    let events: PyResult<Vec<_>> = batch.events.iter().map(|e| event_to_py(py, e)).collect();
     Ok(DECODED_BATCH
         .import(py, WIRE, "DecodedBatch")?
         .call1((
             batch.ts,
-            PyList::new(py, events?)?,
+            events_to_py(py, &batch.events)?,
             batch.data_parallel_rank,
             batch.unknown_events,
         ))?
@@ -61,14 +61,9 @@ fn encode_batch<'py>(
     wire_format: &str,
 ) -> PyResult<Bound<'py, PyBytes>> {
     let format = self::wire_format(wire_format)?;
-    let events: PyResult<Vec<_>> = batch
-        .getattr("events")?
-        .try_iter()?
-        .map(|e| event_from_py(py, &e?))
-        .collect();
     let batch = EventBatch {
         ts: batch.getattr("ts")?.extract()?,
-        events: events?,
+        events: events_from_py(py, &batch.getattr("events")?)?,
         data_parallel_rank: batch.getattr("data_parallel_rank")?.extract()?,
     };
     Ok(PyBytes::new(py, &codec::encode_batch(&batch, format)))
@@ -130,13 +125,7 @@ impl NativeEventBatch {
     /// The events as ``kvroute.engine.events`` objects (built on each call).
     #[getter(events)]
     fn py_events(&self, py: Python<'_>) -> PyResult<Py<PyList>> {
-        let events: PyResult<Vec<_>> = self
-            .batch
-            .events
-            .iter()
-            .map(|e| event_to_py(py, e))
-            .collect();
-        Ok(PyList::new(py, events?)?.unbind())
+        Ok(events_to_py(py, &self.batch.events)?.unbind())
     }
 
     /// The same batch as a ``kvroute.kvevents.wire.DecodedBatch``.

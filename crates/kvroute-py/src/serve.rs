@@ -6,13 +6,14 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use crate::index::PyKvIndex;
-use crate::retention::retention_stats_dict;
 use kvroute_core::retention::RetentionMode;
 use kvroute_serve::{EventSource, PolicySpec, ServeConfig, Server, WorkerSpec};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+
+use crate::index::PyKvIndex;
+use crate::retention::retention_stats_dict;
 
 fn seconds(value: f64, name: &str) -> PyResult<Duration> {
     Duration::try_from_secs_f64(value)
