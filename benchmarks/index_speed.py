@@ -3,7 +3,8 @@
 Goals (issue 15, the native core): >= 20,000,000 block events/s ingested on the native path,
 and <= 3 µs to look up a 150-block prompt over 64 workers.
 
-Native figures (``kvroute._native.bench_index_ingest`` / ``bench_index_lookup``): the events
+Native figures (``kvroute._native.bench_index_ingest`` / ``bench_index_lookup``, built in with
+the cargo feature ``bench``: ``MATURIN_PEP517_ARGS="--features bench" pip install -e .``): the events
 are built in Rust, a worker's at a time just before they are applied, and only ``KvIndex::apply`` / ``overlaps_into`` are timed, as the
 router's native event decoder feeds the index without a Python object per event. The figures
 through Python (Python event dataclasses converted per event, a list of hashes and names per
@@ -30,11 +31,12 @@ from __future__ import annotations
 import argparse
 import os
 import random
+import sys
 import time
 
 import numpy as np
 
-from kvroute._native import bench_index_ingest, bench_index_lookup
+from kvroute import _native
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import BlockRemoved, BlockStored
 from kvroute.routing.index import KvIndex
@@ -149,6 +151,9 @@ def main() -> None:
     parser.add_argument("--prompts-per-worker", type=int, default=60)
     parser.add_argument("--repeat", type=int, default=2000)
     args = parser.parse_args()
+    if not hasattr(_native, "bench_index_ingest"):
+        sys.exit("benchmarks/index_speed.py: the native timings are built only with the cargo feature "
+                 "`bench`: MATURIN_PEP517_ARGS=\"--features bench\" pip install --no-build-isolation -e .")
     if hasattr(os, "sched_setaffinity"):
         os.sched_setaffinity(0, {min(os.sched_getaffinity(0))})
     random.seed(0)
@@ -156,13 +161,13 @@ def main() -> None:
                                     ("16-block events, memory bound 20,000 blocks", 16, 20_000)):
         best = 0.0
         for _ in range(7):  # best of 7: the machine may be shared
-            n, seconds, evicted = bench_index_ingest(WORKERS, 40, 150, per_event, bound)
+            n, seconds, evicted = _native.bench_index_ingest(WORKERS, 40, 150, per_event, bound)
             best = max(best, n / seconds)
         assert (evicted > 0) == (bound is not None)
         print(f"native ingest, {label}: {best:,.0f} block events/s "
               f"({n:,} block events over {WORKERS} workers; goal >= 20,000,000)")
     c0 = time.thread_time()
-    per = min(bench_index_lookup(WORKERS, 150, 100_000) for _ in range(3))
+    per = min(_native.bench_index_lookup(WORKERS, 150, 100_000) for _ in range(3))
     per_cpu = (time.thread_time() - c0) / 300_000
     print(f"native lookup, 150-block prompt over {WORKERS} workers, worst case: {per * 1e6:.2f} µs wall, "
           f"{per_cpu * 1e6:.2f} µs CPU incl. set-up (goal <= 3)")

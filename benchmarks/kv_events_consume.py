@@ -63,7 +63,8 @@ import numpy as np
 import uvloop
 import zmq
 
-from kvroute._native import EVENTS_COALESCE_S, KvEventConsumer, SequenceTracker, bench_wake_floor
+from kvroute import _native
+from kvroute._native import EVENTS_COALESCE_S, KvEventConsumer, SequenceTracker
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import BlockRemoved, BlockStored, EventBatch
 from kvroute.fleet import free_ports
@@ -200,6 +201,9 @@ def main() -> None:
                         help="the native consumer's gathering window in seconds (default: the router's, %(default)s)")
     parser.add_argument("--publish", type=int, default=None, help=argparse.SUPPRESS)  # the child's port
     args = parser.parse_args()
+    if not hasattr(_native, "bench_wake_floor"):
+        sys.exit("benchmarks/kv_events_consume.py: its floor is built only with the cargo feature `bench`: "
+                 "MATURIN_PEP517_ARGS=\"--features bench\" pip install --no-build-isolation -e .")
     if args.publish is not None:
         publish(args.publish, args.rate, args.batches, args.blocks)
         return
@@ -229,7 +233,7 @@ def main() -> None:
     for way, values in figures.items():
         print(f"  {way:7s} {statistics.median(values):6.1f} µs CPU per batch ({min(values):.1f}-{max(values):.1f})")
     print(f"  native's consumer thread alone {statistics.median(thread_figures):.1f} µs")
-    floor = [bench_wake_floor(args.rate, args.batches, len(payloads(args.blocks, 1)[0]), args.coalesce)
+    floor = [_native.bench_wake_floor(args.rate, args.batches, len(payloads(args.blocks, 1)[0]), args.coalesce)
              for _ in range(args.rounds)]
     print(f"  floor: a bare native thread sleeping the window and reading one TCP socket "
           f"{statistics.median(f for f, _ in floor) * 1e6:.1f} µs CPU per batch "

@@ -322,7 +322,18 @@ def test_sim_cli_runs_kv_aware(tmp_path):
                "--load-factor", "1.5", "--json", str(out)])
     assert rc == 0
     points = {p["policy"]: p for p in json.loads(out.read_text())["points"]}
-    assert points["kv-aware"]["request_hit_rate"] > points["random"]["request_hit_rate"] + 0.3
+    # With no --retention each policy runs as kvroute serve runs it: kv-aware with retention auto.
+    assert set(points) == {"random", "kv-aware+retain-auto"}
+    assert points["kv-aware+retain-auto"]["request_hit_rate"] > points["random"]["request_hit_rate"] + 0.3
+
+
+def test_sim_cli_retention_off_is_one_flag_away(tmp_path):
+    out = tmp_path / "kv.json"
+    rc = main(["sim", "-W", "6", "-K", "7", "-c", "8", "--trials", "1", "--policy", "kv-aware",
+               "--retention", "off", "--json", str(out)])
+    assert rc == 0
+    points = json.loads(out.read_text())["points"]
+    assert [p["policy"] for p in points] == ["kv-aware"]
 
 
 def test_sim_cli_gives_each_policy_option_to_the_policies_that_take_it(tmp_path):
@@ -331,8 +342,9 @@ def test_sim_cli_gives_each_policy_option_to_the_policies_that_take_it(tmp_path)
     runs as before."""
     def hit_rates(*flags: str) -> dict[str, float]:
         out = tmp_path / "points.json"
+        # Placement alone (--retention off): retention would place uncached prompts itself.
         assert main(["sim", "-W", "6", "-K", "7", "-c", "8", "--trials", "1", "--policy", "random,kv-aware",
-                     *flags, "--json", str(out)]) == 0
+                     "--retention", "off", *flags, "--json", str(out)]) == 0
         return {p["policy"]: p["request_hit_rate"] for p in json.loads(out.read_text())["points"]}
 
     default, blind = hit_rates(), hit_rates("--policy-option", "overlap-weight=0")

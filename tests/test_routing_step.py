@@ -41,3 +41,21 @@ def test_candidates_and_leaving_workers():
     assert step.add_worker("b") not in (a, b, c)  # back with a fresh slot: no stale load
     with pytest.raises(ValueError):
         step.route([], 5, 0.0, [])
+
+
+def test_the_journal_keeps_every_field_of_the_events_it_was_given():
+    """The step takes events from Python through the codec's lossless conversion: LoRA ids,
+    names and ``extra_keys`` (a tuple per block, as vLLM types them) come back out of the
+    journal as they went in."""
+    from kvroute.engine.events import BlockRemoved, BlockStored
+
+    hasher = BlockHasher(4)
+    step = RoutingStep(make_policy("kv-aware"), KvIndex(hasher), 4)
+    step.add_worker("a")
+    step.start_journal()
+    tokens = list(range(8))
+    stored = BlockStored(hasher.hash_blocks(tokens), None, tokens, 4, lora_id=7, lora_name="ada",
+                         extra_keys=[("salt", 3), None], group_idx=1)
+    events = [stored, BlockRemoved([stored.block_hashes[1]], medium="CPU")]
+    step.apply(0, events, 0.0)
+    assert step.journal() == [("events", 0, events, 0.0)]

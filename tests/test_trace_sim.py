@@ -60,11 +60,13 @@ def test_sim_cli_trace_writes_json_and_bad_flags_are_one_line(tmp_path, capsys):
     assert main(["sim", "--trace", str(path), "-W", "2", "--policy", "random,kv-aware",
                  "--kv-capacity-tokens", "64K", "--json", str(out), "--out", str(folder)]) == 0
     points = {p["policy"]: p for p in json.loads(out.read_text())["points"]}
-    assert set(points) == {"random", "kv-aware"} and points["kv-aware"]["requests"] == 30
-    assert points["kv-aware"]["token_hit_rate"] >= points["random"]["token_hit_rate"]
+    # No --retention: each policy as kvroute serve runs it (kv-aware with retention auto).
+    kv = "kv-aware+retain-auto"
+    assert set(points) == {"random", kv} and points[kv]["requests"] == 30
+    assert points[kv]["token_hit_rate"] >= points["random"]["token_hit_rate"]
     # The folder: the points in the bench's summary contract, and the replay's plots.
     summary = json.loads((folder / "summary.json").read_text())
-    assert {p["policy"] for p in summary["points"]} == {"random", "kv-aware"}
+    assert {p["policy"] for p in summary["points"]} == {"random", kv}
     assert summary["meta"]["command"] == "sim --trace"
     for png in ("hit_rate_over_time.png", "worker_load_over_time.png", "ttft_cdf.png"):
         assert (folder / png).read_bytes()[:4] == b"\x89PNG"

@@ -53,6 +53,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+# Blocks that can hold KV: all but vLLM's null block (the engine model's rule, re-exported).
+from kvroute.engine.pool import usable_blocks
+
 #: Bytes per KV element by dtype name (vLLM's ``--dtype`` / ``--kv-cache-dtype`` spellings).
 DTYPE_BYTES: dict[str, int] = {
     "bfloat16": 2,
@@ -151,11 +154,6 @@ def num_kv_blocks(kv_cache_memory_bytes: int, kv_bytes_per_token: int, block_siz
     if kv_bytes_per_token < 1 or block_size < 1:
         raise ValueError("bytes per token and block size must be >= 1")
     return kv_cache_memory_bytes // (block_size * kv_bytes_per_token)
-
-
-def usable_blocks(num_blocks: int) -> int:
-    """Blocks that can hold KV: all but vLLM's null block (block 0)."""
-    return max(num_blocks - 1, 0)
 
 
 # -- workload ----------------------------------------------------------------------------

@@ -29,7 +29,9 @@ import numpy as np
 from kvroute import _native
 from kvroute.blocks import BlockHasher, as_token_array
 from kvroute.engine import CostModel, Engine, PrefixCacheStats
+from kvroute.engine.pool import usable_blocks
 from kvroute.errors import UserError
+from kvroute.proxy.config import default_retention
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
 from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
@@ -51,10 +53,10 @@ class WorkerConfig:
         (vLLM refuses to start with such a max-model-len); say so instead."""
         longest = max(r.prompt_tokens for r in workload.warmup + workload.requests)
         need = -(-(longest + workload.spec.output_tokens) // self.block_size)
-        if need > self.num_blocks - 1:
+        if need > usable_blocks(self.num_blocks):
             raise UserError(
                 f"a request of {longest} + {workload.spec.output_tokens} tokens needs {need} KV "
-                f"blocks but a worker has only {self.num_blocks - 1}: give workers more KV memory"
+                f"blocks but a worker has only {usable_blocks(self.num_blocks)}: give workers more KV memory"
             )
 
 
@@ -125,7 +127,7 @@ class Simulation:
         ]
         #: The routing step (the live router's): its slots are the workers' indices. It keeps
         #: the KV-admission model (each worker's usable blocks) for a policy that reads it.
-        self.routing = RoutingStep(policy, index, config.block_size, config.num_blocks - 1)
+        self.routing = RoutingStep(policy, index, config.block_size, usable_blocks(config.num_blocks))
         self.names = [f"worker-{i}" for i in range(workers)]
         for name in self.names:
             self.routing.add_worker(name)
@@ -133,7 +135,7 @@ class Simulation:
         #: The retention state machine (None when off).
         self.retention = (
             None if retention == "off"
-            else _native.Retention(retention, config.block_size, config.num_blocks - 1)
+            else _native.Retention(retention, config.block_size, usable_blocks(config.num_blocks))
         )
         #: Refreshes sent so far: requests, prompt tokens computed, engine seconds added.
         self.refresh_stats = {"requests": 0, "computed_tokens": 0, "engine_s": 0.0}
@@ -315,15 +317,25 @@ def run_point(
     return result
 
 
+def retention_modes(policy: str, retention: Iterable[str] | None) -> list[str]:
+    """The retention modes to simulate ``policy`` with: ``retention`` as given, or (None) what
+    ``kvroute serve`` runs with that policy (:func:`kvroute.proxy.config.default_retention`),
+    so that a plain simulation predicts the router as shipped."""
+    return [default_retention(policy)] if retention is None else list(retention)
+
+
 def sweep_points(
     workers: Iterable[int], prefixes: Iterable[int], concurrency: Iterable[int], policies: Iterable[str],
-    retention: Iterable[str] = ("off",),
+    retention: Iterable[str] | None = ("off",),
 ) -> list[SweepPoint]:
-    retention = list(retention)
+    """Every (policy, retention, workers, prefixes, concurrency) point; ``retention`` None
+    gives each policy ``kvroute serve``'s mode for it (see :func:`retention_modes`), as
+    ``kvroute sim`` does without ``--retention``."""
+    retention = None if retention is None else list(retention)
     return [
         SweepPoint(w, k, c, p, r)
         for p in policies
-        for r in retention
+        for r in retention_modes(p, retention)
         for w in workers
         for k in prefixes
         for c in concurrency

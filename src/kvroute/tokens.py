@@ -28,7 +28,6 @@ benchmark build text prompts of exact token lengths.
 from __future__ import annotations
 
 import json
-import re
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,8 +35,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 import tokenizers
-import xxhash
 
+from kvroute import _native
 from kvroute._native import ChatTemplate
 from kvroute.errors import UserError
 
@@ -89,29 +88,22 @@ class Tokenizer(Protocol):
         ...
 
 
-#: The first line of a system text that Claude Code writes and vLLM drops (its value changes on
-#: every request; ``vllm/renderers/chat_utils.py::_strip_claude_code_billing_header``).
-BILLING_HEADER = "x-anthropic-billing-header"
+def message_text(role: str, content: str | list | None) -> str | None:
+    """A message's content as the one string vLLM's "string" content format hands a template:
+    the text parts joined by newlines, empty ones skipped, a system text's Claude Code
+    billing-header line dropped (``vllm/renderers/chat_utils.py``); None when a part is not
+    text. The rule is ``kvroute_serve::chat::content_text``, the router's own.
 
-
-def join_text_parts(role: str, texts: list[str]) -> str:
-    """A message's text parts as the one string vLLM's "string" content format passes a
-    template: a system text's billing-header line dropped, empty parts skipped, the rest
-    joined by newlines (a string content is one part)."""
-    kept = []
-    for text in texts:
-        if role == "system" and text.startswith(BILLING_HEADER):
-            text = text.partition("\n")[2]
-        if text:
-            kept.append(text)
-    return "\n".join(kept)
+    Raises:
+        ValueError: a string with a lone surrogate.
+    """
+    return _native.message_text(role, content)
 
 
 def flatten_message_content(messages: list[dict]) -> list[dict]:
-    """Messages with their content as plain strings, as vLLM does (:func:`join_text_parts`).
-
-    vLLM passes a template that reads ``message['content']`` as a string (its "string" content
-    format, which ChatML and Qwen templates are detected as) the text parts joined by newlines.
+    """Messages with their content as plain strings, as vLLM passes a template that reads
+    ``message['content']`` as a string (its "string" content format, which ChatML and Qwen
+    templates are detected as): :func:`message_text`.
 
     Raises:
         UserError: for a content part that is not text (this tokenizer layer is text-only).
@@ -119,21 +111,15 @@ def flatten_message_content(messages: list[dict]) -> list[dict]:
     flat = []
     for message in messages:
         content = message.get("content")
-        texts = [content] if isinstance(content, str) else []
-        if isinstance(content, list):
-            for part in content:
-                if not isinstance(part, dict) or part.get("type") != "text":
-                    kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-                    raise UserError(f"unsupported chat content part {kind!r}: only text parts")
-                texts.append(part["text"])
         if isinstance(content, (str, list)):
-            message = {**message, "content": join_text_parts(message.get("role", ""), texts)}
+            text = message_text(message.get("role", ""), content)
+            if text is None:
+                part = next(p for p in content if not isinstance(p, dict) or p.get("type") != "text")
+                kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+                raise UserError(f"unsupported chat content part {kind!r}: only text parts")
+            message = {**message, "content": text}
         flat.append(message)
     return flat
-
-
-#: Syllables of the synthetic tokenizer's pseudo-words: consonant + vowel, always two letters.
-_SYNTHETIC_SYLLABLES = tuple(c + v for c in "bdfgklmnprstvz" for v in "aeiou")
 
 
 class SyntheticTokenizer:
@@ -142,81 +128,37 @@ class SyntheticTokenizer:
     Ids ``[0, num_special)`` are the ChatML special tokens; every other id decodes to its own
     pseudo-word made of consonant-vowel syllables ("ba", "ke", ...), numbered in bijective base
     so that every id has a distinct word. Decoding joins words with single spaces, and encoding
-    splits text into special tokens, words (``\\w+``) and single punctuation characters, so
-    ``encode(decode(ids)) == ids`` for any ids. Text that is not one of the pseudo-words (real
-    prose) still tokenizes stably: each unknown word maps to an id by its xxhash.
+    splits text into special tokens, words (runs of Unicode letters, digits and ``_``) and
+    single other non-space characters, so ``encode(decode(ids)) == ids`` for any ids. Text that
+    is not one of the pseudo-words (real prose) still tokenizes stably: each unknown word maps
+    to an id by its xxhash.
 
+    The rules are ``kvroute_tokenize::synthetic``'s (``kvroute._native.SyntheticTokenizer``), the
+    one implementation the router without ``--tokenizer``, the emulator and the simulator share.
     Like Qwen's tokenizer it adds no BOS/EOS, so ``add_special_tokens`` changes nothing.
 
     Args:
         vocab_size: number of ids, special tokens included.
     """
 
-    _SYLLABLES = _SYNTHETIC_SYLLABLES
-    #: Seed of the hash that maps unknown words into the vocabulary; any constant works.
-    _UNKNOWN_WORD_SEED = 0x73796E7468
-
     def __init__(self, vocab_size: int = 32000) -> None:
+        self._native = _native.SyntheticTokenizer(vocab_size)
         self.special_tokens = CHATML_SPECIAL_TOKENS
         self.num_special = len(self.special_tokens)
-        if vocab_size <= self.num_special:
-            raise ValueError(f"vocab_size must exceed {self.num_special}, got {vocab_size}")
         self.name = f"synthetic-{vocab_size}"
         self.vocab_size = vocab_size
         self.eos_token_id: int | None = self.special_tokens.index(IM_END)
-        self._words = list(self.special_tokens) + [
-            self._pseudo_word(n) for n in range(vocab_size - self.num_special)
-        ]
-        self._ids = {word: i for i, word in enumerate(self._words)}
-        specials = "|".join(re.escape(t) for t in self.special_tokens)
-        self._pieces = re.compile(rf"{specials}|\w+|[^\w\s]")
-
-    @classmethod
-    def _pseudo_word(cls, n: int) -> str:
-        """The ``n``-th word in bijective base-``len(_SYLLABLES)``: 1, 2, 3... syllables long.
-
-        Bijective numeration (digits 1..k, no zero) gives every ``n`` a distinct string; since
-        every syllable is exactly two letters, distinct digit strings are distinct words.
-        """
-        base = len(cls._SYLLABLES)
-        n += 1
-        syllables = []
-        while n > 0:
-            n, digit = divmod(n - 1, base)
-            syllables.append(cls._SYLLABLES[digit])
-        return "".join(reversed(syllables))
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = self._ids
-        out = []
-        for piece in self._pieces.findall(text):
-            token = ids.get(piece)
-            if token is None:
-                span = self.vocab_size - self.num_special
-                token = (
-                    self.num_special
-                    + xxhash.xxh3_64_intdigest(piece.encode(), self._UNKNOWN_WORD_SEED) % span
-                )
-            out.append(token)
-        return out
+        return self._native.encode(text)
 
     def decode(self, ids: Sequence[int]) -> str:
-        words = self._words
-        try:
-            return " ".join(words[i] for i in ids)
-        except IndexError:
-            bad = next(i for i in ids if not 0 <= i < self.vocab_size)
-            raise ValueError(f"token id {bad} is outside [0, {self.vocab_size})") from None
+        return self._native.decode([int(i) for i in ids])
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         """ChatML, rendered exactly as :data:`CHATML_TEMPLATE` renders it."""
-        parts = [
-            f"{IM_START}{m['role']}\n{m['content']}{IM_END}\n"
-            for m in flatten_message_content(messages)
-        ]
-        if add_generation_prompt:
-            parts.append(f"{IM_START}assistant\n")
-        return "".join(parts)
+        pairs = [(m["role"], m["content"]) for m in flatten_message_content(messages)]
+        return _native.SyntheticTokenizer.chat_text(pairs, add_generation_prompt)
 
 
 def _token_content(value: Any) -> str | None:

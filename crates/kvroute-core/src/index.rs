@@ -2,7 +2,7 @@
 //!
 //! Two sources feed it:
 //!
-//! * **Events** (authoritative). Each worker's KV cache events (`crate::engine::events`,
+//! * **Events** (authoritative). Each worker's KV cache events (`crate::kvevents::events`,
 //!   decoded from vLLM's ZMQ stream or emitted by the engine model) say exactly which blocks it
 //!   stored and evicted. The index never trusts the engine's block hashes as keys: they depend
 //!   on `--prefix-caching-hash-algo` and a seed the router cannot know. It hashes the events'
@@ -52,7 +52,7 @@ use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
 use crate::blocks::BlockHasher;
-use crate::engine::events::{BlockRemoved, BlockStored, HashEvent, HashEvents, KvCacheEvent};
+use crate::kvevents::events::{BlockRemoved, BlockStored, HashEvent, HashEvents, KvCacheEvent};
 
 /// Estimated bytes one event-backed (worker, block) entry costs across the index's tables
 /// (engine-hash entry, own-hash entry, its share of the worker mask, the LRU node, with the

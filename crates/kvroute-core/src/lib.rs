@@ -3,14 +3,15 @@
 //! h11). Time is passed in; effects are returned as data.
 //!
 //! * [`blocks`]: chained per-block hashes of token ids (kvroute's own block identity).
-//! * [`engine`]: the vLLM v1 worker model: `BlockPool`, scheduler, cost model, KV events.
+//! * [`engine`]: the vLLM v1 worker model: `BlockPool`, scheduler, cost model.
 //! * [`index`]: the router's index of which worker holds which block.
 //! * [`policies`] and [`routing`]: the balancing policies and the one routing step around
 //!   them, shared by the simulator and the live router.
-//! * [`kvevents`]: vLLM's KV-event wire codec and the subscriber's sequence tracker.
-//! * [`placement`] and [`sim`]: the seam between engines and routing, and the simulator's
-//!   event loop on virtual time.
+//! * [`kvevents`]: vLLM's KV events, their wire codec and the subscriber's sequence tracker.
 //! * [`retention`]: the router managing what each worker's LRU keeps (refreshes).
+//! * [`sim`]: the simulator's event loop on virtual time, and its placements (the seam
+//!   between its engines and the routing step, with or without retention). The simulator
+//!   depends on routing and retention, never the reverse.
 //! * [`pyrandom`]: CPython's `random.Random`, so seeded draws match the Python side.
 //! * [`trace`]: the prompt tokens of a published trace, synthesized per hash id.
 //!
@@ -22,7 +23,6 @@ pub mod blocks;
 pub mod engine;
 pub mod index;
 pub mod kvevents;
-pub mod placement;
 pub mod policies;
 pub mod pyrandom;
 pub mod retention;

@@ -5,8 +5,7 @@
 //! worker's), ask the policy, record the decision in the index as predicted entries, and
 //! charge the chosen worker's load: one request in flight, and the prompt tokens it still
 //! has to prefill after the overlap the index credits it with (at least one) until its first
-//! token. Before this module the step was written twice (the simulator around its policy
-//! call, the proxy in `_choose`), and the two drifted; now there is nothing to drift.
+//! token. One step for both, so the simulator's prediction and the router cannot drift apart.
 //!
 //! Workers are slots: [`RoutingStep::add_worker`] gives a worker (by name) a slot that stays
 //! its own until [`RoutingStep::remove_worker`]; a worker that comes back gets a fresh slot,
@@ -20,9 +19,8 @@
 use std::collections::HashMap;
 
 use crate::admission::Admission;
-use crate::engine::events::{HashEvents, KvCacheEvent};
 use crate::index::{KvIndex, WorkerId};
-use crate::placement::{Placed, Placement};
+use crate::kvevents::events::KvCacheEvent;
 use crate::policies::{Choose, RequestView, WorkerState};
 
 /// The outcome of one routing step.
@@ -147,6 +145,11 @@ impl RoutingStep {
     /// What the journal recorded so far.
     pub fn journal(&self) -> &[JournalEntry] {
         self.journal.as_deref().unwrap_or(&[])
+    }
+
+    /// Whether the journal is on.
+    pub fn is_journaling(&self) -> bool {
+        self.journal.is_some()
     }
 
     /// The slot of worker `name`, adding it (idle) if it is not in the step.
@@ -420,115 +423,12 @@ impl RoutingStep {
     }
 }
 
-/// A routing step with its index and policy, borrowed as the [`Placement`] the simulator's
-/// native loop drives (simulated worker `i` is the step's slot `i`). Borrowed, not owned, so
-/// a driver that keeps them between runs (the Python `kvroute.sim.Simulation`) can look at
-/// them afterwards.
-pub struct StepPlacement<'a> {
-    /// The step (load accounting, journal).
-    pub step: &'a mut RoutingStep,
-    /// The router's index (None: the policy needs none and events are not wanted).
-    pub index: Option<&'a mut KvIndex>,
-    /// The policy.
-    pub policy: &'a mut dyn Choose,
-}
-
-impl Placement for StepPlacement<'_> {
-    fn wants_events(&self) -> bool {
-        self.index.is_some()
-    }
-
-    fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
-        let r = self.step.route(
-            self.index.as_deref_mut(),
-            self.policy,
-            block_hashes,
-            prompt_tokens,
-            None,
-            now,
-        );
-        Placed {
-            worker: r.worker,
-            prefill_tokens: r.prefill_tokens,
-            ticket: r.ticket,
-        }
-    }
-
-    fn first_token(&mut self, placed: Placed) {
-        self.step.first_token(placed.worker, placed.prefill_tokens);
-    }
-
-    fn finished(&mut self, placed: Placed, now: f64) {
-        self.step.finished(placed.worker, placed.ticket, now);
-    }
-
-    fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
-        if let Some(index) = self.index.as_deref_mut() {
-            self.step.apply_events(index, worker, events, now);
-        }
-    }
-
-    /// Hash events when the index trusts the engines' hashes, unless the step keeps a
-    /// journal (which records full events).
-    fn wants_hash_events(&self) -> bool {
-        self.step.journal.is_none()
-            && self
-                .index
-                .as_deref()
-                .is_some_and(KvIndex::trusts_engine_hashes)
-    }
-
-    fn apply_hash_events(&mut self, worker: usize, events: &HashEvents, _now: f64) {
-        if let Some(index) = self.index.as_deref_mut() {
-            let id = index.ensure_worker(&self.step.slots[worker].state.name);
-            index.apply_hash_events(id, events);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::blocks::{BlockHasher, DEFAULT_HASH_SEED};
     use crate::policies::{KvAware, KvAwareConfig, Policy};
     use crate::pyrandom::PyRandom;
-
-    #[test]
-    fn load_accounting_follows_the_overlap() {
-        let hasher = BlockHasher::new(16, DEFAULT_HASH_SEED).unwrap();
-        let mut index = KvIndex::new(hasher, Some(2.0), None, None).unwrap();
-        let mut policy = Policy::KvAware(Box::new(
-            KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap(),
-        ));
-        let mut step = RoutingStep::new(16);
-        for i in 0..3 {
-            step.add_worker(&format!("w{i}"));
-        }
-        let mut p = StepPlacement {
-            step: &mut step,
-            index: Some(&mut index),
-            policy: &mut policy,
-        };
-        let tokens: Vec<u32> = (0..100).collect();
-        let hashes = hasher.hash_blocks(&tokens, None, 0, None);
-        let first = p.place(&hashes, 100, 0.0);
-        assert_eq!(first.prefill_tokens, 100);
-        p.first_token(first);
-        p.finished(first, 0.0);
-        // The prediction credits the same worker with the 6 blocks: 100 − 96 = 4 to prefill.
-        let second = p.place(&hashes, 100, 0.1);
-        assert_eq!(
-            second,
-            Placed {
-                worker: first.worker,
-                prefill_tokens: 4,
-                ticket: None,
-            }
-        );
-        assert_eq!(p.step.state(first.worker).in_flight_tokens, 4);
-        p.step.remove_worker("w1");
-        assert_eq!(p.step.live_slots(), &[0, 2]);
-    }
 
     #[test]
     fn a_request_that_would_wait_for_blocks_goes_where_it_fits() {

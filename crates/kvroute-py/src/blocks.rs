@@ -9,6 +9,21 @@ use pyo3::types::PyByteArray;
 
 use crate::tokens::extract_tokens;
 
+/// A 64-bit block hash from a Python int: kvroute's hashes are unsigned, but a caller may key
+/// blocks by Python's own `hash()` (signed); those are taken modulo 2^64.
+pub(crate) fn hash_of(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
+    obj.extract::<u64>()
+        .or_else(|_| obj.extract::<i64>().map(|v| v as u64))
+}
+
+/// A list of block hashes (see `hash_of`).
+pub(crate) fn hashes_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
+    if let Ok(v) = obj.extract::<Vec<u64>>() {
+        return Ok(v);
+    }
+    obj.try_iter()?.map(|item| hash_of(&item?)).collect()
+}
+
 /// Hashes token sequences into chained per-block hashes.
 ///
 /// Args:

@@ -193,7 +193,76 @@ fn to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<Value> {
     )))
 }
 
-/// Add `ChatTemplate` to the module.
+/// A chat message's content (a string, a list of parts, or None) as the one string vLLM's
+/// "string" content format hands a template (``kvroute_serve::chat::content_text``: text parts
+/// joined by newlines, empty ones skipped, a system text's billing-header line dropped), or
+/// None when a part is not text.
+///
+/// Raises:
+///     ValueError: a string with a lone surrogate, or nesting deeper than the renderer takes.
+///     TypeError: a value that is not JSON-like.
+#[pyfunction]
+fn message_text(role: &str, content: &Bound<'_, PyAny>) -> PyResult<Option<String>> {
+    let content = json_of(content, 0)?;
+    Ok(kvroute_serve::chat::content_text(role, Some(&content)))
+}
+
+/// A JSON-like Python value as JSON (what the router parses a body into).
+fn json_of(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<serde_json::Value> {
+    use serde_json::Value as J;
+    if depth > MAX_DEPTH {
+        return Err(PyValueError::new_err(format!(
+            "chat template input nested deeper than {MAX_DEPTH}"
+        )));
+    }
+    if obj.is_none() {
+        return Ok(J::Null);
+    }
+    if let Ok(s) = obj.cast::<PyString>() {
+        let text = s.to_str().map_err(|_| {
+            PyValueError::new_err("chat template input: a string with a lone surrogate")
+        })?;
+        return Ok(J::from(text));
+    }
+    if let Ok(b) = obj.cast::<PyBool>() {
+        return Ok(J::Bool(b.is_true()));
+    }
+    if obj.is_instance_of::<PyInt>() {
+        if let Ok(n) = obj.extract::<i64>() {
+            return Ok(J::from(n));
+        }
+        return Ok(J::from(obj.extract::<u64>().map_err(|_| {
+            PyTypeError::new_err("chat template input: an integer beyond 64 bits")
+        })?));
+    }
+    if let Ok(f) = obj.cast::<PyFloat>() {
+        return Ok(J::from(f.value()));
+    }
+    if obj.is_instance_of::<PyList>() || obj.is_instance_of::<PyTuple>() {
+        let items: PyResult<Vec<J>> = obj
+            .try_iter()?
+            .map(|item| json_of(&item?, depth + 1))
+            .collect();
+        return Ok(J::Array(items?));
+    }
+    if let Ok(dict) = obj.cast::<PyDict>() {
+        let mut map = serde_json::Map::with_capacity(dict.len());
+        for (key, value) in dict.iter() {
+            let key: String = key.extract().map_err(|_| {
+                PyTypeError::new_err("chat template input: a dict key that is not a string")
+            })?;
+            map.insert(key, json_of(&value, depth + 1)?);
+        }
+        return Ok(J::Object(map));
+    }
+    Err(PyTypeError::new_err(format!(
+        "chat template input must be JSON-like, not {}",
+        obj.get_type().name()?
+    )))
+}
+
+/// Add `ChatTemplate` and `message_text` to the module.
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
-    m.add_class::<ChatTemplate>()
+    m.add_class::<ChatTemplate>()?;
+    m.add_function(wrap_pyfunction!(message_text, m)?)
 }

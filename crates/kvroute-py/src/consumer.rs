@@ -13,8 +13,8 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use crate::index::PyKvIndex;
 use crate::kvevents::NativeEventBatch;
-use crate::routing::PyKvIndex;
 
 /// One thread following workers' KV event streams (``kvroute-io``; what ``kvroute serve`` runs).
 ///
@@ -163,99 +163,8 @@ impl KvEventConsumer {
     }
 }
 
-/// CPU nanoseconds the calling thread has run (Linux's schedstat: exact, where /proc's
-/// per-thread ticks are 10 ms).
-fn thread_runtime_ns() -> std::io::Result<u64> {
-    let stat = std::fs::read_to_string("/proc/thread-self/schedstat")?;
-    stat.split_whitespace()
-        .next()
-        .and_then(|t| t.parse().ok())
-        .ok_or_else(|| std::io::Error::other("unreadable schedstat"))
-}
-
-/// The floor under the consumer's CPU per batch, for ``benchmarks/kv_events_consume.py``: a
-/// thread that does only what every gathering turn must (sleep ``coalesce_s``, then read one
-/// TCP socket until it would block), fed ``batches`` messages of ``payload_bytes`` at ``rate``
-/// per second by a sender thread over 127.0.0.1. Nothing is decoded or applied. Returns
-/// ``(CPU seconds of the reading thread per message, messages per wake-up)``.
-#[pyfunction]
-#[pyo3(signature = (rate = 1500.0, batches = 6000, payload_bytes = 420, coalesce_s = 0.002))]
-fn bench_wake_floor(
-    py: Python<'_>,
-    rate: f64,
-    batches: usize,
-    payload_bytes: usize,
-    coalesce_s: f64,
-) -> PyResult<(f64, f64)> {
-    use std::io::{ErrorKind, Read, Write};
-    use std::net::{TcpListener, TcpStream};
-    use std::time::Instant;
-    if !(rate > 0.0 && coalesce_s >= 0.0 && payload_bytes > 0) {
-        return Err(PyValueError::new_err(
-            "rate and payload_bytes must be > 0, coalesce_s >= 0",
-        ));
-    }
-    py.detach(|| {
-        let listener = TcpListener::bind("127.0.0.1:0")?;
-        let address = listener.local_addr()?;
-        let sender = std::thread::spawn(move || -> std::io::Result<()> {
-            let (mut socket, _) = listener.accept()?;
-            socket.set_nodelay(true)?;
-            let message = vec![7u8; payload_bytes];
-            let start = Instant::now();
-            for i in 0..batches {
-                socket.write_all(&message)?;
-                let due = start + Duration::from_secs_f64((i + 1) as f64 / rate);
-                if let Some(wait) = due.checked_duration_since(Instant::now()) {
-                    std::thread::sleep(wait);
-                }
-            }
-            Ok(())
-        });
-        let mut socket = TcpStream::connect(address)?;
-        socket.set_nonblocking(true)?;
-        let mut buffer = vec![0u8; 64 << 10];
-        let (total, mut got, mut wakes) = (batches * payload_bytes, 0, 0u64);
-        let (mut started, mut counted_from) = (None, 0);
-        while got < total {
-            std::thread::sleep(Duration::from_secs_f64(coalesce_s));
-            wakes += 1;
-            loop {
-                match socket.read(&mut buffer) {
-                    Ok(0) => return Err(std::io::Error::other("the sender closed early")),
-                    Ok(n) => {
-                        got += n;
-                        if n < buffer.len() {
-                            break;
-                        }
-                    }
-                    Err(e) if e.kind() == ErrorKind::WouldBlock => break,
-                    Err(e) => return Err(e),
-                }
-            }
-            if started.is_none() && got > 0 {
-                // From the first message on, as the benchmark counts the consumer.
-                started = Some((thread_runtime_ns()?, wakes));
-                counted_from = got;
-            }
-        }
-        let (cpu0, wakes0) = started.expect("messages came");
-        let cpu = thread_runtime_ns()? - cpu0;
-        sender
-            .join()
-            .map_err(|_| std::io::Error::other("the sender panicked"))??;
-        let messages = (total - counted_from) as f64 / payload_bytes as f64;
-        Ok((
-            cpu as f64 * 1e-9 / messages,
-            messages / (wakes - wakes0) as f64,
-        ))
-    })
-    .map_err(|e: std::io::Error| PyRuntimeError::new_err(e.to_string()))
-}
-
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<KvEventConsumer>()?;
-    m.add_function(wrap_pyfunction!(bench_wake_floor, m)?)?;
     m.add("KV_EVENTS_MAX_MESSAGE", kvroute_io::MAX_MESSAGE)?;
     Ok(())
 }

@@ -12,14 +12,15 @@ use std::sync::Arc;
 
 use kvroute_core::blocks::{self, DEFAULT_HASH_SEED};
 use kvroute_core::engine::cost;
-use kvroute_core::engine::events::{EventBatch as CoreBatch, KvCacheEvent};
 use kvroute_core::engine::pool::{self, TokenSeq};
 use kvroute_core::engine::scheduler::{self, NewRequest, RequestKey, RequestSummary};
+use kvroute_core::kvevents::events::EventBatch as CoreBatch;
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::blocks::BlockHasher;
+use crate::blocks::{BlockHasher, hash_of, hashes_of};
+use crate::events::events_to_py;
 use crate::tokens::extract_tokens;
 
 // -- cost model --------------------------------------------------------------------------------
@@ -70,6 +71,13 @@ fn cost_scaled(cost: &Bound<'_, PyAny>, factor: f64) -> PyResult<CostFields> {
     Ok(cost_fields(m))
 }
 
+/// The blocks of a pool of ``num_blocks`` that can hold KV: all but vLLM's null block
+/// (``kvroute_core::engine::pool::usable_blocks``).
+#[pyfunction]
+fn usable_blocks(num_blocks: usize) -> usize {
+    pool::usable_blocks(num_blocks)
+}
+
 /// The fields of every timing preset, in listing order.
 #[pyfunction]
 fn cost_presets() -> Vec<CostFields> {
@@ -81,50 +89,11 @@ fn cost_presets() -> Vec<CostFields> {
 
 // -- events ------------------------------------------------------------------------------------
 
-fn py_events<'py>(py: Python<'py>, events: Vec<KvCacheEvent>) -> PyResult<Bound<'py, PyList>> {
-    let module = py.import("kvroute.engine.events")?;
-    let stored = module.getattr("BlockStored")?;
-    let removed = module.getattr("BlockRemoved")?;
-    let cleared = module.getattr("AllBlocksCleared")?;
-    let out = PyList::empty(py);
-    for e in events {
-        let obj = match e {
-            KvCacheEvent::Stored(s) => stored.call1((
-                s.block_hashes,
-                s.parent_block_hash,
-                s.token_ids,
-                s.block_size,
-            ))?,
-            KvCacheEvent::Removed(r) => removed.call1((r.block_hashes,))?,
-            KvCacheEvent::AllCleared => cleared.call0()?,
-        };
-        out.append(obj)?;
-    }
-    Ok(out)
-}
-
 fn py_batch<'py>(py: Python<'py>, batch: CoreBatch) -> PyResult<Bound<'py, PyAny>> {
-    let events = py_events(py, batch.events)?;
+    let events = events_to_py(py, &batch.events)?;
     py.import("kvroute.engine.events")?
         .getattr("EventBatch")?
         .call1((batch.ts, events, batch.data_parallel_rank))
-}
-
-// -- block hashes from Python ------------------------------------------------------------------
-
-/// A 64-bit block hash from a Python int: kvroute's hashes are unsigned, but a caller may key
-/// blocks by Python's own `hash()` (signed); those are taken modulo 2^64.
-fn hash_of(obj: &Bound<'_, PyAny>) -> PyResult<u64> {
-    obj.extract::<u64>()
-        .or_else(|_| obj.extract::<i64>().map(|v| v as u64))
-}
-
-/// A list of block hashes (see `hash_of`).
-fn hashes_of(obj: &Bound<'_, PyAny>) -> PyResult<Vec<u64>> {
-    if let Ok(v) = obj.extract::<Vec<u64>>() {
-        return Ok(v);
-    }
-    obj.try_iter()?.map(|item| hash_of(&item?)).collect()
 }
 
 // -- pool views --------------------------------------------------------------------------------
@@ -323,7 +292,7 @@ impl BlockPool {
         self.inner.reset_prefix_cache()
     }
     fn take_events<'py>(&mut self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
-        py_events(py, self.inner.take_events())
+        events_to_py(py, &self.inner.take_events())
     }
 }
 
@@ -408,7 +377,7 @@ impl EnginePool {
     /// Events collected outside a step (a reset on an idle engine).
     fn take_events<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let events = self.engine.borrow_mut(py).core.take_pool_events();
-        py_events(py, events)
+        events_to_py(py, &events)
     }
 }
 
@@ -897,5 +866,7 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(cost_step_time, m)?)?;
     m.add_function(wrap_pyfunction!(cost_scaled, m)?)?;
     m.add_function(wrap_pyfunction!(cost_presets, m)?)?;
+    m.add_function(wrap_pyfunction!(usable_blocks, m)?)?;
+    m.add("NULL_BLOCK", pool::NULL_BLOCK)?;
     Ok(())
 }

@@ -7,27 +7,41 @@
 
 use pyo3::prelude::*;
 
+#[cfg(feature = "bench")]
+mod bench;
 mod blocks;
 mod chat;
 mod consumer;
 mod engine;
+mod events;
+mod index;
 mod kvevents;
+mod policies;
+mod retention;
 mod routing;
 mod serve;
 mod sim;
 mod tokens;
 mod trace;
+mod workers;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     blocks::register(m)?;
     chat::register(m)?;
     engine::register(m)?;
+    index::register(m)?;
+    workers::register(m)?;
+    policies::register(m)?;
     routing::register(m)?;
+    retention::register(m)?;
     serve::register(m)?;
     kvevents::register(m)?;
     consumer::register(m)?;
     sim::register(m)?;
+    tokens::register(m)?;
     trace::register(m)?;
+    #[cfg(feature = "bench")]
+    bench::register(m)?;
     Ok(())
 }

@@ -12,6 +12,9 @@ use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
+use crate::index::PyKvIndex;
+use crate::retention::retention_stats_dict;
+
 fn seconds(value: f64, name: &str) -> PyResult<Duration> {
     Duration::try_from_secs_f64(value)
         .map_err(|_| PyValueError::new_err(format!("{name} must be >= 0 seconds, got {value}")))
@@ -188,16 +191,11 @@ impl NativeRouter {
         retention_capacity_blocks: usize,
         kv_capacity_blocks: Option<usize>,
     ) -> PyResult<Self> {
-        let retention = match retention.as_deref() {
-            None | Some("off") => None,
-            Some("on") => Some((RetentionMode::On, retention_capacity_blocks)),
-            Some("auto") => Some((RetentionMode::Auto, retention_capacity_blocks)),
-            Some(other) => {
-                return Err(PyValueError::new_err(format!(
-                    "retention {other:?}: off, on or auto"
-                )));
-            }
+        let mode = match retention.as_deref() {
+            None => RetentionMode::Off,
+            Some(name) => name.parse().map_err(PyValueError::new_err)?,
         };
+        let retention = (mode != RetentionMode::Off).then_some((mode, retention_capacity_blocks));
         let config = ServeConfig {
             host: host.clone(),
             port,
@@ -278,9 +276,9 @@ impl NativeRouter {
 
     /// The index the routing step reads (a ``KvIndex`` sharing the router's).
     #[getter]
-    fn index(&self, py: Python<'_>) -> PyResult<crate::routing::PyKvIndex> {
+    fn index(&self, py: Python<'_>) -> PyResult<PyKvIndex> {
         let shared = self.with(Server::index)?;
-        crate::routing::PyKvIndex::from_shared(py, shared)
+        PyKvIndex::from_shared(py, shared)
     }
 
     /// Every worker's state: a list of dicts with ``name``, ``url``, ``ready``, ``healthy``, ``available``,
@@ -308,7 +306,7 @@ impl NativeRouter {
         let Some(stats) = self.with(Server::retention_stats)? else {
             return Ok(None);
         };
-        Ok(Some(crate::routing::retention_stats_dict(py, &stats)?))
+        Ok(Some(retention_stats_dict(py, &stats)?))
     }
 
     /// The request body limit (bytes): as given, else derived from the tokenizer.

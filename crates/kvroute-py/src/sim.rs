@@ -9,17 +9,17 @@ use kvroute_io::lock_index;
 use std::sync::Arc;
 
 use kvroute_core::engine::scheduler;
-use kvroute_core::placement::Placement;
 use kvroute_core::policies::Choose;
-use kvroute_core::retention::RetainingPlacement;
-use kvroute_core::routing::StepPlacement;
+use kvroute_core::sim::placement::{Placement, RetainingPlacement, StepPlacement};
 use kvroute_core::sim::{RequestSet, SimError, Simulation, WorkerConfig};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
 use crate::engine::{Engine, cost_of};
-use crate::routing::{ForeignPolicy, PyRetention, RoutingStep};
+use crate::policies::ForeignPolicy;
+use crate::retention::PyRetention;
+use crate::routing::RoutingStep;
 use crate::tokens::extract_tokens;
 use crate::trace::PromptTable;
 

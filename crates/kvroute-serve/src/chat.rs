@@ -176,8 +176,11 @@ fn without_billing_header(text: &str) -> Option<&str> {
     (!rest.is_empty()).then_some(rest)
 }
 
-/// A message's content as the text the template sees (None: a part that is not text).
-fn content_text(role: &str, content: Option<&Json>) -> Option<String> {
+/// A message's content as the text the template sees (None: a part that is not text): vLLM's
+/// "string" content format, the text parts joined by newlines, empty ones skipped, a system
+/// text's billing-header line dropped. The one owner of that rule: the emulator and the
+/// synthetic tokenizer's chats call it too (`kvroute._native.message_text`).
+pub fn content_text(role: &str, content: Option<&Json>) -> Option<String> {
     let system = role == "system";
     let keep = |text: &str| -> Option<String> {
         let text = if system {

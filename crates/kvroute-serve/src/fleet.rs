@@ -22,6 +22,7 @@
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::blocks::BlockHasher;
+use kvroute_core::engine::pool::usable_blocks;
 use kvroute_core::index::{KvIndex, MemoryBound};
 use kvroute_core::policies::{Choose, Policy, WorkerState};
 use kvroute_core::retention::{Refresh, Retention, RetentionConfig, RetentionStats};
@@ -370,7 +371,7 @@ impl Fleet {
     /// the admission guard and retention count that worker's cache by it.
     pub fn set_kv_capacity(&mut self, name: &str, num_gpu_blocks: usize) {
         if let Some(m) = self.members.iter_mut().find(|m| m.name == name) {
-            let usable = num_gpu_blocks.saturating_sub(1);
+            let usable = usable_blocks(num_gpu_blocks);
             m.kv_capacity_blocks = Some(usable);
             self.routing.set_kv_capacity(m.slot, usable);
             if let Some(r) = &mut self.retention {

@@ -1,11 +1,9 @@
 //! kvroute's native data plane: the OpenAI-compatible HTTP router of `kvroute serve`, on tokio
 //! and hyper.
 //!
-//! Why: the Python (aiohttp) router it replaced spent ~1.5 ms of one core per request on HTTP
-//! alone (parsing, relaying 64 streamed chunks through the interpreter), twice what
-//! sglang-router's Rust front spends, and an interpreter loop is where one client's 50 MB body
-//! stalled every other client.
-//! Here every request runs on a multi-threaded runtime, and the Python face only parses the
+//! Why native: parsing HTTP and relaying every streamed chunk through an interpreter costs
+//! more than the routing itself, and an interpreter's one loop is where one client's large
+//! body stalls every other client. Here every request runs on a multi-threaded runtime, and the Python face only parses the
 //! command line, builds a [`ServeConfig`] and starts a [`Server`] (as sglang-router's launcher
 //! does).
 //!
@@ -28,6 +26,8 @@
 //!
 //! Pure decisions live apart from the I/O: [`prompt`] (body → prompt), [`fleet`] (membership,
 //! health, ejection and routing, fed outcomes and times), [`metrics`] (counters and their text).
+//! The answers every part writes (the response [`http::Body`], OpenAI-style errors) are
+//! [`http`]'s, a leaf the others import.
 
 pub mod capacity;
 pub mod chat;
@@ -35,6 +35,7 @@ pub mod config;
 pub mod connections;
 pub mod edge;
 pub mod fleet;
+pub mod http;
 pub mod metrics;
 pub mod prompt;
 pub mod relay;

@@ -12,7 +12,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use kvroute_io::consumer::CounterSnapshot;
 
 use crate::fleet::Fleet;
-use crate::relay::RefreshUsage;
 
 /// Labelled counters: one value per label tuple.
 #[derive(Default)]
@@ -141,6 +140,14 @@ const BLOCK_BUCKETS: [f64; 12] = [
 const SECONDS_BUCKETS: [f64; 12] = [
     1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 1e-2, 2.5e-2, 0.1,
 ];
+
+/// What the engine reports of one answered refresh: its prompt tokens and how many of them
+/// it found in its prefix cache.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct RefreshUsage {
+    pub prompt_tokens: u64,
+    pub cached_tokens: u64,
+}
 
 /// What is open now, as the gauges show it (read from its owners when `/metrics` renders).
 #[derive(Clone, Copy, Debug, Default)]

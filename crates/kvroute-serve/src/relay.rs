@@ -30,7 +30,8 @@ use hyper::header::{self, HeaderMap, HeaderName, HeaderValue};
 use hyper_util::client::legacy::Client;
 use hyper_util::client::legacy::connect::HttpConnector;
 
-use crate::edge::Aborted;
+use crate::http::Aborted;
+use crate::metrics::RefreshUsage;
 
 /// The client to the workers (pooled keep-alive connections).
 pub type Upstream = Client<HttpConnector, Full<Bytes>>;
@@ -105,14 +106,6 @@ impl Drop for SignalBody {
 
 /// The client retention's refreshes go through.
 pub type RefreshUpstream = Client<HttpConnector, SignalBody>;
-
-/// What the engine reports of one answered refresh: its prompt tokens and how many of them
-/// it found in its prefix cache.
-#[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct RefreshUsage {
-    pub prompt_tokens: u64,
-    pub cached_tokens: u64,
-}
 
 /// The usage of a completion answer: `usage.prompt_tokens`, and
 /// `usage.prompt_tokens_details.cached_tokens` (vLLM sends the details with

@@ -7,9 +7,8 @@
 //! is cut into special tokens, runs of word characters and single other non-space characters
 //! (Python's `special|\w+|[^\w\s]`); a run that is a pseudo-word gets its id, any other piece
 //! `3 + xxh3(piece, seed) mod (vocab − 3)`. Word and space characters are Unicode's alphabetic
-//! and numeric ones (plus `_`) and its white space: Python's classes for every ASCII character
-//! and for letters and digits of every script; they differ only for a few marks and control
-//! characters, which emulated workloads never hold.
+//! and numeric ones (plus `_`) and its white space. This is the one implementation: the Python
+//! class wraps it, so the router, the emulator and the simulator cut text alike.
 
 /// ChatML's special tokens, in id order.
 pub const SPECIAL_TOKENS: [&str; 3] = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"];
@@ -42,6 +41,27 @@ impl std::fmt::Display for VocabTooSmall {
 
 impl std::error::Error for VocabTooSmall {}
 
+/// A token id outside the vocabulary.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct IdOutOfRange {
+    /// The id.
+    pub id: u32,
+    /// The vocabulary's size.
+    pub vocab_size: u32,
+}
+
+impl std::fmt::Display for IdOutOfRange {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(
+            f,
+            "token id {} is outside [0, {})",
+            self.id, self.vocab_size
+        )
+    }
+}
+
+impl std::error::Error for IdOutOfRange {}
+
 fn is_word(c: char) -> bool {
     c == '_' || c.is_alphanumeric()
 }
@@ -60,6 +80,11 @@ impl SyntheticTokenizer {
             return Err(VocabTooSmall(vocab_size));
         }
         Ok(Self { vocab_size })
+    }
+
+    /// Ids in the vocabulary, special tokens included.
+    pub fn vocab_size(&self) -> u32 {
+        self.vocab_size
     }
 
     fn words(&self) -> u64 {
@@ -115,6 +140,42 @@ impl SyntheticTokenizer {
         }
     }
 
+    /// The text of `ids`: each id's word (a special token as written), joined by single
+    /// spaces, so that `encode(decode(ids)) == ids`.
+    pub fn decode(&self, ids: &[u32]) -> Result<String, IdOutOfRange> {
+        let base = (CONSONANTS.len() * VOWELS.len()) as u64;
+        let mut text = String::new();
+        let mut digits = Vec::new();
+        for (k, &id) in ids.iter().enumerate() {
+            if id >= self.vocab_size {
+                return Err(IdOutOfRange {
+                    id,
+                    vocab_size: self.vocab_size,
+                });
+            }
+            if k > 0 {
+                text.push(' ');
+            }
+            if let Some(special) = SPECIAL_TOKENS.get(id as usize) {
+                text.push_str(special);
+                continue;
+            }
+            // Bijective numeration: word n is spelled by the digits (1..=70) of n + 1.
+            let mut n = u64::from(id) - SPECIAL_TOKENS.len() as u64 + 1;
+            digits.clear();
+            while n > 0 {
+                let digit = (n - 1) % base;
+                n = (n - 1) / base;
+                digits.push(digit as usize);
+            }
+            for &d in digits.iter().rev() {
+                text.push(CONSONANTS[d / VOWELS.len()] as char);
+                text.push(VOWELS[d % VOWELS.len()] as char);
+            }
+        }
+        Ok(text)
+    }
+
     /// The ChatML text `kvroute.tokens.SyntheticTokenizer.apply_chat_template` renders: one
     /// `<|im_start|>ROLE\nCONTENT<|im_end|>\n` per `(role, content)`, then
     /// `<|im_start|>assistant\n` when a reply is wanted.
@@ -159,6 +220,26 @@ mod tests {
     fn special_tokens_cut_the_text_and_spaces_vanish() {
         assert_eq!(encode("<|im_start|>ba\n<|im_end|>"), [1, 3, 2]);
         assert_eq!(encode("  \t\n"), Vec::<u32>::new());
+    }
+
+    #[test]
+    fn decoding_spells_each_word_and_encoding_reads_it_back() {
+        let t = SyntheticTokenizer::new(32000).unwrap();
+        assert_eq!(
+            t.decode(&[3, 4, 72, 73, 1]).unwrap(),
+            "ba be zu baba <|im_start|>"
+        );
+        let ids: Vec<u32> = (0..32000).step_by(7).collect();
+        let mut back = Vec::new();
+        t.encode(&t.decode(&ids).unwrap(), &mut back);
+        assert_eq!(back, ids);
+        assert_eq!(
+            t.decode(&[32000]),
+            Err(IdOutOfRange {
+                id: 32000,
+                vocab_size: 32000
+            })
+        );
     }
 
     #[test]

@@ -19,11 +19,12 @@ from rich.table import Table
 from kvroute.bench.files import PointSamples, Timelines, write_plots
 from kvroute.commands._common import add_trace_window_arguments
 from kvroute.engine import get_preset
+from kvroute.engine.pool import usable_blocks
 from kvroute.errors import UserError
 from kvroute.plotting import pyplot
 from kvroute.records import Point, busiest_share, write_points_json
 from kvroute.report import output_console
-from kvroute.sim import WorkerConfig
+from kvroute.sim import WorkerConfig, retention_modes
 from kvroute.trace import load_trace
 from kvroute.trace.format import trace_path
 from kvroute.trace.simulate import simulate_trace, trace_inputs, trace_policy
@@ -44,7 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict], kv_geometry,
-        retention: tuple[str, ...] = ("off",)) -> int:
+        retention: list[str] | None = None) -> int:
     if args.time_scale <= 0:
         raise UserError("--time-scale must be > 0")
     workers = parse_int_list(args.workers or "8", "--workers")
@@ -54,8 +55,9 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
     if not len(trace):
         raise UserError(f"{args.trace}: no request in the selected window")
     console = output_console()
-    table = Table(title=f"{args.trace.name}: {len(trace)} requests, {num_blocks - 1} KV blocks of "
-                        f"{block_size} per worker ({(num_blocks - 1) * block_size:,} tokens), "
+    usable = usable_blocks(num_blocks)
+    table = Table(title=f"{args.trace.name}: {len(trace)} requests, {usable} KV blocks of "
+                        f"{block_size} per worker ({usable * block_size:,} tokens), "
                         f"timing {args.timing}, time scale {args.time_scale:g}",
                   box=box.SIMPLE_HEAVY)
     for column in ("W", "policy", "simulated", "refused", "request hit", "token hit",
@@ -65,8 +67,9 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
     report_points: list[Point] = []
     samples: dict[tuple[int, int, int, str], PointSamples] = {}
     timelines: Timelines = {}
-    # (workers, policy, retention mode) per replay; a mode other than off names the row.
-    jobs = [(w, base, mode) for w in workers for base in policies for mode in retention]
+    # (workers, policy, retention mode) per replay; a mode other than off names the row. No
+    # mode given: each policy's as kvroute serve runs it.
+    jobs = [(w, base, mode) for w in workers for base in policies for mode in retention_modes(base, retention)]
     with console.status(f"simulating {len(jobs)} replays…"):
         inputs = trace_inputs(trace, args.max_model_len, args.time_scale)
         runs = {job: trace_policy(job[1], args.seed, block_size, options[job[1]]) for job in jobs}
@@ -80,9 +83,8 @@ def run(args: argparse.Namespace, policies: list[str], options: dict[str, dict],
 
         # The replays are independent trials and each runs natively without the interpreter
         # lock: side by side, one per core. The slowest start first (a policy that reads the
-        # KV index takes in every engine's events: kv-aware took ~4x random's time on the
-        # conversation trace), so that the others fill the remaining cores meanwhile instead
-        # of delaying it.
+        # KV index takes in every engine's events, several times the work), so that the others
+        # fill the remaining cores meanwhile instead of delaying it.
         cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1
         order = sorted(jobs, key=lambda job: (not runs[job].needs_overlap, -job[0]))
         with ThreadPoolExecutor(max_workers=max(1, min(cores, len(jobs)))) as pool:

@@ -73,11 +73,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         parser, "a policy parameter, as kvroute serve takes it (e.g. share_factor=0.5); each "
         "goes to the swept policies that take it; repeatable"
     )
-    parser.add_argument("--retention", default="off", metavar="MODE[,MODE...]",
+    parser.add_argument("--retention", default=None, metavar="MODE[,MODE...]",
                         help="the router refreshes the prefixes each worker's LRU would evict "
                              "(a prefix-only request, max_tokens 1): off, on, or auto (only with "
-                             "slack, only where it pays); a comma list sweeps (default %(default)s, placement "
-                             "alone; kvroute serve defaults to auto with kv-aware)")
+                             "slack, only where it pays); a comma list sweeps. Default: what kvroute "
+                             "serve runs with each policy, so the simulation predicts the router as "
+                             "shipped: auto with kv-aware, off with the others; --retention off "
+                             "simulates placement alone")
     parser.add_argument("--timing", default="reference-gpu", choices=sorted(PRESETS),
                         help="cost-model preset for step times (default %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
@@ -102,9 +104,9 @@ def run(args: argparse.Namespace) -> int:
     if args.load_factor is not None and args.load_factor < 0:
         raise UserError("--load-factor must be >= 0")
     options = sweep_policy_options(args, policies)
-    retention = name_list(args.retention, list(RETENTION_MODES), "--retention")
+    retention = None if args.retention is None else name_list(args.retention, list(RETENTION_MODES), "--retention")
     if args.trace is not None:
-        return trace_sim.run(args, policies, options, kv_geometry, tuple(retention))
+        return trace_sim.run(args, policies, options, kv_geometry, retention)
     num_blocks, block_size, _ = kv_geometry(args)
     config = WorkerConfig(num_blocks, block_size, get_preset(args.timing))
 

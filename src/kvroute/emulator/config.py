@@ -158,7 +158,7 @@ class EmulatorConfig:
         blocks = self.num_gpu_blocks
         # vLLM refuses to start when one request of max_model_len cannot fit in the cache;
         # the emulator must too, or such a request would wait forever.
-        usable_tokens = (blocks - 1) * self.block_size
+        usable_tokens = analytic.usable_blocks(blocks) * self.block_size
         if blocks < 2 or usable_tokens < self.max_model_len:
             need = -(-self.max_model_len // self.block_size) + 1
             raise UserError(

@@ -34,7 +34,7 @@ from typing import Any
 import numpy as np
 
 from kvroute.emulator.textgen import OutputTokenGenerator
-from kvroute.tokens import HFTokenizer, join_text_parts
+from kvroute.tokens import HFTokenizer, message_text
 
 _dumps = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 #: vLLM's default output length for completions (SamplingParams.max_tokens).
@@ -279,31 +279,18 @@ def parse_completion(body: dict, ctx: ServingContext) -> GenerationRequest:
 
 def _message_text(message: Any, index: int) -> dict:
     """One chat message with its content flattened to text, as vLLM's "string" content
-    format does (:func:`kvroute.tokens.join_text_parts`)."""
+    format does (:func:`kvroute.tokens.message_text`, the router's rule)."""
     if not isinstance(message, dict):
         raise validation_error(f"messages.{index}: Input should be a valid dictionary", "messages")
     role = message.get("role")
     if not isinstance(role, str):
         raise validation_error(f"messages.{index}.role: Field required", "messages")
     content = message.get("content")
-    if content is None:
-        text = ""
-    elif isinstance(content, str):
-        text = join_text_parts(role, [content])
-    elif isinstance(content, list):
-        parts = []
-        for part in content:
-            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(
-                part.get("text"), str
-            ):
-                raise ApiError(
-                    f"messages.{index}.content: the emulator accepts only text parts",
-                    param="messages",
-                )
-            parts.append(part["text"])
-        text = join_text_parts(role, parts)
-    else:
+    if content is not None and not isinstance(content, (str, list)):
         raise validation_error(f"messages.{index}.content: Input should be a valid string", "messages")
+    text = message_text(role, content)
+    if text is None:
+        raise ApiError(f"messages.{index}.content: the emulator accepts only text parts", param="messages")
     return {"role": role, "content": text}
 
 

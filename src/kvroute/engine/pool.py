@@ -8,8 +8,6 @@ shows it read-only as ``engine.pool``.
 
 from __future__ import annotations
 
-from kvroute._native import BlockPool
+from kvroute._native import NULL_BLOCK, BlockPool, usable_blocks
 
-NULL_BLOCK = 0
-
-__all__ = ["NULL_BLOCK", "BlockPool"]
+__all__ = ["NULL_BLOCK", "BlockPool", "usable_blocks"]

@@ -26,9 +26,9 @@ DEFAULT_PREDICTED_CAPACITY_BLOCKS: int = _SERVE["predicted_capacity_blocks"]
 #: The index's default memory bound: 256 MiB is 2M (worker, block) entries at 128 bytes each,
 #: e.g. 32 workers with 65k blocks of KV each (an 80 GB GPU serving an 8B model holds ~40k).
 DEFAULT_INDEX_MAX_BYTES: int = _SERVE["index_max_bytes"]
-#: Retention's modes (``kvroute_core::retention::RetentionMode``); the default is
+#: Retention's modes (``kvroute_core::retention::RetentionMode::ALL``); the default is
 #: :func:`default_retention`'s.
-RETENTION_MODES = ("off", "on", "auto")
+RETENTION_MODES: tuple[str, ...] = tuple(_native.RETENTION_MODES)
 #: Bodies larger than this are parsed, tokenized and hashed on a blocking thread, so that a
 #: huge prompt never holds a thread that serves other connections.
 DEFAULT_OFFLOAD_BYTES: int = _SERVE["offload_bytes"]

@@ -16,8 +16,9 @@ the live proxy is the object the simulator runs.
   (consistent hashing with bounded loads).
 * ``kv-aware`` — the worker that leaves the least work, from the router's index of cached
   blocks (``kvroute.routing.index``) and its own load accounting:
-  ``cost = overlap_weight·max(prompt − overlap·block_size, 1) + in_flight_tokens +
-  request_weight·in_flight`` (defaults 3 and 128), lowest wins among the workers two guards
+  the prefill it would cost there after its cached prefix, weighted, plus the prefill queued
+  there and a charge per request in flight (``kvroute_core::policies::KvAware::costs``, quoted
+  in docs/router.md; weights 3 and 128 by default), lowest wins among the workers two guards
   allow: bounded load now (``in_flight + 1 ≤ ceil((1+ε)·max(1, mean))``, ε = 1.5) and over
   time (a busy worker's share of the policy's recent decisions ≤ (1+δ)·the mean share,
   δ = 0.35, whose copies go where recent demand is lowest); ties go to the emptiest cache, then
@@ -107,13 +108,9 @@ class PrefixHashPolicy(_NativePolicy):
 class KvAwarePolicy(_NativePolicy):
     """Send each request where it leaves the least work, without piling onto one worker.
 
-    Cost of worker *i*, in prefill-token equivalents (lower is better)::
-
-        cost_i = overlap_weight · max(prompt_tokens − overlap_blocks_i · block_size, 1)
-                 + in_flight_tokens_i
-                 + request_weight · in_flight_i
-
-    The first term is the prefill the request would cost there after its cached prefix; the
+    Cost of worker *i*, in prefill-token equivalents (lower is better), three terms weighted by
+    ``overlap_weight`` and ``request_weight`` (the rule is ``kvroute_core::policies::KvAware::costs``,
+    quoted in docs/router.md). The first term is the prefill the request would cost there after its cached prefix; the
     second is the prefill still queued there (tokens the router itself sent and has not seen a
     first token for); the third charges each request in flight for its decode steps and the KV
     blocks it pins, which crowd cached prefixes out. The shape is Dynamo's (its overlap weight

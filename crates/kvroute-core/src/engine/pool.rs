@@ -22,20 +22,27 @@
 //!   request that computed it), and each is stored and later removed with its own event. A
 //!   lookup answers the oldest holder.
 //!
-//! Events are collected as data (`crate::engine::events`) when `emit_events` is on, for the
+//! Events are collected as data (`crate::kvevents::events`) when `emit_events` is on, for the
 //! engine to hand out per step: full [`KvCacheEvent`]s, or, for the simulator's own index
 //! ([`BlockPool::set_hash_events`]), the same events as [`HashEvents`] (hashes only).
 
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::engine::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
+use crate::kvevents::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
 
 /// A KV block's id: its index in the pool.
 pub type BlockId = u32;
 
 /// The reserved null block.
 pub const NULL_BLOCK: BlockId = 0;
+
+/// The blocks of a pool of `num_blocks` that can hold KV: all but the null block. The one
+/// owner of that rule: the router counts a worker's `num_gpu_blocks` by it, and the Python side
+/// takes it as `kvroute._native.usable_blocks`.
+pub const fn usable_blocks(num_blocks: usize) -> usize {
+    num_blocks.saturating_sub(1)
+}
 
 /// End of the free queue's links, and an empty slot of the hash table.
 const NIL: u32 = u32::MAX;
@@ -102,12 +109,9 @@ impl BlockMeta {
 ///
 /// A pool caches at most one hash per block, so the table never holds more than `num_blocks`
 /// entries and is sized once: no rehash ever. A miss evicts ~150 hashes and caches ~150
-/// others, and those table operations were most of a 64-worker simulation's time, paid in
+/// others, and those table operations are most of a 64-worker simulation's time, paid in
 /// probe runs (a longer run is more slots read and more mispredicted exits) more than in
-/// bytes: measured on it (`examples/sim_speed.rs`, alternating runs on one loaded core), 16-
-/// byte slots at most 1/3 full had taken ~15% off the general-purpose map (2/3 full gained
-/// nothing); 8-byte slots in the same bytes, at most 1/6 full, took ~15% more; at most 1/12
-/// full, nothing more; at most 2/3 full, they lost 25%.
+/// bytes: hence 8-byte slots kept at most 1/6 full (`examples/sim_speed.rs` times it).
 #[derive(Clone, Debug)]
 struct HashTable {
     /// (fingerprint, block); `block == NIL` is an empty slot.
@@ -431,7 +435,7 @@ impl BlockPool {
     /// Fraction of usable blocks held by requests (vLLM's `kv_cache_usage_perc`): cached but
     /// free blocks do not count, so an idle worker reads 0 even with a full cache.
     pub fn usage(&self) -> f64 {
-        1.0 - self.num_free as f64 / (self.num_blocks - 1) as f64
+        1.0 - self.num_free as f64 / usable_blocks(self.num_blocks) as f64
     }
 
     /// The oldest block holding `block_hash`, if any.
@@ -697,7 +701,7 @@ impl BlockPool {
     /// Forget every cached hash, as `/reset_prefix_cache` does. Like vLLM, refuses (returns
     /// false) while any request holds blocks.
     pub fn reset_prefix_cache(&mut self) -> bool {
-        if self.num_free != self.num_blocks - 1 {
+        if self.num_free != usable_blocks(self.num_blocks) {
             return false;
         }
         self.cached.clear();

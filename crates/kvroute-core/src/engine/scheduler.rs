@@ -28,8 +28,8 @@ use std::sync::Arc;
 
 use crate::blocks::BlockHasher;
 use crate::engine::cost::CostModel;
-use crate::engine::events::{EventBatch, HashEvents};
 use crate::engine::pool::{BlockId, BlockPool, TokenSeq};
+use crate::kvevents::events::{EventBatch, HashEvents};
 
 /// A request's handle inside one engine, given by `Engine::add_request`. Handles of finished
 /// or aborted requests are reused.
@@ -295,7 +295,7 @@ impl Engine {
         self.pool.set_hash_events(on);
     }
     /// The events the pool collected outside a step (a reset on an idle engine).
-    pub fn take_pool_events(&mut self) -> Vec<crate::engine::events::KvCacheEvent> {
+    pub fn take_pool_events(&mut self) -> Vec<crate::kvevents::events::KvCacheEvent> {
         self.pool.take_events()
     }
     /// The cost model.
@@ -696,7 +696,7 @@ mod tests {
     //! As the engine half of tests/test_engine_pool.py.
     use super::*;
     use crate::blocks::DEFAULT_HASH_SEED;
-    use crate::engine::events::{HashEvents, KvCacheEvent};
+    use crate::kvevents::events::{HashEvents, KvCacheEvent};
 
     const BS: usize = 4;
 

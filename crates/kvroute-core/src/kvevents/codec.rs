@@ -29,7 +29,7 @@
 
 use std::fmt;
 
-use crate::engine::events::{BlockRemoved, BlockStored, EventBatch, ExtraKey, KvCacheEvent};
+use crate::kvevents::events::{BlockRemoved, BlockStored, EventBatch, ExtraKey, KvCacheEvent};
 
 /// The deepest msgpack nesting a payload may have (the batch is level 1, its event list 2, an
 /// event 3, an `extra_keys` entry 5). vLLM's payloads never pass 7; anything deeper is

@@ -6,13 +6,20 @@
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
 use std::thread;
+use std::time::{Duration, Instant};
 
 use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
-use kvroute_core::engine::events::{BlockStored, EventBatch, KvCacheEvent};
+use kvroute_core::index::KvIndex;
 use kvroute_core::kvevents::codec::{WireFormat, encode_batch};
+use kvroute_core::kvevents::events::{BlockStored, EventBatch, KvCacheEvent};
+use kvroute_core::kvevents::sequence;
 
+use super::replay::END_SEQ;
+use super::shared::lock;
+use super::sockets::{Dialer, RECONNECT_IVL, RECONNECT_MAX, RECONNECT_QUICK_ATTEMPTS};
 use super::*;
 use crate::zmtp::{Codec, Event, SocketType};
 

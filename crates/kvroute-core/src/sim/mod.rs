@@ -33,8 +33,11 @@ use std::sync::Arc;
 use crate::blocks::BlockHasher;
 use crate::engine::cost::CostModel;
 use crate::engine::scheduler::{Engine, NewRequest, PrefixCacheStats, StepResult};
-use crate::placement::{Placed, Placement};
 use crate::retention::Refresh;
+
+pub mod placement;
+
+use placement::{Placed, Placement};
 
 /// One simulated worker's configuration (every worker has the same).
 #[derive(Clone, Debug)]
@@ -240,9 +243,8 @@ pub struct Simulation<'p> {
     arrivals: Vec<Option<(Sent, NewRequest)>>,
     free_arrivals: Vec<usize>,
     /// Per worker, its step in flight (reused from step to step; None only while taken out).
-    /// Boxed, so that taking it out for a step moves a pointer: moving the ~250-byte result
-    /// out and back twice a step was 2% of a 64-worker simulation (`perf`: memcpy under
-    /// `start_step`).
+    /// Boxed, so that taking it out for a step moves a pointer, not the ~250-byte result
+    /// (twice a step, every step).
     in_step: Vec<Option<Box<StepResult>>>,
     /// Per worker, the send records of its step in flight's outputs (aligned with them).
     step_sents: Vec<Vec<Sent>>,
@@ -760,9 +762,9 @@ mod tests {
     //! token formula rebuilt here).
     use super::*;
     use crate::blocks::DEFAULT_HASH_SEED;
-    use crate::engine::events::KvCacheEvent;
+    use crate::kvevents::events::KvCacheEvent;
 
-    const GOLDEN: &str = include_str!("../../../tests/data/golden/sim_round_robin.txt");
+    const GOLDEN: &str = include_str!("../../../../tests/data/golden/sim_round_robin.txt");
     const SUFFIX_BASE: u64 = 1 << 40;
 
     fn splitmix64(x: u64) -> u64 {
