@@ -217,6 +217,11 @@ impl Pipeline {
         self.shared.broke(name, kind, ending);
     }
 
+    /// The text of serve's `/metrics` (the fronts add their own).
+    pub fn metrics_text(&self) -> String {
+        self.shared.metrics_text()
+    }
+
     /// The monotonic clock the routing step reads.
     pub fn now(&self) -> f64 {
         self.shared.now()
