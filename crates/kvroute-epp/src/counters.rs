@@ -18,7 +18,7 @@ pub struct Counters {
     stream_errors: AtomicU64,
     /// ext_proc streams open now (one per request at the gateway).
     streams_open: AtomicI64,
-    /// Response body chunks the gateway sent although the EPP's mode override asked for none.
+    /// Response body chunks the gateway sent (none when it is configured with response_body_mode NONE).
     response_chunks: AtomicU64,
 }
 
@@ -99,7 +99,7 @@ impl Counters {
         );
         let _ = writeln!(
             out,
-            "# HELP kvroute_epp_response_chunks_total Response body chunks the gateway sent the EPP (none when it honours the mode override).\n# TYPE kvroute_epp_response_chunks_total counter\nkvroute_epp_response_chunks_total {}",
+            "# HELP kvroute_epp_response_chunks_total Response body chunks the gateway passed through the EPP (none with response_body_mode NONE).\n# TYPE kvroute_epp_response_chunks_total counter\nkvroute_epp_response_chunks_total {}",
             self.response_chunks.load(Ordering::Relaxed)
         );
         out

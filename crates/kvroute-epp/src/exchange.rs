@@ -3,6 +3,12 @@
 //! immediate responses), the prompt parsed and routed by serve's pipeline, the chosen worker
 //! named to the gateway, then the response followed (its status; the stream's end is the
 //! request's end) to hold the load the decision put on the worker until then.
+//!
+//! The response's body is the gateway's to leave out (`response_body_mode: NONE`, with
+//! response trailers `SEND` so that Envoy keeps the stream open to the response's end): Envoy
+//! ignores an ext_proc server's `mode_override` whenever a body mode is
+//! `FULL_DUPLEX_STREAMED`, which GIE requires of the request. A gateway that streams the
+//! response body anyway gets each chunk back unchanged (counted).
 
 use std::convert::Infallible;
 use std::sync::Arc;
@@ -207,12 +213,11 @@ pub async fn exchange(picker: Arc<Picker>, mut inbound: Streaming<ProcessingRequ
         picker.counters.stream_error();
         return;
     };
-    let body_modes = first
+    // A gateway streaming the response body full-duplex needs each chunk sent back.
+    let response_body_mode = first
         .protocol_config
         .as_ref()
-        .map(|c| (c.request_body_mode, c.response_body_mode));
-    let request_body_mode = body_modes.map_or(BodySendMode::FullDuplexStreamed as i32, |m| m.0);
-    let response_body_mode = body_modes.map_or(BodySendMode::None as i32, |m| m.1);
+        .map_or(BodySendMode::None as i32, |c| c.response_body_mode);
     let subset = protocol::subset_hint(first.metadata_context.as_ref());
     let Some(Message::RequestHeaders(headers)) = first.request else {
         picker.counters.stream_error();
@@ -223,15 +228,7 @@ pub async fn exchange(picker: Arc<Picker>, mut inbound: Streaming<ProcessingRequ
             .await;
         return;
     };
-    let Some(decided) = decide(
-        &picker,
-        &mut inbound,
-        &out,
-        &headers,
-        subset.as_deref(),
-        request_body_mode,
-    )
-    .await
+    let Some(decided) = decide(&picker, &mut inbound, &out, &headers, subset.as_deref()).await
     else {
         return;
     };
@@ -254,7 +251,6 @@ async fn decide(
     out: &Outbox,
     headers: &HttpHeaders,
     subset: Option<&[String]>,
-    request_body_mode: i32,
 ) -> Option<Decided> {
     let pipeline = &picker.pipeline;
     let (head, path, method) = protocol::request_head(headers);
@@ -273,11 +269,7 @@ async fn decide(
             return None;
         };
         picker.counters.picked(false);
-        send(
-            out,
-            protocol::destination(&endpoint, None, request_body_mode),
-        )
-        .await?;
+        send(out, protocol::destination(&endpoint, None)).await?;
         return Some(Decided {
             decision: None,
             _in_flight: pipeline.in_flight(),
@@ -339,11 +331,7 @@ async fn decide(
         }
     };
     let in_flight = pipeline.in_flight();
-    send(
-        out,
-        protocol::destination(&endpoint, Some(raw.len()), request_body_mode),
-    )
-    .await?;
+    send(out, protocol::destination(&endpoint, Some(raw.len()))).await?;
     let mut chunks = raw.chunks(BODY_CHUNK).peekable();
     if chunks.peek().is_none() {
         send(out, protocol::body_back(&[], true, true)).await?;

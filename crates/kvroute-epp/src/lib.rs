@@ -10,8 +10,8 @@
 //! ([`exchange`]): the body streamed by the gateway (`FULL_DUPLEX_STREAMED`) read within
 //! serve's bounds, the prompt routed once whole, the worker named in the
 //! `x-gateway-destination-endpoint` header and in `envoy.lb` dynamic metadata, serve's refusals
-//! answered as immediate responses, then the response's headers followed (its body is not
-//! asked for) until the stream's end ends the request's load.
+//! answered as immediate responses, then the response's headers followed until the stream's
+//! end ends the request's load.
 //!
 //! Ports: ext_proc and gRPC health (`liveness`, `readiness`, the ext_proc service) on the
 //! gRPC port; `/metrics` and `/health` over HTTP on serve's port.

@@ -6,10 +6,6 @@
 use std::collections::HashMap;
 
 use envoy_types::pb::envoy::config::core::v3::{HeaderValue, HeaderValueOption, Metadata};
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::ProcessingMode;
-use envoy_types::pb::envoy::extensions::filters::http::ext_proc::v3::processing_mode::{
-    BodySendMode, HeaderSendMode,
-};
 use envoy_types::pb::envoy::service::ext_proc::v3::{
     BodyMutation, BodyResponse, CommonResponse, HeaderMutation, HeadersResponse, HttpHeaders,
     ImmediateResponse, ProcessingResponse, StreamedBodyResponse, TrailersResponse, body_mutation,
@@ -118,28 +114,9 @@ fn set_header(key: &str, value: &str) -> HeaderValueOption {
     }
 }
 
-/// What the EPP asks of the rest of the request: the request side as the gateway configured
-/// it, the response's headers (status: the request's outcome, and that it began), and nothing
-/// of its body or trailers, so that answers never pass through the EPP; the gRPC stream's end
-/// tells it the request ended.
-pub fn mode_override(request_body_mode: i32) -> ProcessingMode {
-    ProcessingMode {
-        request_header_mode: HeaderSendMode::Send as i32,
-        response_header_mode: HeaderSendMode::Send as i32,
-        request_body_mode,
-        response_body_mode: BodySendMode::None as i32,
-        request_trailer_mode: HeaderSendMode::Send as i32,
-        response_trailer_mode: HeaderSendMode::Skip as i32,
-    }
-}
-
 /// The answer to the request headers naming `endpoint` (header and `envoy.lb` dynamic
 /// metadata, the same value), with the body's length when the EPP sends the body back.
-pub fn destination(
-    endpoint: &str,
-    body_length: Option<usize>,
-    request_body_mode: i32,
-) -> ProcessingResponse {
+pub fn destination(endpoint: &str, body_length: Option<usize>) -> ProcessingResponse {
     let mut set_headers = vec![set_header(DESTINATION_HEADER, endpoint)];
     if let Some(n) = body_length {
         set_headers.push(set_header("content-length", &n.to_string()));
@@ -162,7 +139,6 @@ pub fn destination(
     };
     ProcessingResponse {
         dynamic_metadata: Some(metadata),
-        mode_override: Some(mode_override(request_body_mode)),
         response: Some(processing_response::Response::RequestHeaders(
             HeadersResponse {
                 response: Some(CommonResponse {
@@ -307,11 +283,7 @@ mod tests {
 
     #[test]
     fn the_destination_is_named_in_the_header_and_the_metadata_alike() {
-        let r = destination(
-            "10.0.0.1:80",
-            Some(12),
-            BodySendMode::FullDuplexStreamed as i32,
-        );
+        let r = destination("10.0.0.1:80", Some(12));
         let Some(processing_response::Response::RequestHeaders(h)) = &r.response else {
             panic!("a request-headers answer");
         };
@@ -334,11 +306,10 @@ mod tests {
             lb.fields[DESTINATION_HEADER].kind,
             Some(value::Kind::StringValue("10.0.0.1:80".into()))
         );
-        let mode = r.mode_override.unwrap();
-        assert_eq!(mode.response_body_mode, BodySendMode::None as i32);
+        let length = set[1].header.as_ref().unwrap();
         assert_eq!(
-            mode.request_body_mode,
-            BodySendMode::FullDuplexStreamed as i32
+            (length.key.as_str(), &length.raw_value[..]),
+            ("content-length", &b"12"[..])
         );
     }
 }
