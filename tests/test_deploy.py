@@ -299,7 +299,7 @@ def test_bench_job_without_persistence_keeps_results_in_the_pod():
     ({"bench": {"enabled": True, "target": "pods"}}, "bench.target must be service or router"),
     ({"bench": {"enabled": True, "target": "router"}, "router": {"enabled": False}}, "needs router.enabled=true"),
     ({"router": {"replicas": 1}}, "router.replicas must be at least 2"),
-    ({"router": {"discovery": "consul"}}, "router.discovery must be dns or k8s"),
+    ({"router": {"discovery": "consul"}}, "router.discovery must be dns, k8s or pool"),
 ])
 def test_bad_values_fail_with_a_message(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):
@@ -519,3 +519,22 @@ def test_gateway_failure_mode_is_checked():
     pool = one(render(values_file("values.yaml"), {"gateway": {"enabled": True, "failureMode": "FailOpen"}}),
                "InferencePool")
     assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+
+
+def test_gateway_mode_can_follow_the_inference_pool_itself():
+    objects = render(values_file("values.yaml"), GATEWAY_ON, {"router": {"enabled": False, "discovery": "pool"}})
+    pool = one(objects, "InferencePool")
+    epp = one(objects, "Deployment", "-epp")
+    spec = epp["spec"]["template"]["spec"]
+    assert flag(spec["containers"][0]["args"], "--pool") == f"{NAMESPACE}/{pool['metadata']['name']}"
+    assert spec["automountServiceAccountToken"] is True
+    rules = one(objects, "Role")["rules"]
+    assert rules == [
+        {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    ]
+    for obj in objects:
+        if obj["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+    with pytest.raises(Exception, match="set gateway.enabled=true"):
+        render(values_file("values.yaml"), {"router": {"discovery": "pool"}})

@@ -43,8 +43,9 @@ with --worker, else after discovery's first list; NOT_SERVING while draining). H
 kvroute_epp_immediate_responses_total{code}, kvroute_epp_stream_errors_total,
 kvroute_epp_streams_open, kvroute_epp_response_chunks_total) and GET /health.
 
-Workers come as for kvroute serve (--worker, --worker-file, --dns, --k8s-service), given by
-IP address: the gateway connects to the ip:port the EPP names.
+Workers come as for kvroute serve (--worker, --worker-file, --dns, --k8s-service), or from the
+InferencePool itself (--pool NAMESPACE/NAME: its selector and target ports, ready pods only),
+given by IP address: the gateway connects to the ip:port the EPP names.
 
 Example: three emulated workers publishing KV events, and the EPP:
 

@@ -149,6 +149,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, epp: bool = False) -> None
                          help="watch a Kubernetes Service's EndpointSlices (ready and terminating pods); "
                          "PORT is the port's number or name (default http); needs RBAC to "
                          "get/list/watch endpointslices (deploy/helm/kvroute sets it up)")
+    workers.add_argument("--pool", metavar="[NAMESPACE/]NAME",
+                         help="follow the ready pods of a Gateway API Inference Extension InferencePool "
+                         "(inference.networking.k8s.io/v1: its selector.matchLabels and targetPorts, "
+                         "one worker per pod and port); needs RBAC to get inferencepools and "
+                         "get/list/watch pods")
     workers.add_argument("--discovery-interval", type=float, default=5.0, metavar="S",
                          help="seconds between --dns lookups / --worker-file checks (default: %(default)s)")
     workers.add_argument("--health-interval", type=float, default=RouterConfig.health_interval_s, metavar="S",
@@ -307,11 +312,11 @@ _ZMQ_SCHEMES = ("tcp://", "ipc://")
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The router configuration the flags describe (raises UserError on bad flags)."""
-    sources = [bool(args.worker), bool(args.worker_file), bool(args.dns), bool(args.k8s_service)]
+    sources = [bool(args.worker), bool(args.worker_file), bool(args.dns), bool(args.k8s_service), bool(args.pool)]
     if sum(sources) != 1:
         raise UserError(
-            "give the workers one way: --worker URL (repeated), --worker-file PATH, --dns NAME:PORT "
-            "or --k8s-service [NAMESPACE/]SERVICE[:PORT]"
+            "give the workers one way: --worker URL (repeated), --worker-file PATH, --dns NAME:PORT, "
+            "--k8s-service [NAMESPACE/]SERVICE[:PORT] or --pool [NAMESPACE/]NAME"
         )
     discovery = None
     if args.worker_file:
@@ -324,6 +329,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         from kvroute.proxy.k8s import EndpointSliceDiscovery
 
         discovery = EndpointSliceDiscovery.from_spec(args.k8s_service)
+    elif args.pool:
+        from kvroute.proxy.k8s import InferencePoolDiscovery
+
+        discovery = InferencePoolDiscovery.from_spec(args.pool)
     for flag, port in (("--port", args.port), ("--grpc-port", getattr(args, "grpc_port", None))):
         if port is not None and not 0 <= port <= 65535:
             raise UserError(f"{flag} must be a port 0-65535 (0: a free one), got {port}")

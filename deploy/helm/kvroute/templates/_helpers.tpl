@@ -123,8 +123,14 @@ It listens on all addresses: the default, 127.0.0.1, is unreachable from outside
 {{- else if eq .Values.router.discovery "k8s" }}
 - --k8s-service
 - {{ printf "%s/%s:http" .Release.Namespace (include "kvroute.headless.name" .) }}
+{{- else if eq .Values.router.discovery "pool" }}
+{{- if not .Values.gateway.enabled }}
+{{- fail "router.discovery=pool follows the InferencePool of gateway mode: set gateway.enabled=true" }}
+{{- end }}
+- --pool
+- {{ printf "%s/%s" .Release.Namespace (include "kvroute.pool.name" .) }}
 {{- else }}
-{{- fail (printf "router.discovery must be dns or k8s, not %q" .Values.router.discovery) }}
+{{- fail (printf "router.discovery must be dns, k8s or pool, not %q" .Values.router.discovery) }}
 {{- end }}
 - --kv-events-port
 - {{ .Values.workers.kvEvents.port | quote }}
