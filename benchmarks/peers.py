@@ -759,8 +759,9 @@ def envoy_round_robin_config(port: int, admin_port: int, workers: Sequence[str])
     upstream connections kept alive, no timeout on streams. The same listener and connection
     manager as the gateway's configuration, without its ext_proc filter."""
     endpoints = "\n".join(
-        f"        - endpoint: {{address: {{socket_address: {{address: {host}, port_value: {p}}}}}}}"
+        f"        - endpoint: {{address: {{socket_address: {{address: \"{host}\", port_value: {p}}}}}}}"
         for host, _, p in (u.removeprefix("http://").rpartition(":") for u in workers)
+        for host in [host.strip("[]")]
     )
     return f"""admin:
   address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}

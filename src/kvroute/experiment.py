@@ -235,12 +235,13 @@ async def _measure(
     hooks: SweepHooks,
     result: ExperimentResult,
 ) -> None:
-    async with _balancer(topology, plan, fleet, result.geometry) as (url, trial_hooks):
+    async with _balancer(topology, plan, fleet, result.geometry) as (url, router_url, trial_hooks):
         target = BenchTarget(
             url=url,
             metrics_urls=tuple(f"{u}/metrics" for u in fleet.urls),
             label=topology,
             workers=workers,
+            router_url=router_url,
         )
         runner = BenchRunner(target, options, writer, trial_hooks(hooks))
         sweep = asyncio.ensure_future(runner.run(workloads))
@@ -263,15 +264,17 @@ async def _measure(
 @contextlib.asynccontextmanager
 async def _balancer(
     topology: str, plan: ExperimentPlan, fleet: Fleet, geometry: tuple[int, int] | None
-) -> AsyncIterator[tuple[str, Callable[[SweepHooks], SweepHooks]]]:
-    """Start ``topology`` in front of ``fleet``; yield its URL and how to wrap the bench's
-    hooks for it (the Service's per-trial reseeding)."""
+) -> AsyncIterator[tuple[str, str | None, Callable[[SweepHooks], SweepHooks]]]:
+    """Start ``topology`` in front of ``fleet``; yield its URL, the URL of the kvroute router
+    deciding its routes when that is elsewhere (the gateway's Endpoint Picker), and how to wrap
+    the bench's hooks for it (the Service's per-trial reseeding)."""
     if topology == "service":
         balancer = TcpBalancer(fleet.addresses)
         await balancer.start()
         try:
             yield (
                 f"http://127.0.0.1:{balancer.port}",
+                None,
                 lambda hooks: _ReseedPerTrial(hooks, balancer, plan.seed),
             )
         finally:
@@ -296,11 +299,11 @@ async def _balancer(
         )
         async with start_router(config) as router:
             if router.grpc_address is None:
-                yield router.url, lambda hooks: hooks
+                yield router.url, None, lambda hooks: hooks
             else:
                 epp_port = int(router.grpc_address.rpartition(":")[2])
                 async with run_envoy(epp_port) as envoy:
-                    yield envoy.url, lambda hooks: hooks
+                    yield envoy.url, router.url, lambda hooks: hooks
     else:
         raise UserError(f"unknown topology {topology!r}; available: {', '.join(TOPOLOGIES)}")
 

@@ -64,6 +64,8 @@ class BenchTarget:
         workers: W, for labels and the formula; default: the number of metrics URLs.
         api_key: bearer token for ``url`` (a server started with ``--api-key``); never
             written to the results.
+        router_url: where the kvroute router deciding the routes serves its own ``/metrics``
+            (its retention refreshes), when not at ``url``: an Endpoint Picker behind a gateway.
     """
 
     url: str
@@ -72,6 +74,7 @@ class BenchTarget:
     label: str = "service"
     workers: int | None = None
     api_key: str | None = field(default=None, repr=False)
+    router_url: str | None = None
 
     @property
     def num_workers(self) -> int:
@@ -407,7 +410,7 @@ class BenchRunner:
         once."""
         if self._router_metrics is False:
             return None
-        n = await settled_router_refreshes(self.target.url, self.target.api_key)
+        n = await settled_router_refreshes(self.target.router_url or self.target.url, self.target.api_key)
         self._router_metrics = n is not None
         return n
 
