@@ -287,3 +287,20 @@ def test_epp_help_and_bad_config_are_one_line(tmp_path):
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0, bad.stderr
     assert bad.stderr.startswith("kvroute epp: error:")
+
+
+async def test_a_worker_leaving_the_pool_gets_no_request_after_the_update():
+    async with fleet(3) as workers, start_router(epp_config(workers)) as epp, \
+            run_envoy(epp_port(epp)) as envoy, aiohttp.ClientSession() as s:
+        prefix = list(range(900, 900 + 6 * BS))
+        _, _, owner = await complete(s, envoy.url, prefix)
+        leaving = next(w for w in workers if endpoint(w) == owner)
+        # Discovery's next list no longer has the prefix's owner.
+        epp.native.set_workers([w.url for w in workers if w is not leaving])
+        served = set()
+        for i in range(12):
+            status, body, upstream = await complete(s, envoy.url, prefix + [i])
+            assert status == 200, body
+            served.add(upstream)
+        assert owner not in served
+        assert served <= {endpoint(w) for w in workers if w is not leaving}
