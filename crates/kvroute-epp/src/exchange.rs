@@ -25,6 +25,7 @@ use http_body_util::BodyExt;
 use hyper::StatusCode;
 use kvroute_serve::edge::{self, Body};
 use kvroute_serve::prompt::Route;
+use kvroute_serve::server::pipeline::unmet_expectation;
 use kvroute_serve::server::{Decision, InFlight, Pipeline};
 use tokio::sync::mpsc;
 use tonic::{Status, Streaming};
@@ -258,6 +259,10 @@ async fn decide(
     let label = route.map_or("other", |r| r.1);
     if pipeline.draining() {
         refuse(picker, out, label, unavailable("draining")).await;
+        return None;
+    }
+    if let Some(refusal) = unmet_expectation(&head) {
+        refuse(picker, out, label, refusal).await;
         return None;
     }
     let excluded = picker.excluded(subset);

@@ -20,6 +20,19 @@ use crate::metrics::Metrics;
 use crate::prompt::{Prompt, Route};
 use crate::relay::Ending;
 
+/// The 417 for an `Expect` other than `100-continue` (any route), or None.
+pub fn unmet_expectation(headers: &hyper::HeaderMap) -> Option<Response<Body>> {
+    let expect = headers.get(hyper::header::EXPECT)?;
+    (!expect.as_bytes().eq_ignore_ascii_case(b"100-continue")).then(|| {
+        edge::error(
+            StatusCode::EXPECTATION_FAILED,
+            "only 'Expect: 100-continue' is supported",
+            "BadRequestError",
+            None,
+        )
+    })
+}
+
 /// A front's handle on the pipeline (cheap to clone).
 #[derive(Clone)]
 pub struct Pipeline {

@@ -8,10 +8,11 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::Full;
 use hyper::body::Incoming;
-use hyper::header::{AUTHORIZATION, CONTENT_TYPE, EXPECT, HeaderValue};
+use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 
 use super::forward::generate;
+use super::pipeline::unmet_expectation;
 use super::state::Shared;
 use super::{MAX_ANSWER_BYTES, WORKER_HEADER};
 use crate::edge::{self, Body};
@@ -43,15 +44,8 @@ async fn dispatch(
     label: &'static str,
 ) -> Response<Body> {
     let method = request.method().clone();
-    if let Some(expect) = request.headers().get(EXPECT)
-        && !expect.as_bytes().eq_ignore_ascii_case(b"100-continue")
-    {
-        return edge::error(
-            StatusCode::EXPECTATION_FAILED,
-            "only 'Expect: 100-continue' is supported",
-            "BadRequestError",
-            None,
-        );
+    if let Some(refusal) = unmet_expectation(request.headers()) {
+        return refusal;
     }
     let open = label == "/health" || (label == "/metrics" && shared.config.metrics_public);
     if label != "other"
