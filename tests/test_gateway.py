@@ -174,6 +174,7 @@ async def test_refused_bodies_get_serve_s_answers():
             "compressed": dict(data=b"{}", headers={"content-type": "application/json",
                                                     "content-encoding": "gzip"}),
             "wrong type": dict(data=b"{}", headers={"content-type": "text/plain"}),
+            "odd expectation": dict(data=b"{}", headers={"content-type": "application/json", "expect": "junk"}),
         }
         for name, case in cases.items():
             answers = []
