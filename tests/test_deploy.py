@@ -36,7 +36,10 @@ RELEASE, NAMESPACE = "kv", "llm"
 #: The oldest Kubernetes the chart allows (Chart.yaml kubeVersion) and the newest schemas known.
 KUBE_VERSIONS = ("1.25.0", kubernetes_validate.utils.latest_version())
 #: Kinds whose schema is a CRD, not part of Kubernetes: checked structurally below.
-CRD_KINDS = {"ServiceMonitor"}
+CRD_KINDS = {"ServiceMonitor", "InferencePool", "HTTPRoute"}
+#: The InferencePool CRD's schema (the Gateway API Inference Extension's, shipped in tests/data).
+INFERENCE_POOL_CRD = Path(__file__).parent / "data" / "inferencepool-crd.yaml"
+GATEWAY_ON = {"gateway": {"enabled": True}}
 
 
 def merge(base: dict, override: dict) -> dict:
@@ -103,6 +106,9 @@ CONFIGURATIONS = {
     "6 workers": [values_file("values-6-workers.yaml")],
     "6 workers, bench on the router, dns": [values_file("values-6-workers.yaml"), EVERYTHING_ON,
                                            {"bench": {"target": "router"}, "router": {"discovery": "dns"}}],
+    "gateway mode": [GATEWAY_ON],
+    "gateway mode alone, k8s discovery": [values_file("values-3-workers.yaml"), GATEWAY_ON,
+                                          {"router": {"enabled": False, "discovery": "k8s"}}],
 }
 
 
@@ -293,7 +299,7 @@ def test_bench_job_without_persistence_keeps_results_in_the_pod():
     ({"bench": {"enabled": True, "target": "pods"}}, "bench.target must be service or router"),
     ({"bench": {"enabled": True, "target": "router"}, "router": {"enabled": False}}, "needs router.enabled=true"),
     ({"router": {"replicas": 1}}, "router.replicas must be at least 2"),
-    ({"router": {"discovery": "consul"}}, "router.discovery must be dns or k8s"),
+    ({"router": {"discovery": "consul"}}, "router.discovery must be dns, k8s or pool"),
 ])
 def test_bad_values_fail_with_a_message(values, message):
     with pytest.raises(helm.HelmError, match=re.escape(message)):
@@ -465,3 +471,70 @@ def test_dockerfile_copies_what_the_package_build_reads():
     values = values_file("values.yaml")
     assert "--uid 10001" in dockerfile and "USER 10001" in dockerfile
     assert values["router"]["port"] == int(re.search(r"^EXPOSE (\d+)$", dockerfile, re.M).group(1))
+
+
+def test_gateway_mode_is_an_inference_pool_its_endpoint_picker_and_a_route():
+    import jsonschema
+
+    objects = render(values_file("values.yaml"), values_file("values-3-workers.yaml"), GATEWAY_ON,
+                     {"router": {"enabled": False, "discovery": "k8s"}})
+    pool = one(objects, "InferencePool")
+    crd = yaml.safe_load(INFERENCE_POOL_CRD.read_text())
+    (v1,) = [v for v in crd["spec"]["versions"] if v["name"] == "v1"]
+    assert pool["apiVersion"] == f"{crd['spec']['group']}/v1"
+    jsonschema.validate(pool, v1["schema"]["openAPIV3Schema"])
+    worker = one(objects, "Deployment", "-worker")
+    assert selects(pool["spec"]["selector"]["matchLabels"], worker["spec"]["template"]["metadata"]["labels"])
+    assert pool["spec"]["targetPorts"] == [{"number": 8000}]
+    ref = pool["spec"]["endpointPickerRef"]
+    assert ref["failureMode"] == "FailClose"
+    epp_service = one(objects, "Service", "-epp")
+    assert ref["name"] == epp_service["metadata"]["name"]
+    assert ref["port"]["number"] in {p["port"] for p in epp_service["spec"]["ports"]}
+    epp = one(objects, "Deployment", "-epp")
+    container = epp["spec"]["template"]["spec"]["containers"][0]
+    args = container["args"]
+    assert args[0] == "epp" and flag(args, "--grpc-port") == "9002" and flag(args, "--port") == "9090"
+    assert flag(args, "--k8s-service").endswith("-workers-headless:http")
+    assert flag(args, "--kv-events-port") == "5557"
+    assert container["readinessProbe"]["grpc"] == {"port": 9002, "service": "readiness"}
+    assert container["livenessProbe"]["grpc"] == {"port": 9002, "service": "liveness"}
+    # EndpointSlice discovery: the EPP runs as the account the Role is bound to.
+    role_binding = one(objects, "RoleBinding")
+    assert epp["spec"]["template"]["spec"]["serviceAccountName"] == role_binding["subjects"][0]["name"]
+    # No router: the gateway is the only hop.
+    assert {o["metadata"]["name"] for o in by_kind(objects, "Deployment")} == {
+        epp["metadata"]["name"], worker["metadata"]["name"]}
+    route = one(objects, "HTTPRoute")
+    assert route["apiVersion"] == "gateway.networking.k8s.io/v1"
+    (rule,) = route["spec"]["rules"]
+    assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
+                                    "name": pool["metadata"]["name"]}]
+    assert route["spec"]["parentRefs"][0]["name"] == "inference-gateway"
+
+
+def test_gateway_failure_mode_is_checked():
+    with pytest.raises(Exception, match="FailOpen or FailClose"):
+        render(values_file("values.yaml"), {"gateway": {"enabled": True, "failureMode": "Sometimes"}})
+    pool = one(render(values_file("values.yaml"), {"gateway": {"enabled": True, "failureMode": "FailOpen"}}),
+               "InferencePool")
+    assert pool["spec"]["endpointPickerRef"]["failureMode"] == "FailOpen"
+
+
+def test_gateway_mode_can_follow_the_inference_pool_itself():
+    objects = render(values_file("values.yaml"), GATEWAY_ON, {"router": {"enabled": False, "discovery": "pool"}})
+    pool = one(objects, "InferencePool")
+    epp = one(objects, "Deployment", "-epp")
+    spec = epp["spec"]["template"]["spec"]
+    assert flag(spec["containers"][0]["args"], "--pool") == f"{NAMESPACE}/{pool['metadata']['name']}"
+    assert spec["automountServiceAccountToken"] is True
+    rules = one(objects, "Role")["rules"]
+    assert rules == [
+        {"apiGroups": ["inference.networking.k8s.io"], "resources": ["inferencepools"], "verbs": ["get"]},
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+    ]
+    for obj in objects:
+        if obj["kind"] not in CRD_KINDS:
+            kubernetes_validate.validate(obj, KUBE_VERSIONS[-1], strict=True)
+    with pytest.raises(Exception, match="set gateway.enabled=true"):
+        render(values_file("values.yaml"), {"router": {"discovery": "pool"}})

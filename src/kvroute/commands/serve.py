@@ -10,7 +10,7 @@ import signal
 import sys
 
 from kvroute import aio
-from kvroute._native import BODY_ENVELOPE_BYTES, DEFAULT_MAX_BODY_BYTES
+from kvroute._native import BODY_ENVELOPE_BYTES, DEFAULT_GRPC_PORT, DEFAULT_MAX_BODY_BYTES
 from kvroute.blocks import GPU_BLOCK_SIZE
 from kvroute.commands._common import add_policy_option_argument, parse_policy_options
 from kvroute.errors import UserError
@@ -110,10 +110,31 @@ Example: vLLM pods behind a headless Service, events on port 5557, replay on 555
 DESCRIPTION %= {"depth": MAX_JSON_DEPTH}
 
 
-def add_arguments(parser: argparse.ArgumentParser) -> None:
+#: Flags of the proxy's own front (client connections, relaying, client auth), and the values
+#: ``kvroute epp``, which has no such front, runs with.
+_PROXY_ONLY_DEFAULTS = dict(
+    header_timeout=DEFAULT_HEADER_TIMEOUT_S, keepalive_timeout=DEFAULT_KEEPALIVE_TIMEOUT_S,
+    send_timeout=DEFAULT_SEND_TIMEOUT_S, max_connections=None, max_attempts=RouterConfig.max_attempts,
+    first_byte_timeout=DEFAULT_FIRST_BYTE_TIMEOUT_S, stream_idle_timeout=DEFAULT_STREAM_IDLE_TIMEOUT_S,
+    api_key=None, public_metrics=False, forward_authorization=False,
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser, *, epp: bool = False) -> None:
+    """serve's flags; with ``epp``, those that mean the same for ``kvroute epp`` (which only
+    decides: no client connections, no relay) and its listening ports."""
     listen = parser.add_argument_group("listening")
     listen.add_argument("--host", default=RouterConfig.host, help="address to listen on (default: %(default)s)")
-    listen.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: %(default)s)")
+    if epp:
+        listen.add_argument("--grpc-port", type=int, default=DEFAULT_GRPC_PORT,
+                            help="port of Envoy's ext_proc service and gRPC health (services liveness, "
+                            "readiness, envoy.service.ext_proc.v3.ExternalProcessor); 0 picks a free "
+                            "one (default: %(default)s, the InferencePool's endpointPickerRef port)")
+        listen.add_argument("--port", type=int, default=9090,
+                            help="HTTP port of /metrics and /health; 0 picks a free one (default: %(default)s)")
+        parser.set_defaults(**_PROXY_ONLY_DEFAULTS)
+    else:
+        listen.add_argument("--port", type=int, default=8000, help="port; 0 picks a free one (default: %(default)s)")
     listen.add_argument("--threads", type=int, default=None, metavar="N",
                         help="threads serving requests (default: one per core)")
 
@@ -128,6 +149,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                          help="watch a Kubernetes Service's EndpointSlices (ready and terminating pods); "
                          "PORT is the port's number or name (default http); needs RBAC to "
                          "get/list/watch endpointslices (deploy/helm/kvroute sets it up)")
+    workers.add_argument("--pool", metavar="[NAMESPACE/]NAME",
+                         help="follow the ready pods of a Gateway API Inference Extension InferencePool "
+                         "(inference.networking.k8s.io/v1: its selector.matchLabels and targetPorts, "
+                         "one worker per pod and port); needs RBAC to get inferencepools and "
+                         "get/list/watch pods")
     workers.add_argument("--discovery-interval", type=float, default=5.0, metavar="S",
                          help="seconds between --dns lookups / --worker-file checks (default: %(default)s)")
     workers.add_argument("--health-interval", type=float, default=RouterConfig.health_interval_s, metavar="S",
@@ -200,29 +226,33 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "would exceed it gets 503 with Retry-After, so that many large bodies at "
                         "once cannot take the router's memory. At least the body limit "
                         "(metric kvroute_router_buffered_body_bytes; default: %(default)s)")
-    limits.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
-                        help="seconds for a request's line and headers to arrive, from the "
-                        "connection's start or the head's first byte; slower connections are "
-                        "closed (slowloris; a head is a few KiB) (default: %(default)g)")
+    if not epp:
+        limits.add_argument("--header-timeout", type=float, default=DEFAULT_HEADER_TIMEOUT_S, metavar="S",
+                            help="seconds for a request's line and headers to arrive, from the "
+                            "connection's start or the head's first byte; slower connections are "
+                            "closed (slowloris; a head is a few KiB) (default: %(default)g)")
     limits.add_argument("--body-timeout", type=float, default=DEFAULT_BODY_TIMEOUT_S, metavar="S",
                         help="seconds for a request body to arrive in full, else 408 (default: "
                         "%(default)g: 64 MiB at 1 MiB/s)")
-    limits.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S, metavar="S",
-                        help="seconds an idle client connection is kept open; keep it above your "
-                        "load balancer's idle timeout (60 s on AWS and GCP) so that it never sends "
-                        "on a connection being closed (default: %(default)g)")
-    limits.add_argument("--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT_S, metavar="S",
-                        help="seconds a client may take no byte of its answer while the router has "
-                        "more to write before its connection is closed (a client that stops "
-                        "reading holds its connection and its worker's); 0: no limit (default: "
-                        "%(default)g, as nginx's send_timeout)")
-    limits.add_argument("--max-connections", type=int, metavar="N",
-                        help="open client connections at most. At the limit a new connection closes "
-                        "one that lingers after its answer, else the one waiting longest for its "
-                        "request head (a slow client); when none does, it is answered 503 and closed. "
-                        f"Default: (RLIMIT_NOFILE - {FD_RESERVE}) / 2, after raising the soft limit to "
-                        "the hard one: each connection with a request in flight also holds one to a "
-                        "worker, so the descriptors never run out (448 under ulimit -n 1024)")
+    if not epp:
+        limits.add_argument("--keepalive-timeout", type=float, default=DEFAULT_KEEPALIVE_TIMEOUT_S, metavar="S",
+                            help="seconds an idle client connection is kept open; keep it above your "
+                            "load balancer's idle timeout (60 s on AWS and GCP) so that it never sends "
+                            "on a connection being closed (default: %(default)g)")
+    if not epp:
+        limits.add_argument("--send-timeout", type=float, default=DEFAULT_SEND_TIMEOUT_S, metavar="S",
+                            help="seconds a client may take no byte of its answer while the router has "
+                            "more to write before its connection is closed (a client that stops "
+                            "reading holds its connection and its worker's); 0: no limit (default: "
+                            "%(default)g, as nginx's send_timeout)")
+    if not epp:
+        limits.add_argument("--max-connections", type=int, metavar="N",
+                            help="open client connections at most. At the limit a new connection closes "
+                            "one that lingers after its answer, else the one waiting longest for its "
+                            "request head (a slow client); when none does, it is answered 503 and closed. "
+                            f"Default: (RLIMIT_NOFILE - {FD_RESERVE}) / 2, after raising the soft limit to "
+                            "the hard one: each connection with a request in flight also holds one to a "
+                            "worker, so the descriptors never run out (448 under ulimit -n 1024)")
     limits.add_argument("--offload-bytes", default=f"{DEFAULT_OFFLOAD_BYTES >> 10}KiB", metavar="SIZE",
                         help="larger bodies are parsed, tokenized and hashed on a blocking thread, "
                         "never on one serving other connections, 2 at once (a parse takes a "
@@ -232,23 +262,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "that a shared prefix is tokenized once) (default: %(default)s)")
     limits.add_argument("--drain-timeout", type=float, default=RouterConfig.drain_timeout_s, metavar="S",
                         help="on SIGTERM, wait this long for in-flight requests (default: %(default)s)")
-    limits.add_argument("--max-attempts", type=int, default=RouterConfig.max_attempts,
-                        help="workers tried per request before a 502, retrying only before the "
-                        "first response byte (default: %(default)s)")
-    limits.add_argument("--first-byte-timeout", type=float, default=DEFAULT_FIRST_BYTE_TIMEOUT_S, metavar="S",
-                        help="seconds a worker may take to send its response headers before the "
-                        "request goes to another worker (0: no limit). A stream's headers come "
-                        "before its prefill; a non-streamed request's are its whole answer, so "
-                        "this bounds that: the default %(default)g s covers a 130k-token prefill "
-                        "(~30 s on an H100 for an 8B model, minutes on smaller GPUs) and 8k tokens "
-                        "at 20 tokens/s. Raise it for longer non-streamed generations")
-    limits.add_argument("--stream-idle-timeout", type=float, default=DEFAULT_STREAM_IDLE_TIMEOUT_S, metavar="S",
-                        help="most seconds between two chunks of an answer, the first one "
-                        "included, before it is ended with an SSE error event (0: no limit). The "
-                        "longest healthy silence is the wait for the first token, queueing plus "
-                        "prefill: a 130k-token prompt prefills in ~30 s on an H100 (8B model) and "
-                        "~3 min on an L4-class GPU; the default %(default)g s cuts neither and "
-                        "still ends the streams of a stopped or wedged worker")
+    if not epp:
+        limits.add_argument("--max-attempts", type=int, default=RouterConfig.max_attempts,
+                            help="workers tried per request before a 502, retrying only before the "
+                            "first response byte (default: %(default)s)")
+    if not epp:
+        limits.add_argument("--first-byte-timeout", type=float, default=DEFAULT_FIRST_BYTE_TIMEOUT_S, metavar="S",
+                            help="seconds a worker may take to send its response headers before the "
+                            "request goes to another worker (0: no limit). A stream's headers come "
+                            "before its prefill; a non-streamed request's are its whole answer, so "
+                            "this bounds that: the default %(default)g s covers a 130k-token prefill "
+                            "(~30 s on an H100 for an 8B model, minutes on smaller GPUs) and 8k tokens "
+                            "at 20 tokens/s. Raise it for longer non-streamed generations")
+    if not epp:
+        limits.add_argument("--stream-idle-timeout", type=float, default=DEFAULT_STREAM_IDLE_TIMEOUT_S, metavar="S",
+                            help="most seconds between two chunks of an answer, the first one "
+                            "included, before it is ended with an SSE error event (0: no limit). The "
+                            "longest healthy silence is the wait for the first token, queueing plus "
+                            "prefill: a 130k-token prompt prefills in ~30 s on an H100 (8B model) and "
+                            "~3 min on an L4-class GPU; the default %(default)g s cuts neither and "
+                            "still ends the streams of a stopped or wedged worker")
     limits.add_argument("--eject-after", type=int, default=RouterConfig.eject_after_failures, metavar="N",
                         help="consecutive failed requests that take a worker out; 0 never "
                         "(default: %(default)s)")
@@ -257,14 +290,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "(default: %(default)s)")
 
     security = parser.add_argument_group("security")
-    security.add_argument("--api-key", default=os.environ.get("KVROUTE_API_KEY"), metavar="KEY",
-                          help="require Authorization: Bearer KEY on every route but /health "
-                          "(default: $KVROUTE_API_KEY, else no auth)")
-    security.add_argument("--public-metrics", action="store_true",
-                          help="with --api-key, leave /metrics open too (for a scraper without the key)")
-    security.add_argument("--forward-authorization", action="store_true",
-                          help="pass the client's Authorization header on to the workers "
-                          "(default: dropped)")
+    if not epp:
+        security.add_argument("--api-key", default=os.environ.get("KVROUTE_API_KEY"), metavar="KEY",
+                              help="require Authorization: Bearer KEY on every route but /health "
+                              "(default: $KVROUTE_API_KEY, else no auth)")
+    if not epp:
+        security.add_argument("--public-metrics", action="store_true",
+                              help="with --api-key, leave /metrics open too (for a scraper without the key)")
+    if not epp:
+        security.add_argument("--forward-authorization", action="store_true",
+                              help="pass the client's Authorization header on to the workers "
+                              "(default: dropped)")
     security.add_argument("--worker-api-key", default=os.environ.get("KVROUTE_WORKER_API_KEY"),
                           metavar="KEY", help="send Authorization: Bearer KEY to the workers "
                           "(default: $KVROUTE_WORKER_API_KEY, else none)")
@@ -276,11 +312,11 @@ _ZMQ_SCHEMES = ("tcp://", "ipc://")
 
 def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """The router configuration the flags describe (raises UserError on bad flags)."""
-    sources = [bool(args.worker), bool(args.worker_file), bool(args.dns), bool(args.k8s_service)]
+    sources = [bool(args.worker), bool(args.worker_file), bool(args.dns), bool(args.k8s_service), bool(args.pool)]
     if sum(sources) != 1:
         raise UserError(
-            "give the workers one way: --worker URL (repeated), --worker-file PATH, --dns NAME:PORT "
-            "or --k8s-service [NAMESPACE/]SERVICE[:PORT]"
+            "give the workers one way: --worker URL (repeated), --worker-file PATH, --dns NAME:PORT, "
+            "--k8s-service [NAMESPACE/]SERVICE[:PORT] or --pool [NAMESPACE/]NAME"
         )
     discovery = None
     if args.worker_file:
@@ -293,6 +329,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         from kvroute.proxy.k8s import EndpointSliceDiscovery
 
         discovery = EndpointSliceDiscovery.from_spec(args.k8s_service)
+    elif args.pool:
+        from kvroute.proxy.k8s import InferencePoolDiscovery
+
+        discovery = InferencePoolDiscovery.from_spec(args.pool)
+    for flag, port in (("--port", args.port), ("--grpc-port", getattr(args, "grpc_port", None))):
+        if port is not None and not 0 <= port <= 65535:
+            raise UserError(f"{flag} must be a port 0-65535 (0: a free one), got {port}")
     for flag, port in (("--kv-events-port", args.kv_events_port), ("--kv-replay-port", args.kv_replay_port)):
         if port is not None and not 0 < port <= 65535:
             raise UserError(f"{flag} must be a port 1-65535, got {port}")
@@ -373,11 +416,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         retention=args.retention,
         kv_capacity_blocks=args.kv_capacity_blocks,
         threads=threads,
+        grpc_port=getattr(args, "grpc_port", None),
     )
 
 
-async def _serve(config: RouterConfig) -> None:
-    """Serve until SIGINT/SIGTERM; then drain (new requests 503, in-flight ones finish)."""
+async def _serve(config: RouterConfig, name: str = "serve") -> None:
+    """Serve until SIGINT/SIGTERM; then drain (new requests 503, in-flight ones finish).
+    ``name``: the command, ``serve`` or ``epp`` (``config.grpc_port`` set), in its lines."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -389,14 +434,19 @@ async def _serve(config: RouterConfig) -> None:
         router = Router(config)
         await router.start()
         workers = ", ".join(router.worker_statuses()) or "none yet"
-        # The first line names the bound port, so a script that asked for port 0 can read it.
-        print(f"kvroute serve: listening on {router.url}, policy {config.policy}, "
-              f"{config.threads} threads, workers: {workers}", flush=True)
-        print(f"kvroute serve: max body {router.max_body_bytes} bytes ({router.max_body_source}), "
-              f"{config.max_buffered_body_bytes} bytes of bodies held at most, "
-              f"max {router.max_connections} connections", file=sys.stderr, flush=True)
+        # The first line names the bound port(s), so a script that asked for port 0 can read it.
+        if router.grpc_address is None:
+            print(f"kvroute serve: listening on {router.url}, policy {config.policy}, "
+                  f"{config.threads} threads, workers: {workers}", flush=True)
+        else:
+            print(f"kvroute epp: ext_proc on {router.grpc_address}, metrics on {router.url}/metrics, "
+                  f"policy {config.policy}, {config.threads} threads, workers: {workers}", flush=True)
+        print(f"kvroute {name}: max body {router.max_body_bytes} bytes ({router.max_body_source}), "
+              f"{config.max_buffered_body_bytes} bytes of bodies held at most"
+              + ("" if router.grpc_address else f", max {router.max_connections} connections"),
+              file=sys.stderr, flush=True)
         await stop.wait()
-        print(f"kvroute serve: draining {router.in_flight} in-flight requests", file=sys.stderr, flush=True)
+        print(f"kvroute {name}: draining {router.in_flight} in-flight requests", file=sys.stderr, flush=True)
         await router.drain()
     finally:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -405,9 +455,9 @@ async def _serve(config: RouterConfig) -> None:
             await router.close()
 
 
-def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=logging.WARNING, format="kvroute serve: %(levelname)s %(message)s")
+def run(args: argparse.Namespace, name: str = "serve") -> int:
+    logging.basicConfig(level=logging.WARNING, format=f"kvroute {name}: %(levelname)s %(message)s")
     config = config_from_args(args)
-    aio.run(_serve(config))
-    print("kvroute serve: stopped", file=sys.stderr, flush=True)
+    aio.run(_serve(config, name))
+    print(f"kvroute {name}: stopped", file=sys.stderr, flush=True)
     return 0

@@ -137,6 +137,9 @@ class RouterConfig:
             reads each worker's own from its ``/metrics`` (``vllm:cache_config_info``), and
             retention assumes ``predicted_capacity_blocks`` (or its default) less the null block.
         threads: the threads serving requests (``kvroute serve`` defaults to one per core).
+        grpc_port: serve Envoy's ext_proc on this port as a Gateway API Inference Extension
+            Endpoint Picker (``kvroute epp``; 0 picks a free one) instead of proxying; ``port``
+            then serves ``/metrics`` and ``/health`` only. None: ``kvroute serve``'s proxy.
     """
 
     workers: Sequence[str] = ()
@@ -179,6 +182,7 @@ class RouterConfig:
     retention: str | None = None
     kv_capacity_blocks: int | None = None
     threads: int = _SERVE["threads"]
+    grpc_port: int | None = None
 
     def retention_mode(self) -> str:
         """The retention mode the router runs: ``retention``, or the policy's default."""

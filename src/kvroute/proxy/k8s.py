@@ -33,7 +33,10 @@ import re
 from collections.abc import AsyncIterator, Iterable
 
 from lightkube import ApiError, AsyncClient, ConfigError, KubeConfig
+from lightkube.generic_resource import create_namespaced_resource
+from lightkube.models.core_v1 import Pod as PodModel
 from lightkube.models.discovery_v1 import EndpointSlice as EndpointSliceModel
+from lightkube.resources.core_v1 import Pod
 from lightkube.resources.discovery_v1 import EndpointSlice
 from lightkube.types import OnErrorAction, OnErrorResult
 
@@ -188,17 +191,26 @@ class EndpointSliceDiscovery:
             )
         return cls(service, namespace or None, port=port, **options)
 
+    #: The resource listed and watched, and what its objects are called in log lines.
+    _resource = EndpointSlice
+    _what = "EndpointSlices"
+
     @property
-    def _labels(self) -> dict[str, str]:
+    def _source(self) -> str:
+        return f"service {self.namespace}/{self.service}"
+
+    async def _labels(self, client: AsyncClient) -> dict[str, str]:
+        """The label selector of the objects to follow (read again at each LIST)."""
         return {SERVICE_NAME_LABEL: self.service}
 
     def _endpoints(self, slices: dict[str, EndpointSliceModel]) -> list[Endpoint]:
         return endpoints_from_slices(slices.values(), self.port, self.scheme)
 
-    async def _list(self, client: AsyncClient) -> tuple[dict[str, EndpointSliceModel], str]:
-        listing = client.list(EndpointSlice, namespace=self.namespace, labels=self._labels)
-        slices = {eps.metadata.name: eps async for eps in listing}
-        return slices, listing.resourceVersion
+    async def _list(self, client: AsyncClient) -> tuple[dict[str, object], str, dict[str, str]]:
+        labels = await self._labels(client)
+        listing = client.list(self._resource, namespace=self.namespace, labels=labels)
+        objects = {obj.metadata.name: obj async for obj in listing}
+        return objects, listing.resourceVersion, labels
 
     async def watch(self) -> AsyncIterator[list[Endpoint]]:
         """Yield the complete endpoint list at start and whenever it changes.
@@ -219,11 +231,11 @@ class EndpointSliceDiscovery:
         try:
             while True:
                 try:
-                    slices, version = await self._list(client)
+                    slices, version, labels = await self._list(client)
                 except _HTTPError as exc:
                     logger.warning(
-                        "cannot list EndpointSlices of service %s/%s: %s; retrying in %.1f s",
-                        self.namespace, self.service, _describe(exc), delay,
+                        "cannot list %s of %s: %s; retrying in %.1f s",
+                        self._what, self._source, _describe(exc), delay,
                     )
                     if current is None:
                         current = []
@@ -238,9 +250,9 @@ class EndpointSliceDiscovery:
 
                 watch_error.clear()
                 watch = client.watch(
-                    EndpointSlice,
+                    self._resource,
                     namespace=self.namespace,
-                    labels=self._labels,
+                    labels=labels,
                     resource_version=version,
                     server_timeout=self.server_timeout_s,
                     on_error=stop_on_error,
@@ -264,16 +276,92 @@ class EndpointSliceDiscovery:
                 # The watch ended: its version expired, or it failed. Re-list either way.
                 exc = watch_error[0] if watch_error else None
                 if exc is not None and _status_code(exc) == _GONE:
-                    logger.info("EndpointSlice watch of %s expired; listing again", self.service)
+                    logger.info("%s watch of %s expired; listing again", self._what, self._source)
                     continue
                 logger.warning(
-                    "EndpointSlice watch of %s/%s failed: %s; listing again in %.1f s",
-                    self.namespace, self.service, _describe(exc), delay,
+                    "%s watch of %s failed: %s; listing again in %.1f s",
+                    self._what, self._source, _describe(exc), delay,
                 )
                 await asyncio.sleep(delay)
                 delay = min(delay * 2, self.retry_max_s)
         finally:
             await client.close()
+
+
+#: The InferencePool resource of the Gateway API Inference Extension (its v1 API).
+InferencePool = create_namespaced_resource("inference.networking.k8s.io", "v1", "InferencePool", "inferencepools")
+
+
+def pod_ready(pod: PodModel) -> bool:
+    """Whether a pod takes requests: an IP, not being deleted, its ``Ready`` condition true."""
+    status = pod.status
+    if status is None or not status.podIP or (pod.metadata and pod.metadata.deletionTimestamp):
+        return False
+    return any(c.type == "Ready" and c.status == "True" for c in status.conditions or ())
+
+
+def endpoints_from_pods(pods: Iterable[PodModel], ports: Iterable[int], scheme: str = "http") -> list[Endpoint]:
+    """The ready pods as workers, one per pod and target port (an InferencePool's rule: each
+    ``podIP:port`` is an endpoint), sorted by name. A pod of several ports is named
+    ``POD:PORT``."""
+    ports = list(ports)
+    found = []
+    for pod in pods:
+        if not pod_ready(pod):
+            continue
+        host = f"[{pod.status.podIP}]" if ":" in pod.status.podIP else pod.status.podIP
+        for port in ports:
+            name = pod.metadata.name if len(ports) == 1 else f"{pod.metadata.name}:{port}"
+            found.append(Endpoint(f"{scheme}://{host}:{port}", name, True))
+    return sorted(found, key=lambda e: (e.name, e.url))
+
+
+class InferencePoolDiscovery(EndpointSliceDiscovery):
+    """The ready pods of a Gateway API Inference Extension ``InferencePool``
+    (``inference.networking.k8s.io/v1``): its ``spec.selector.matchLabels`` picks the pods in
+    its namespace, each of its ``spec.targetPorts`` makes one worker per pod. Pods are listed
+    and watched as the EndpointSlices are (:class:`EndpointSliceDiscovery`); the pool itself is
+    read again at every LIST (a changed selector or port is followed then).
+
+    Needs ``get`` on ``inferencepools`` (group ``inference.networking.k8s.io``) and ``get``,
+    ``list``, ``watch`` on ``pods`` in the pool's namespace.
+    """
+
+    _resource = Pod
+    _what = "Pods"
+
+    def __init__(self, pool: str, namespace: str | None = None, **options) -> None:
+        super().__init__(pool, namespace, **options)
+        self.ports: list[int] = []
+
+    @classmethod
+    def from_spec(cls, spec: str, **options) -> InferencePoolDiscovery:
+        """From ``[NAMESPACE/]NAME`` (the ``--pool`` flag).
+
+        Raises:
+            UserError: on a malformed spec, or when no credentials are found.
+        """
+        namespace, _, name = spec.strip().rpartition("/")
+        if not _DNS_LABEL.fullmatch(name) or (namespace and not _DNS_LABEL.fullmatch(namespace)):
+            raise UserError(f"bad --pool {spec!r}: expected [NAMESPACE/]NAME, e.g. llm/kv-kvroute-pool")
+        return cls(name, namespace or None, **options)
+
+    @property
+    def _source(self) -> str:
+        return f"InferencePool {self.namespace}/{self.service}"
+
+    async def _labels(self, client: AsyncClient) -> dict[str, str]:
+        pool = await client.get(InferencePool, self.service, namespace=self.namespace)
+        spec = pool.get("spec") or {}
+        labels = (spec.get("selector") or {}).get("matchLabels") or {}
+        self.ports = [int(p["number"]) for p in spec.get("targetPorts") or () if "number" in p]
+        if not labels or not self.ports:
+            # The API server's schema requires both: say so rather than follow every pod.
+            raise UserError(f"{self._source} has no selector.matchLabels or no targetPorts")
+        return dict(labels)
+
+    def _endpoints(self, pods: dict[str, PodModel]) -> list[Endpoint]:
+        return endpoints_from_pods(pods.values(), self.ports, self.scheme)
 
 
 def _status_code(exc: Exception) -> int | None:

@@ -80,6 +80,7 @@ def native_arguments(config: RouterConfig) -> dict[str, Any]:
         eject_after_failures=config.eject_after_failures, eject_base_s=config.eject_base_s,
         api_key=config.api_key, metrics_public=config.metrics_public,
         worker_api_key=config.worker_api_key, forward_authorization=config.forward_authorization,
+        grpc_port=config.grpc_port,
     )
 
 
@@ -88,7 +89,9 @@ class Router:
     a source that changes, the task that follows it. Built by :func:`start_router`.
 
     Attributes:
-        url: ``http://host:port`` it listens on.
+        url: ``http://host:port`` it listens on (an Endpoint Picker's ``/metrics`` and
+            ``/health`` only).
+        grpc_address: ``host:port`` of an Endpoint Picker's ext_proc (None for the proxy).
         native: the ``kvroute._native.NativeRouter``.
         max_body_bytes / max_body_source: the body limit and where it came from.
     """
@@ -108,6 +111,8 @@ class Router:
         self._follow_task: asyncio.Task | None = None
         host = f"[{config.host}]" if ":" in config.host else config.host
         self.url = f"http://{host}:{self.native.port}"
+        grpc = self.native.grpc_port
+        self.grpc_address: str | None = None if grpc is None else f"{host}:{grpc}"
         self.max_body_bytes: int = self.native.max_body_bytes
         self.max_body_source: str = self.native.max_body_source
         self.max_connections = arguments["max_connections"]

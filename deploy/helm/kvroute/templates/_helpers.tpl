@@ -17,6 +17,8 @@
 {{- define "kvroute.service.name" -}}{{ include "kvroute.fullname" . }}-workers{{- end -}}
 {{- define "kvroute.headless.name" -}}{{ include "kvroute.fullname" . }}-workers-headless{{- end -}}
 {{- define "kvroute.router.name" -}}{{ include "kvroute.fullname" . }}-router{{- end -}}
+{{- define "kvroute.epp.name" -}}{{ include "kvroute.fullname" . }}-epp{{- end -}}
+{{- define "kvroute.pool.name" -}}{{ include "kvroute.fullname" . }}-pool{{- end -}}
 {{- define "kvroute.headless.fqdn" -}}
 {{- printf "%s.%s.svc.%s" (include "kvroute.headless.name" .) .Release.Namespace .Values.clusterDomain -}}
 {{- end -}}
@@ -92,14 +94,43 @@ It listens on all addresses: the default, 127.0.0.1, is unreachable from outside
 - 0.0.0.0
 - --port
 - {{ .Values.router.port | quote }}
+{{ include "kvroute.routingArgs" . }}
+{{- range .Values.router.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* The Endpoint Picker's command line (gateway mode): the same routing as the router's. */}}
+{{- define "kvroute.eppArgs" -}}
+- epp
+- --host
+- 0.0.0.0
+- --grpc-port
+- {{ .Values.gateway.grpcPort | quote }}
+- --port
+- {{ .Values.gateway.metricsPort | quote }}
+{{ include "kvroute.routingArgs" . }}
+{{- range .Values.gateway.extraArgs }}
+- {{ . | quote }}
+{{- end }}
+{{- end -}}
+
+{{/* How the router and the Endpoint Picker find workers and route (router.* values). */}}
+{{- define "kvroute.routingArgs" -}}
 {{- if eq .Values.router.discovery "dns" }}
 - --dns
 - {{ printf "%s:%d" (include "kvroute.headless.fqdn" .) (int .Values.workers.port) }}
 {{- else if eq .Values.router.discovery "k8s" }}
 - --k8s-service
 - {{ printf "%s/%s:http" .Release.Namespace (include "kvroute.headless.name" .) }}
+{{- else if eq .Values.router.discovery "pool" }}
+{{- if not .Values.gateway.enabled }}
+{{- fail "router.discovery=pool follows the InferencePool of gateway mode: set gateway.enabled=true" }}
+{{- end }}
+- --pool
+- {{ printf "%s/%s" .Release.Namespace (include "kvroute.pool.name" .) }}
 {{- else }}
-{{- fail (printf "router.discovery must be dns or k8s, not %q" .Values.router.discovery) }}
+{{- fail (printf "router.discovery must be dns, k8s or pool, not %q" .Values.router.discovery) }}
 {{- end }}
 - --kv-events-port
 - {{ .Values.workers.kvEvents.port | quote }}
@@ -115,9 +146,6 @@ It listens on all addresses: the default, 127.0.0.1, is unreachable from outside
 {{- end }}
 {{- with .Values.router.tokenizer }}
 - --tokenizer
-- {{ . | quote }}
-{{- end }}
-{{- range .Values.router.extraArgs }}
 - {{ . | quote }}
 {{- end }}
 {{- end -}}
