@@ -137,7 +137,7 @@ fn py_to_value(obj: &Bound<'_, PyAny>, depth: usize) -> PyResult<rmpv::Value> {
     )))
 }
 
-fn extra_key_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u8>>> {
+pub(crate) fn extra_key_from_py(obj: &Bound<'_, PyAny>) -> PyResult<Option<Vec<u8>>> {
     if obj.is_none() {
         return Ok(None);
     }

@@ -88,13 +88,15 @@ fn event_of(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<KvCacheEvent> {
         let lora_id = obj.getattr("lora_id")?;
         let lora_name = obj.getattr("lora_name")?;
         let extra = obj.getattr("extra_keys")?;
+        // The keys as msgpack, as vLLM sends them: the index hashes a LoRA name or a cache
+        // salt into the block and skips any other key.
         let extra_keys = if extra.is_none() {
             None
         } else {
             Some(
                 extra
                     .try_iter()?
-                    .map(|k| Ok(if k?.is_none() { None } else { Some(Vec::new()) }))
+                    .map(|k| crate::kvevents::extra_key_from_py(&k?))
                     .collect::<PyResult<Vec<_>>>()?,
             )
         };
@@ -103,13 +105,9 @@ fn event_of(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<KvCacheEvent> {
             parent_block_hash,
             token_ids,
             block_size,
-            lora_id: if lora_id.is_none() { None } else { Some(0) },
+            lora_id: lora_id.extract()?,
             medium: None,
-            lora_name: if lora_name.is_none() {
-                None
-            } else {
-                Some(String::new())
-            },
+            lora_name: lora_name.extract()?,
             extra_keys,
             group_idx: 0,
             kv_cache_spec_kind: None,

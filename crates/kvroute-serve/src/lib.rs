@@ -36,6 +36,7 @@ pub mod connections;
 pub mod edge;
 pub mod fleet;
 pub mod metrics;
+pub mod models;
 pub mod prompt;
 pub mod relay;
 pub mod server;

@@ -34,6 +34,7 @@ use crate::connections::{self, ConnState, Expiry, Registry, WatchedIo};
 use crate::edge::{self, Body};
 use crate::fleet::{Fleet, Membership};
 use crate::metrics::{Metrics, Open};
+use crate::models::ServedModels;
 use crate::prompt::{Prompt, Prompts, Route};
 use crate::relay::{self, AnswerStart, Ending, RefreshUpstream, RelayBody, SignalBody, Upstream};
 
@@ -245,7 +246,8 @@ impl Server {
             config.max_json_depth,
             config.retention.is_some(),
         )?;
-        let (fleet, membership) = Fleet::new(&config)?;
+        let (mut fleet, membership) = Fleet::new(&config)?;
+        fleet.set_adapter_names(prompts.adapter_names());
         let worker_authorization =
             match &config.worker_api_key {
                 Some(key) => Some(HeaderValue::from_str(&format!("Bearer {key}")).map_err(
@@ -981,6 +983,17 @@ async fn forward(
     in_flight: InFlight,
     started: Instant,
 ) -> Response<Body> {
+    let model = prompt.model.as_deref();
+    if let Some(model) = model
+        && shared.fleet().unknown_model(model)
+    {
+        return edge::error(
+            StatusCode::NOT_FOUND,
+            &format!("The model `{model}` does not exist."),
+            "NotFoundError",
+            Some("model"),
+        );
+    }
     let mut tried: Vec<String> = Vec::new();
     for attempt in 0..shared.config.max_attempts {
         let now = shared.now();
@@ -990,6 +1003,7 @@ async fn forward(
             &tried,
             now,
             prompt.retained.as_ref(),
+            model,
         );
         let Some(choice) = choice else {
             break;
@@ -1158,6 +1172,9 @@ async fn health_loop(shared: Arc<Shared>, interval: Duration, mut stopped: watch
                 let passed = check(&shared, &url).await;
                 let now = shared.now();
                 shared.fleet().checked(&name, passed, now);
+                if passed && let Some(models) = served_models(&shared, &url).await {
+                    shared.fleet().set_models(&name, models);
+                }
             });
         }
     }
@@ -1181,6 +1198,30 @@ async fn check(shared: &Shared, url: &str) -> bool {
     })
     .await;
     matches!(answer, Ok(Some(true)))
+}
+
+/// The models and adapters the worker at `url` lists in `GET /v1/models` (a 2xx within the
+/// health-check timeout, at most [`MAX_ANSWER_BYTES`]), or None.
+async fn served_models(shared: &Shared, url: &str) -> Option<ServedModels> {
+    let uri = format!("{url}/v1/models").parse::<hyper::Uri>().ok()?;
+    let mut request = Request::get(uri);
+    if let Some(auth) = &shared.worker_authorization {
+        request = request.header(AUTHORIZATION, auth.clone());
+    }
+    let request = request.body(Full::new(Bytes::new())).ok()?;
+    tokio::time::timeout(shared.config.health_timeout, async {
+        let response = shared.upstream.request(request).await.ok()?;
+        if !response.status().is_success() {
+            return None;
+        }
+        let body = http_body_util::Limited::new(response.into_body(), MAX_ANSWER_BYTES)
+            .collect()
+            .await
+            .ok()?;
+        ServedModels::parse(&body.to_bytes())
+    })
+    .await
+    .ok()?
 }
 
 /// Ask each worker whose KV capacity the admission guard or retention needs for its engine's
