@@ -75,6 +75,12 @@ pub struct BlockKeys {
 }
 
 impl BlockKeys {
+    /// A plain request's keys: none.
+    pub const PLAIN: BlockKeys = BlockKeys {
+        lora_name: None,
+        cache_salt: None,
+    };
+
     /// Keys for a request under `lora_name` with `cache_salt` (an empty salt counts as none,
     /// as in vLLM).
     pub fn new(lora_name: Option<&str>, cache_salt: Option<&str>) -> Self {

@@ -71,7 +71,7 @@ fn value_to_py(py: Python<'_>, value: &rmpv::Value) -> PyResult<Py<PyAny>> {
 }
 
 /// One `extra_keys` entry as Python: vLLM types them as tuples, msgpack only has arrays.
-fn extra_key_to_py(py: Python<'_>, raw: &[u8]) -> PyResult<Py<PyAny>> {
+pub(crate) fn extra_key_to_py(py: Python<'_>, raw: &[u8]) -> PyResult<Py<PyAny>> {
     let value = rmpv::decode::read_value(&mut &raw[..])
         .map_err(|e| PyValueError::new_err(format!("extra key: {e}")))?;
     match &value {
