@@ -198,3 +198,23 @@ async def test_a_model_goes_only_to_the_workers_that_serve_it():
             }
     finally:
         await asyncio.gather(*(w.close() for w in workers))
+
+
+def test_a_tenant_workload_is_the_same_prompts_under_each_prefixs_adapter_and_salt():
+    import msgspec
+
+    from kvroute.bench.prompts import PromptEncoder, reference_workload
+    from kvroute.workload import WorkloadSpec
+
+    plain = WorkloadSpec(prefixes=24, requests=100, seed=3)
+    tenants = WorkloadSpec(prefixes=24, requests=100, seed=3, adapters=8, adapter_zipf=1.0, salted=True)
+    adapters = tenants.adapter_of_prefix()
+    assert adapters == tenants.adapter_of_prefix()  # seeded
+    assert len(set(adapters)) > 1 and adapters.count(0) >= adapters.count(7)  # skewed to rank 1
+    encoder = PromptEncoder("ids", "base")
+    a, b = reference_workload(plain, encoder), reference_workload(tenants, encoder)
+    for x, y in zip(a.requests, b.requests, strict=True):
+        bx, by = msgspec.json.decode(x.body), msgspec.json.decode(y.body)
+        assert bx["prompt"] == by["prompt"] and bx["model"] == "base" and "cache_salt" not in bx
+        adapter = adapters[y.prefix_id]
+        assert (by["model"], by["cache_salt"]) == (f"adapter-{adapter}", f"tenant-{adapter}")

@@ -23,6 +23,7 @@
 //! fleet only says which workers joined and left ([`Membership`]), and the server follows or
 //! stops following their streams.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::blocks::BlockHasher;
@@ -63,9 +64,6 @@ pub struct Member {
     pub ejected_until: f64,
     /// Times it was ejected (cumulative, for the metric).
     pub ejected_total: u64,
-    /// The `model` of the last token-id prompt retention saw routed here: what the refreshes
-    /// sent when it falls idle name (retention tracks only prefixes it saw routed).
-    pub refresh_model: Option<String>,
     /// Failed health checks (cumulative, for the metric).
     pub health_failures: u64,
     /// Its usable KV blocks as the admission guard and retention count them (None: not
@@ -109,7 +107,22 @@ pub struct Choice {
     pub overlap_blocks: usize,
     /// Refreshes retention sends that worker ahead of this request (their prompts).
     pub refreshes: Vec<Refresh>,
+    /// Whose prefix each refresh keeps (its `model` and `cache_salt`), in the same order.
+    pub refresh_tenants: Vec<RefreshTenant>,
 }
+
+/// What a refresh's body names besides its prompt: the `model` and `cache_salt` of the
+/// requests whose prefix it keeps, so that it warms the blocks those requests hit (vLLM keys
+/// them by adapter and salt).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RefreshTenant {
+    pub model: Option<String>,
+    pub cache_salt: Option<String>,
+}
+
+/// Most prefixes whose tenant the fleet remembers for refreshes; past it the memory starts
+/// over (a refresh of a forgotten prefix names no model and no salt).
+const MAX_REFRESH_TENANTS: usize = 1 << 16;
 
 /// One worker as the admission guard sees it ([`Fleet::admission_figures`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -125,9 +138,9 @@ pub struct IdleRefreshes {
     /// The worker's name and base URL.
     pub name: String,
     pub url: String,
-    /// The `model` the refreshes name (that of the last prompt retention saw routed there).
-    pub model: Option<String>,
     pub refreshes: Vec<Refresh>,
+    /// Whose prefix each refresh keeps, in the same order.
+    pub tenants: Vec<RefreshTenant>,
 }
 
 /// What a new worker list changed: the streams to follow and those to stop following.
@@ -154,6 +167,9 @@ pub struct Fleet {
     kv_capacity_blocks: Option<usize>,
     /// The adapters the workers serve, shared with the prompt parser.
     adapters: AdapterNames,
+    /// The tenant of each prefix retention saw routed, by its first block's hash (which
+    /// the adapter and the salt key already).
+    tenants: HashMap<u64, RefreshTenant>,
 }
 
 impl Fleet {
@@ -187,6 +203,7 @@ impl Fleet {
             }),
             kv_capacity_blocks: config.kv_capacity_blocks,
             adapters: AdapterNames::default(),
+            tenants: HashMap::new(),
         };
         let membership = fleet.set_workers(&config.workers)?;
         Ok((fleet, membership))
@@ -256,7 +273,6 @@ impl Fleet {
                 ejections: 0,
                 ejected_until: 0.0,
                 ejected_total: 0,
-                refresh_model: None,
                 health_failures: 0,
                 kv_capacity_blocks: self.kv_capacity_blocks,
                 kv_capacity_retry_at: 0.0,
@@ -363,11 +379,19 @@ impl Fleet {
             ),
         };
         let mut refreshes = Vec::new();
-        let mut retained_model = None;
         if let Some((r, request)) = retention
             && !block_hashes.is_empty()
         {
-            retained_model = Some(request.model.clone());
+            if self.tenants.len() >= MAX_REFRESH_TENANTS {
+                self.tenants.clear();
+            }
+            self.tenants.insert(
+                block_hashes[0],
+                RefreshTenant {
+                    model: request.model.clone(),
+                    cache_salt: request.cache_salt.clone(),
+                },
+            );
             let incoming = (request.ids.len() + request.output_tokens)
                 .div_ceil(self.routing.block_size())
                 .saturating_sub(routed.overlap);
@@ -389,14 +413,12 @@ impl Fleet {
             );
         }
         drop(index);
+        let refresh_tenants = self.tenants_of(&refreshes);
         let member = self
             .members
-            .iter_mut()
+            .iter()
             .find(|m| m.slot == routed.worker)
             .expect("the step routes among the members' slots");
-        if let Some(model) = retained_model {
-            member.refresh_model = model;
-        }
         Some(Choice {
             name: member.name.clone(),
             url: member.url.clone(),
@@ -405,7 +427,22 @@ impl Fleet {
             prefill_tokens: routed.prefill_tokens,
             overlap_blocks: routed.overlap,
             refreshes,
+            refresh_tenants,
         })
+    }
+
+    /// The tenant of each refresh's prefix.
+    fn tenants_of(&self, refreshes: &[Refresh]) -> Vec<RefreshTenant> {
+        refreshes
+            .iter()
+            .map(|r| {
+                r.block_hashes
+                    .first()
+                    .and_then(|h| self.tenants.get(h))
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .collect()
     }
 
     /// Workers whose KV capacity the admission guard or retention needs and may ask their
@@ -474,10 +511,12 @@ impl Fleet {
         let mut refreshes = Vec::new();
         let mut index = lock_index(&self.index);
         retention.poll_idle(&self.routing, Some(&mut index), slot, now, &mut refreshes);
+        drop(index);
+        let (name, url) = (member.name.clone(), member.url.clone());
         (!refreshes.is_empty()).then(|| IdleRefreshes {
-            name: member.name.clone(),
-            url: member.url.clone(),
-            model: member.refresh_model.clone(),
+            name,
+            url,
+            tenants: self.tenants_of(&refreshes),
             refreshes,
         })
     }

@@ -106,6 +106,8 @@ pub struct Retained {
     pub output_tokens: usize,
     /// The body's `model`, sent on with the refreshes.
     pub model: Option<String>,
+    /// The body's `cache_salt`, sent on with the refreshes.
+    pub cache_salt: Option<String>,
 }
 
 /// Output budget assumed for a body without `max_tokens` (vLLM's default is the context).
@@ -402,8 +404,7 @@ impl Prompts {
         let keys = self.keys(fields);
         let block_hashes = self.hasher.hash_blocks_keyed(&ids, None, 0, None, &keys);
         let tokens = ids.len();
-        // A salted prompt is not retained: a refresh sends ids and the model, not the salt.
-        let retained = (self.keep_ids && !batch && keys.cache_salt.is_none()).then(|| Retained {
+        let retained = (self.keep_ids && !batch).then(|| Retained {
             output_tokens: budget("max_completion_tokens")
                 .or_else(|| budget("max_tokens"))
                 .map_or(DEFAULT_OUTPUT_TOKENS, |n| n as usize),
@@ -411,6 +412,7 @@ impl Prompts {
                 .get("model")
                 .and_then(Value::as_str)
                 .map(str::to_owned),
+            cache_salt: keys.cache_salt.clone(),
             ids,
         });
         Prompt {
@@ -509,7 +511,9 @@ mod tests {
             .unwrap();
         assert_eq!(chat.tokens, unsalted.tokens);
         assert_ne!(chat.block_hashes.first(), unsalted.block_hashes.first());
-        assert!(chat.retained.is_none() && unsalted.retained.is_some());
+        let retained = chat.retained.unwrap();
+        assert_eq!(retained.cache_salt.as_deref(), Some("t1"));
+        assert_eq!(unsalted.retained.unwrap().cache_salt, None);
         for bad_salt in ["\"\"", "3", "[]"] {
             let body = format!(r#"{{"prompt": [1,2,3,4], "cache_salt": {bad_salt}}}"#);
             assert_eq!(parse(&body).unwrap_err().param, Some("cache_salt"));

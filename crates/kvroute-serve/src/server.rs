@@ -32,7 +32,7 @@ use kvroute_io::consumer::{Consumer, CounterSnapshot, Item, Subscription};
 use crate::config::{ConfigError, ServeConfig, WorkerSpec};
 use crate::connections::{self, ConnState, Expiry, Registry, WatchedIo};
 use crate::edge::{self, Body};
-use crate::fleet::{Fleet, Membership};
+use crate::fleet::{Fleet, Membership, RefreshTenant};
 use crate::metrics::{Metrics, Open};
 use crate::models::ServedModels;
 use crate::prompt::{Prompt, Prompts, Route};
@@ -854,7 +854,7 @@ impl Drop for Load {
                     &idle.name,
                     &idle.url,
                     &idle.refreshes,
-                    idle.model.as_deref(),
+                    &idle.tenants,
                 )
                 .await;
             });
@@ -1026,9 +1026,9 @@ async fn forward(
             prefill_tokens: Some(choice.prefill_tokens),
         };
         if !choice.refreshes.is_empty() {
-            let model = prompt.retained.as_ref().and_then(|r| r.model.as_deref());
             let waited = Instant::now();
-            send_refreshes(shared, &choice.name, &choice.url, &choice.refreshes, model).await;
+            let (refreshes, tenants) = (&choice.refreshes, &choice.refresh_tenants);
+            send_refreshes(shared, &choice.name, &choice.url, refreshes, tenants).await;
             shared.metrics.refresh_wait(waited.elapsed().as_secs_f64());
         }
         let Ok(uri) = format!("{}{}", choice.url, route.path()).parse::<hyper::Uri>() else {
@@ -1153,17 +1153,26 @@ async fn health_loop(shared: Arc<Shared>, interval: Duration, mut stopped: watch
     let tick = interval / UNHEALTHY_CHECKS_PER_INTERVAL;
     let mut round: u32 = 0;
     loop {
-        tokio::select! {
-            _ = tokio::time::sleep(tick) => {},
-            _ = stopped.changed() => return,
+        // The first round runs at once: it learns the workers' models before most requests.
+        if round > 0 {
+            tokio::select! {
+                _ = tokio::time::sleep(tick) => {},
+                _ = stopped.changed() => return,
+            }
         }
         round = round.wrapping_add(1);
         let now = shared.now();
+        // A worker whose models are not known yet is checked as often as an unhealthy one:
+        // until then its requests are hashed without their adapter's key.
         let due: Vec<(String, String)> = shared
             .fleet()
             .members()
             .iter()
-            .filter(|m| !m.available(now) || round % UNHEALTHY_CHECKS_PER_INTERVAL == 0)
+            .filter(|m| {
+                !m.available(now)
+                    || m.models.is_none()
+                    || round % UNHEALTHY_CHECKS_PER_INTERVAL == 0
+            })
             .map(|m| (m.name.clone(), m.url.clone()))
             .collect();
         for (name, url) in due {
@@ -1322,10 +1331,10 @@ async fn send_refreshes(
     worker: &str,
     url: &str,
     refreshes: &[kvroute_core::retention::Refresh],
-    model: Option<&str>,
+    tenants: &[RefreshTenant],
 ) {
     let mut written = Vec::with_capacity(refreshes.len());
-    for refresh in refreshes {
+    for (refresh, tenant) in refreshes.iter().zip(tenants) {
         {
             let mut open = shared
                 .refreshes_open
@@ -1339,8 +1348,11 @@ async fn send_refreshes(
             *n += 1;
         }
         let mut body = serde_json::json!({"prompt": &*refresh.prompt, "max_tokens": 1});
-        if let Some(m) = model {
-            body["model"] = serde_json::Value::from(m);
+        if let Some(m) = &tenant.model {
+            body["model"] = serde_json::Value::from(m.as_str());
+        }
+        if let Some(salt) = &tenant.cache_salt {
+            body["cache_salt"] = serde_json::Value::from(salt.as_str());
         }
         let (body, done) = SignalBody::new(Bytes::from(body.to_string()));
         written.push(done);
