@@ -218,3 +218,36 @@ def test_a_tenant_workload_is_the_same_prompts_under_each_prefixs_adapter_and_sa
         assert bx["prompt"] == by["prompt"] and bx["model"] == "base" and "cache_salt" not in bx
         adapter = adapters[y.prefix_id]
         assert (by["model"], by["cache_salt"]) == (f"adapter-{adapter}", f"tenant-{adapter}")
+
+
+async def test_retention_refreshes_each_prefix_under_its_own_tenant():
+    """Prefixes of two tenants (an adapter and a salt each) in turn on one worker too small for
+    them all: retention's refreshes name the adapter and salt of the prefix they keep, so they
+    hit its cache (under another tenant's keys they would compute it all again)."""
+    import numpy as np
+
+    from kvroute.bench.runner import router_refreshes
+
+    blocks = 65  # 64 usable: 4 prefixes of 10 blocks and their requests' own blocks overflow
+    config = lora_config(num_gpu_blocks_override=blocks)
+    (worker,) = await start_workers(config, 1)
+    try:
+        rc = RouterConfig(workers=[worker.url], policy="kv-aware", retention="on",
+                          kv_capacity_blocks=blocks - 1, health_interval_s=0.1)
+        async with start_router(rc) as router, aiohttp.ClientSession() as s:
+            await asyncio.sleep(0.3)  # the router reads the worker's adapters
+            rng = np.random.default_rng(0)
+            prefixes = [rng.integers(1000, 30000, 10 * BS) for _ in range(4)]
+            tenants = [("sql", "t0"), ("chat", "t1")]
+            for i in range(40):
+                model, salt = tenants[i % 4 % 2]
+                prompt = np.concatenate([prefixes[i % 4], rng.integers(1000, 30000, 40)]).tolist()
+                body = {"prompt": prompt, "max_tokens": 8, "model": model, "cache_salt": salt}
+                status, answer, _ = await post(s, router.url, body)
+                assert status == 200, answer
+            await asyncio.sleep(0.3)  # let the last refreshes come back
+            refreshes = await router_refreshes(router.url + "/v1")
+            assert refreshes.sent > 0 and refreshes.open == 0
+            assert refreshes.prompt_tokens - refreshes.sent <= refreshes.cached_tokens
+    finally:
+        await worker.close()

@@ -331,9 +331,10 @@ impl Fleet {
     }
 
     /// Route a prompt for `model` among the available workers that serve it and are not in
-    /// `tried` (names), at `now` (monotonic seconds); None when there is no such worker. With retention on and a
-    /// token-id prompt (`retained`), a prompt cached nowhere goes where it displaces least
-    /// (`Retention::room_for`), and the choice carries the refreshes to send first.
+    /// `tried` (names), at `now` (monotonic seconds); None when there is no such worker. With
+    /// retention on and a token-id prompt (`retained`), a prompt cached nowhere goes where it
+    /// displaces least (`Retention::room_for`), and the choice carries the refreshes to send
+    /// first, each with the tenant of the prefix it keeps.
     pub fn route(
         &mut self,
         block_hashes: &[u64],
