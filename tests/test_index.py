@@ -108,7 +108,8 @@ def test_orphan_blocks_are_skipped_not_guessed():
     [
         BlockStored(ENGINE.hash_blocks(tokens(2)), None, tokens(2), BS, lora_id=3),
         BlockStored(ENGINE.hash_blocks(tokens(2)), None, tokens(2), BS, lora_name="adapter"),
-        BlockStored(ENGINE.hash_blocks(tokens(2)), None, tokens(2), BS, extra_keys=[("img",), None]),
+        # A multimodal key (an image's identifier and offset): no prompt kvroute hashes has it.
+        BlockStored(ENGINE.hash_blocks(tokens(2)), None, tokens(2), BS, extra_keys=[("img", 0), None]),
         BlockStored([1], None, tokens(2), 2 * BS),  # another block size (a CPU tier)
         BlockStored(ENGINE.hash_blocks(tokens(2)), None, tokens(1), BS),  # too few tokens
     ],
@@ -118,6 +119,27 @@ def test_blocks_a_token_hash_cannot_name_are_skipped(event):
     index.apply("a", [event])
     assert index.overlaps(OWN.hash_blocks(tokens(2)), ["a"], 0.0) == [0]
     assert index.stats().skipped_blocks == len(event.block_hashes)
+
+
+def test_blocks_keyed_by_an_adapter_and_a_salt_are_indexed_under_those_keys():
+    index = KvIndex(OWN)
+    toks = tokens(3)
+    keys = [("sql", "tenant-1"), ("sql",), ("sql",)]  # vLLM's: the salt on block 0 only
+    event = BlockStored(
+        ENGINE.hash_blocks(toks, lora_name="sql", cache_salt="tenant-1"), None, toks, BS,
+        lora_id=1, lora_name="sql", extra_keys=keys,
+    )
+    index.apply("a", [event])
+    assert index.stats().skipped_blocks == 0
+    mine = OWN.hash_blocks(toks, lora_name="sql", cache_salt="tenant-1")
+    assert index.overlaps(mine, ["a"], 0.0) == [3]
+    for other in (
+        OWN.hash_blocks(toks),
+        OWN.hash_blocks(toks, lora_name="sql"),
+        OWN.hash_blocks(toks, lora_name="sql", cache_salt="tenant-2"),
+        OWN.hash_blocks(toks, lora_name="chat", cache_salt="tenant-1"),
+    ):
+        assert index.overlaps(other, ["a"], 0.0) == [0]
 
 
 def test_extra_keys_all_none_is_a_plain_block():

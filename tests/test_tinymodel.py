@@ -248,3 +248,33 @@ def test_command_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> Non
     assert main(["make-tiny-model", str(target), "--vocab-size", "1024"]) == 2
     assert "--force" in capsys.readouterr().err
     assert main(["make-tiny-model", str(target), "--vocab-size", "1024", "--force"]) == 0
+
+
+def test_lora_adapters_are_written_in_pefts_layout(tmp_path: Path) -> None:
+    """``--lora-adapters 2``: PEFT's adapter_config.json and lora_A [r, in] / lora_B [out, r]
+    for q_proj and v_proj of every layer, under PEFT's ``base_model.model.`` prefix (what
+    vLLM's LoRA loader reads); adapters differ, and a seed writes the same bytes again."""
+    for out in ("a", "b"):
+        assert main(["make-tiny-model", str(tmp_path / out), "--vocab-size", "1024",
+                     "--lora-adapters", "2"]) == 0
+    root = tmp_path / "a" / "lora"
+    assert sorted(p.name for p in root.iterdir()) == ["adapter-0", "adapter-1"]
+    config = json.loads((root / "adapter-0" / "adapter_config.json").read_text())
+    assert (config["peft_type"], config["r"], config["target_modules"]) == ("LORA", 8, ["q_proj", "v_proj"])
+    assert config["base_model_name_or_path"] == str((tmp_path / "a").resolve())
+    header, data, _ = read_safetensors(root / "adapter-0" / "adapter_model.safetensors")
+    header.pop("__metadata__")
+    want = {}
+    for i in range(2):
+        a = f"base_model.model.model.layers.{i}.self_attn"
+        want |= {
+            f"{a}.q_proj.lora_A.weight": (8, 128), f"{a}.q_proj.lora_B.weight": (4 * 32, 8),
+            f"{a}.v_proj.lora_A.weight": (8, 128), f"{a}.v_proj.lora_B.weight": (2 * 32, 8),
+        }
+    assert {name: tuple(t["shape"]) for name, t in header.items()} == want
+    weights = _bf16_tensor(header, data, "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight")
+    assert np.isfinite(weights).all() and 0.01 < weights.std() < 0.04
+    files = [p.relative_to(tmp_path / "a") for p in sorted(root.rglob("*")) if p.is_file()]
+    first = {f: (tmp_path / "a" / f).read_bytes() for f in files if f.suffix != ".json"}
+    assert first == {f: (tmp_path / "b" / f).read_bytes() for f in first}
+    assert first[Path("lora/adapter-0/adapter_model.safetensors")] != first[Path("lora/adapter-1/adapter_model.safetensors")]

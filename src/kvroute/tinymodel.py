@@ -402,6 +402,67 @@ def build_tiny_model(
     return written
 
 
+#: The files of a LoRA adapter in PEFT's layout (what ``vllm serve --lora-modules NAME=DIR`` reads).
+LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
+
+#: The projections the tiny adapters adapt, and their rank (vLLM's ``--max-lora-rank``
+#: defaults to 16).
+LORA_TARGETS = ("q_proj", "v_proj")
+LORA_RANK = 8
+
+
+def lora_weight_shapes(config: TinyModelConfig, rank: int = LORA_RANK) -> dict[str, tuple[int, ...]]:
+    """Every tensor of a LoRA adapter of ``config`` in PEFT's naming: for each adapted
+    projection of shape ``[out, in]``, ``lora_A`` ``[rank, in]`` and ``lora_B`` ``[out, rank]``."""
+    base = config.weight_shapes()
+    shapes: dict[str, tuple[int, ...]] = {}
+    for layer in range(config.num_hidden_layers):
+        for target in LORA_TARGETS:
+            name = f"model.layers.{layer}.self_attn.{target}"
+            out, inp = base[f"{name}.weight"]
+            shapes[f"base_model.model.{name}.lora_A.weight"] = (rank, inp)
+            shapes[f"base_model.model.{name}.lora_B.weight"] = (out, rank)
+    return shapes
+
+
+def build_tiny_lora(
+    directory: str | Path, base_model: str, seed: int, index: int = 0,
+    config: TinyModelConfig | None = None,
+) -> list[Path]:
+    """Write a LoRA adapter for the tiny model into ``directory`` (created; must be empty or
+    absent): PEFT's ``adapter_config.json`` and random bf16 ``lora_A``/``lora_B`` weights
+    (normal, the model's initializer range; PEFT starts ``lora_B`` at zero, but an adapter that
+    changes nothing would not tell adapters apart). ``base_model`` is recorded as
+    ``base_model_name_or_path``. The weights depend on ``seed`` and ``index`` (the adapter's
+    number) only. Returns the paths written, in :data:`LORA_FILES` order."""
+    config = config or TinyModelConfig()
+    path = Path(directory)
+    if path.exists() and (not path.is_dir() or any(path.iterdir())):
+        raise UserError(f"{str(path)!r} exists and is not an empty directory")
+    path.mkdir(parents=True, exist_ok=True)
+    written = [path / name for name in LORA_FILES]
+    _write_json(written[0], {
+        "base_model_name_or_path": base_model,
+        "bias": "none",
+        "fan_in_fan_out": False,
+        "inference_mode": True,
+        "lora_alpha": 2 * LORA_RANK,
+        "lora_dropout": 0.0,
+        "modules_to_save": None,
+        "peft_type": "LORA",
+        "r": LORA_RANK,
+        "target_modules": list(LORA_TARGETS),
+        "task_type": "CAUSAL_LM",
+    })
+    rng = np.random.default_rng([seed, 2, index])
+    weights = {
+        name: rng.standard_normal(shape, dtype=np.float32) * np.float32(config.initializer_range)
+        for name, shape in lora_weight_shapes(config).items()
+    }
+    write_bf16_safetensors(written[1], weights, metadata={"format": "pt"})
+    return written
+
+
 def parameter_count(config: TinyModelConfig) -> int:
     """Number of weights in the checkpoint (tied embeddings counted once)."""
     return sum(math.prod(shape) for shape in config.weight_shapes().values())

@@ -99,6 +99,13 @@ class WorkloadSpec:
         zipf_alpha: 0 for the reference's uniform mix (each prefix equally often), else prefix
             ranked i (1-based) is drawn with probability ∝ i^-α.
         seed: fixes tokens, popularity draws and order.
+        adapters: tenants served by LoRA adapters (0: none). Each prefix (a tenant's system
+            prompt) belongs to one adapter, drawn once per prefix with adapter ranked j
+            (1-based) weighted j^-``adapter_zipf``; its requests name that adapter as
+            ``model`` (:func:`adapter_name`).
+        adapter_zipf: the adapters' popularity skew (0: each equally likely per prefix).
+        salted: each tenant's requests also carry its ``cache_salt`` (:func:`tenant_salt`;
+            with no adapters, a prefix is its own tenant).
     """
 
     prefixes: int
@@ -108,6 +115,9 @@ class WorkloadSpec:
     requests: int | None = None
     zipf_alpha: float = 0.0
     seed: int = 0
+    adapters: int = 0
+    adapter_zipf: float = 0.0
+    salted: bool = False
 
     def __post_init__(self) -> None:
         if self.prefixes < 1:
@@ -118,6 +128,27 @@ class WorkloadSpec:
             raise UserError(f"requests must be >= 1, got {self.requests}")
         if self.zipf_alpha < 0:
             raise UserError(f"Zipf alpha must be >= 0, got {self.zipf_alpha}")
+        if self.adapters < 0 or self.adapter_zipf < 0:
+            raise UserError("--adapters and --adapter-zipf must be >= 0")
+
+    def adapter_of_prefix(self) -> list[int | None]:
+        """The adapter (index) each prefix's requests run under; None for all when there
+        are no adapters. Drawn from a stream of its own, so the tokens and the order are the
+        workload's without adapters."""
+        if self.adapters == 0:
+            return [None] * self.prefixes
+        w = np.arange(1, self.adapters + 1, dtype=float) ** -self.adapter_zipf
+        rng = np.random.default_rng([self.seed, 0x10A])
+        return rng.choice(self.adapters, size=self.prefixes, p=w / w.sum()).tolist()
+
+    def tenant_of(self, prefix_id: int, adapters: list[int | None]) -> tuple[str | None, str | None]:
+        """``(model, cache_salt)`` of a request of ``prefix_id`` (None: the default)."""
+        adapter = adapters[prefix_id]
+        model = None if adapter is None else adapter_name(adapter)
+        salt = None
+        if self.salted:
+            salt = tenant_salt(prefix_id if adapter is None else adapter)
+        return model, salt
 
     @property
     def num_requests(self) -> int:
@@ -172,6 +203,16 @@ class Workload:
     @property
     def mean_prompt_tokens(self) -> float:
         return float(np.mean([r.prompt_tokens for r in self.requests]))
+
+
+def adapter_name(index: int) -> str:
+    """The LoRA module name of adapter ``index`` (what workers list and requests send)."""
+    return f"adapter-{index}"
+
+
+def tenant_salt(index: int) -> str:
+    """Tenant ``index``'s ``cache_salt``."""
+    return f"tenant-{index}"
 
 
 def _prefix_order(spec: WorkloadSpec, rng: np.random.Generator) -> np.ndarray:

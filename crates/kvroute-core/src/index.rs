@@ -28,8 +28,13 @@
 //!   cannot be given own hashes: an own hash chains every token before it. Those blocks are
 //!   counted (`IndexStats::orphan_blocks`) and left out, costing a missed opportunity, never a
 //!   false hit. Their later removals are unknown engine hashes (`unknown_removals`).
-//! * **Blocks a token-only hash cannot name are skipped** (`skipped_blocks`): another block
-//!   size (a CPU offload tier), a LoRA adapter, extra keys (multimodal inputs, cache salt), and
+//! * **Extra keys are hashed as vLLM hashes them.** A block stored under a LoRA adapter or a
+//!   `cache_salt` carries its key tuple in `extra_keys`; the own hash mixes it in
+//!   ([`crate::blocks::BlockKeys`]), exactly as the router mixes a request's adapter and salt
+//!   into its prompt's hashes, so such a block matches only requests under the same keys.
+//! * **Blocks kvroute cannot name are skipped** (`skipped_blocks`): another block size (a CPU
+//!   offload tier), keys that are not text (multimodal inputs, prompt embeddings), an adapter
+//!   without per-block keys (a vLLM too old to send them: its salt would be unknown), and
 //!   malformed blocks (fewer tokens than blocks, ids that are not `u32`).
 //! * `AllCleared` (and [`KvIndex::reset_worker`], for restarts and failed replays) forgets
 //!   everything known about that worker, predicted entries included.
@@ -51,7 +56,8 @@ use std::collections::hash_map::Entry;
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
-use crate::blocks::BlockHasher;
+use crate::blocks::{BlockHasher, encode_extra_keys};
+use crate::kvevents::codec::text_extra_keys;
 use crate::kvevents::events::{BlockRemoved, BlockStored, HashEvent, HashEvents, KvCacheEvent};
 
 /// Estimated bytes one event-backed (worker, block) entry costs across the index's tables
@@ -674,18 +680,16 @@ impl KvIndex {
     fn store(&mut self, id: WorkerId, event: &BlockStored) {
         let n = event.block_hashes.len();
         let bs = self.hasher.block_size();
-        if event.block_size != bs
-            || event.lora_id.is_some()
-            || event.lora_name.is_some()
-            || event
-                .extra_keys
-                .as_ref()
-                .is_some_and(|keys| keys.iter().any(Option::is_some))
-            || event.token_ids.len() < n * bs
+        let keys = match (event.block_size == bs && event.token_ids.len() >= n * bs)
+            .then(|| block_keys(event))
+            .flatten()
         {
-            self.skipped_blocks += n as u64;
-            return;
-        }
+            Some(keys) => keys,
+            None => {
+                self.skipped_blocks += n as u64;
+                return;
+            }
+        };
         if self.engine_hashes_are_own {
             self.store_hashes(id, event.parent_block_hash, &event.block_hashes);
             return;
@@ -709,9 +713,10 @@ impl KvIndex {
         let mut own_hashes = std::mem::take(&mut self.own_hashes);
         own_hashes.clear();
         if trailing != 0
-            || !self.hasher.extend_chain_ids(
+            || !self.hasher.extend_chain_ids_keyed(
                 &event.token_ids[..n * bs],
                 parent_own,
+                &keys,
                 &mut own_hashes,
             )
         {
@@ -1196,6 +1201,25 @@ fn forget_engine_hash(
             Some(e.remove().own)
         }
     }
+}
+
+/// The encoded extra keys of each block of `event` (empty: none has any), or None when kvroute
+/// cannot hash them (see the module docs): a key that is not a tuple of strings, or an
+/// adapter named without per-block keys.
+fn block_keys(event: &BlockStored) -> Option<Vec<Vec<u8>>> {
+    let Some(keys) = event
+        .extra_keys
+        .as_ref()
+        .filter(|keys| keys.iter().any(Option::is_some))
+    else {
+        return (event.lora_id.is_none() && event.lora_name.is_none()).then(Vec::new);
+    };
+    keys.iter()
+        .map(|key| match key {
+            None => Some(Vec::new()),
+            Some(raw) => text_extra_keys(raw).map(|k| encode_extra_keys(&k)),
+        })
+        .collect()
 }
 
 #[cfg(test)]

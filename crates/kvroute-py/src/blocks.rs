@@ -68,10 +68,16 @@ impl BlockHasher {
     ///     parent_hash: hash of block ``start_block - 1`` (None at the start of a chain).
     ///     start_block: first block to hash; lets callers extend a chain they already have.
     ///     stop_block: one past the last block to hash (default: every full block).
+    ///     lora_name: the LoRA adapter the sequence runs under (keys every block, as vLLM).
+    ///     cache_salt: the request's cache salt (keys block 0 only; empty counts as none).
     ///
     /// Returns:
     ///     One hash per full block in ``[start_block, stop_block)``.
-    #[pyo3(signature = (token_ids, parent_hash = None, start_block = 0, stop_block = None))]
+    #[pyo3(signature = (
+        token_ids, parent_hash = None, start_block = 0, stop_block = None, *, lora_name = None,
+        cache_salt = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn hash_blocks(
         &self,
         py: Python<'_>,
@@ -79,20 +85,26 @@ impl BlockHasher {
         parent_hash: Option<u64>,
         start_block: usize,
         stop_block: Option<usize>,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
     ) -> PyResult<Vec<u64>> {
         let tokens = extract_tokens(py, token_ids)?;
+        let keys = blocks::BlockKeys::new(lora_name, cache_salt);
         Ok(self
             .inner
-            .hash_blocks(&tokens, parent_hash, start_block, stop_block))
+            .hash_blocks_keyed(&tokens, parent_hash, start_block, stop_block, &keys))
     }
 
     /// Append to ``hashes`` the hashes of the full blocks of ``token_ids`` it lacks; returns
-    /// ``hashes``.
+    /// ``hashes`` (``lora_name`` and ``cache_salt`` as for ``hash_blocks``).
+    #[pyo3(signature = (hashes, token_ids, *, lora_name = None, cache_salt = None))]
     fn extend<'py>(
         &self,
         py: Python<'py>,
         hashes: Bound<'py, pyo3::types::PyList>,
         token_ids: &Bound<'py, PyAny>,
+        lora_name: Option<&str>,
+        cache_salt: Option<&str>,
     ) -> PyResult<Bound<'py, pyo3::types::PyList>> {
         let tokens = extract_tokens(py, token_ids)?;
         let have = hashes.len();
@@ -101,7 +113,11 @@ impl BlockHasher {
         } else {
             None
         };
-        for h in self.inner.hash_blocks(&tokens, parent, have, None) {
+        let keys = blocks::BlockKeys::new(lora_name, cache_salt);
+        for h in self
+            .inner
+            .hash_blocks_keyed(&tokens, parent, have, None, &keys)
+        {
             hashes.append(h)?;
         }
         Ok(hashes)

@@ -10,7 +10,7 @@
 use std::collections::HashMap;
 use std::sync::Arc;
 
-use kvroute_core::blocks::{self, DEFAULT_HASH_SEED};
+use kvroute_core::blocks::{self, BlockKeys, DEFAULT_HASH_SEED};
 use kvroute_core::engine::cost;
 use kvroute_core::engine::pool::{self, TokenSeq};
 use kvroute_core::engine::scheduler::{self, NewRequest, RequestKey, RequestSummary};
@@ -393,6 +393,9 @@ impl EnginePool {
 ///     arrival_time: when the engine received it (after any front-end delay).
 ///     block_hashes: hashes of the prompt's first full blocks, if the caller has them.
 ///     max_tokens: -1 for all of ``output_token_ids``.
+///     lora_name: the LoRA adapter it runs under (keys every block hash, as in vLLM).
+///     lora_id: that adapter's id (vLLM's ``lora_int_id``, sent in ``BlockStored.lora_id``).
+///     cache_salt: its cache salt (keys the first block; an empty salt counts as none).
 ///
 /// The state (``num_output``, ``num_cached_tokens`` (-1 before admission), ``blocks``, …) is
 /// the engine's, copied in after every step that touched the request.
@@ -410,6 +413,12 @@ pub struct EngineRequest {
     block_hashes: Vec<u64>,
     #[pyo3(get)]
     max_tokens: usize,
+    #[pyo3(get)]
+    lora_name: Option<String>,
+    #[pyo3(get)]
+    lora_id: Option<i64>,
+    #[pyo3(get)]
+    cache_salt: Option<String>,
     prompt: Vec<u32>,
     output: Arc<[u32]>,
     #[pyo3(get)]
@@ -456,7 +465,11 @@ impl EngineRequest {
 #[pymethods]
 impl EngineRequest {
     #[new]
-    #[pyo3(signature = (request_id, prompt_token_ids, output_token_ids, arrival_time, block_hashes = None, max_tokens = -1))]
+    #[pyo3(signature = (
+        request_id, prompt_token_ids, output_token_ids, arrival_time, block_hashes = None,
+        max_tokens = -1, *, lora_name = None, lora_id = None, cache_salt = None
+    ))]
+    #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
         request_id: String,
@@ -465,6 +478,9 @@ impl EngineRequest {
         arrival_time: f64,
         block_hashes: Option<&Bound<'_, PyAny>>,
         max_tokens: i64,
+        lora_name: Option<String>,
+        lora_id: Option<i64>,
+        cache_salt: Option<String>,
     ) -> PyResult<Self> {
         let block_hashes = block_hashes.map(hashes_of).transpose()?;
         let prompt_arr = token_array(py, prompt_token_ids)?;
@@ -488,6 +504,9 @@ impl EngineRequest {
             arrival_time,
             block_hashes: block_hashes.unwrap_or_default(),
             max_tokens,
+            lora_name,
+            lora_id,
+            cache_salt,
             prompt,
             output,
             num_output: 0,
@@ -693,6 +712,26 @@ impl Engine {
     fn hasher(&self, py: Python<'_>) -> Py<BlockHasher> {
         self.hasher_obj.clone_ref(py)
     }
+
+    /// Model LoRA adapters as vLLM's ``--max-loras``: a batch holds requests of at most
+    /// ``max_loras`` adapters (a request of another waits), and a step that brings an
+    /// adapter into one of the ``max_loras`` slots takes ``load_s`` longer per adapter.
+    fn set_lora_slots(&mut self, max_loras: usize, load_s: f64) -> PyResult<()> {
+        if max_loras < 1 || load_s.is_nan() || load_s < 0.0 {
+            return Err(PyValueError::new_err(
+                "max_loras must be positive and load_s non-negative",
+            ));
+        }
+        self.core
+            .set_lora_slots(scheduler::LoraSlots::new(max_loras, load_s));
+        Ok(())
+    }
+
+    /// Adapters brought into a LoRA slot so far (0 when adapters are not modelled).
+    #[getter]
+    fn lora_loads(&self) -> u64 {
+        self.core.lora_slots().map_or(0, |l| l.loads)
+    }
     #[getter]
     fn block_size(&self) -> usize {
         self.core.block_size()
@@ -774,6 +813,8 @@ impl Engine {
                 max_tokens: r.max_tokens,
                 arrival_time: r.arrival_time,
                 block_hashes: r.block_hashes.clone(),
+                keys: BlockKeys::new(r.lora_name.as_deref(), r.cache_salt.as_deref()),
+                lora_id: r.lora_id,
             }
         };
         let key = self

@@ -14,11 +14,16 @@
 //!   both counts.
 //!
 //! Routing is `kvroute_core::routing::RoutingStep` (the simulator's step): index look-up,
-//! policy, prediction and load accounting, among the available workers. The index is shared
+//! policy, prediction and load accounting, among the available workers that serve the
+//! request's model: each worker's models and LoRA adapters come from its `GET /v1/models`
+//! ([`Fleet::set_models`], [`crate::models`]); a worker whose list is not known yet may take
+//! any model, and a model no worker lists while every list is known is refused
+//! ([`Fleet::unknown_model`]). The index is shared
 //! with the KV-event consumer's thread (`kvroute_io`), which applies every batch to it; the
 //! fleet only says which workers joined and left ([`Membership`]), and the server follows or
 //! stops following their streams.
 
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::blocks::BlockHasher;
@@ -30,6 +35,7 @@ use kvroute_core::routing::RoutingStep;
 use kvroute_io::consumer::{SharedIndex, lock_index};
 
 use crate::config::{ConfigError, EventSource, ServeConfig, WorkerSpec, worker_base_url};
+use crate::models::{AdapterNames, ServedModels};
 use crate::prompt::Retained;
 
 /// Longest ejection, whatever the number of ejections in a row.
@@ -59,9 +65,6 @@ pub struct Member {
     pub ejected_until: f64,
     /// Times it was ejected (cumulative, for the metric).
     pub ejected_total: u64,
-    /// The `model` of the last token-id prompt retention saw routed here: what the refreshes
-    /// sent when it falls idle name (retention tracks only prefixes it saw routed).
-    pub refresh_model: Option<String>,
     /// Failed health checks (cumulative, for the metric).
     pub health_failures: u64,
     /// Its usable KV blocks as the admission guard and retention count them (None: not
@@ -69,12 +72,23 @@ pub struct Member {
     pub kv_capacity_blocks: Option<usize>,
     /// Monotonic seconds before which its engine is not asked for its capacity again.
     pub kv_capacity_retry_at: f64,
+    /// The models and adapters it serves (None: not known yet, so any).
+    pub models: Option<ServedModels>,
 }
 
 impl Member {
     /// May take a new request at `now`.
     pub fn available(&self, now: f64) -> bool {
         self.ready && self.healthy && now >= self.ejected_until
+    }
+
+    /// May take a request for `model` (None: the engine's default), as far as the router
+    /// knows.
+    pub fn serves(&self, model: Option<&str>) -> bool {
+        match (model, &self.models) {
+            (Some(model), Some(served)) => served.serves(model),
+            _ => true,
+        }
     }
 }
 
@@ -94,7 +108,22 @@ pub struct Choice {
     pub overlap_blocks: usize,
     /// Refreshes retention sends that worker ahead of this request (their prompts).
     pub refreshes: Vec<Refresh>,
+    /// Whose prefix each refresh keeps (its `model` and `cache_salt`), in the same order.
+    pub refresh_tenants: Vec<RefreshTenant>,
 }
+
+/// What a refresh's body names besides its prompt: the `model` and `cache_salt` of the
+/// requests whose prefix it keeps, so that it warms the blocks those requests hit (vLLM keys
+/// them by adapter and salt).
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct RefreshTenant {
+    pub model: Option<String>,
+    pub cache_salt: Option<String>,
+}
+
+/// Most prefixes whose tenant the fleet remembers for refreshes; past it the memory starts
+/// over (a refresh of a forgotten prefix names no model and no salt).
+const MAX_REFRESH_TENANTS: usize = 1 << 16;
 
 /// One worker as the admission guard sees it ([`Fleet::admission_figures`]).
 #[derive(Clone, Debug, PartialEq)]
@@ -110,9 +139,9 @@ pub struct IdleRefreshes {
     /// The worker's name and base URL.
     pub name: String,
     pub url: String,
-    /// The `model` the refreshes name (that of the last prompt retention saw routed there).
-    pub model: Option<String>,
     pub refreshes: Vec<Refresh>,
+    /// Whose prefix each refresh keeps, in the same order.
+    pub tenants: Vec<RefreshTenant>,
 }
 
 /// What a new worker list changed: the streams to follow and those to stop following.
@@ -137,6 +166,11 @@ pub struct Fleet {
     retention: Option<Retention>,
     /// The configured KV capacity of every worker (None: each reports its own).
     kv_capacity_blocks: Option<usize>,
+    /// The adapters the workers serve, shared with the prompt parser.
+    adapters: AdapterNames,
+    /// The tenant of each prefix retention saw routed, by its first block's hash (which
+    /// the adapter and the salt key already).
+    tenants: HashMap<u64, RefreshTenant>,
 }
 
 impl Fleet {
@@ -169,6 +203,8 @@ impl Fleet {
                 Retention::new(RetentionConfig::new(mode, config.block_size, capacity))
             }),
             kv_capacity_blocks: config.kv_capacity_blocks,
+            adapters: AdapterNames::default(),
+            tenants: HashMap::new(),
         };
         let membership = fleet.set_workers(&config.workers)?;
         Ok((fleet, membership))
@@ -238,13 +274,51 @@ impl Fleet {
                 ejections: 0,
                 ejected_until: 0.0,
                 ejected_total: 0,
-                refresh_model: None,
                 health_failures: 0,
                 kv_capacity_blocks: self.kv_capacity_blocks,
                 kv_capacity_retry_at: 0.0,
+                models: None,
             });
         }
+        self.share_adapters();
         Ok(membership)
+    }
+
+    /// Keep `adapters` (the prompt parser's) equal to the adapters the workers serve.
+    pub fn set_adapter_names(&mut self, adapters: AdapterNames) {
+        self.adapters = adapters;
+        self.share_adapters();
+    }
+
+    /// Worker `name` answered `GET /v1/models` with `models`.
+    pub fn set_models(&mut self, name: &str, models: ServedModels) {
+        let Some(m) = self.members.iter_mut().find(|m| m.name == name) else {
+            return;
+        };
+        if m.models.as_ref() != Some(&models) {
+            m.models = Some(models);
+            self.share_adapters();
+        }
+    }
+
+    fn share_adapters(&self) {
+        let names = self
+            .members
+            .iter()
+            .filter_map(|m| m.models.as_ref())
+            .flat_map(|s| s.adapters.iter().cloned())
+            .collect();
+        self.adapters.set(names);
+    }
+
+    /// Whether a request for `model` names nothing the fleet serves: every worker's list is
+    /// known and none has it (vLLM answers such a request with a 404).
+    pub fn unknown_model(&self, model: &str) -> bool {
+        !self.members.is_empty()
+            && self
+                .members
+                .iter()
+                .all(|m| m.models.as_ref().is_some_and(|s| !s.serves(model)))
     }
 
     /// Every worker, in the order they joined.
@@ -257,10 +331,11 @@ impl Fleet {
         self.members.iter().filter(|m| m.available(now)).count()
     }
 
-    /// Route a prompt among the available workers not in `tried` (names), at `now`
-    /// (monotonic seconds); None when there is no such worker. With retention on and a
-    /// token-id prompt (`retained`), a prompt cached nowhere goes where it displaces least
-    /// (`Retention::room_for`), and the choice carries the refreshes to send first.
+    /// Route a prompt for `model` among the available workers that serve it and are not in
+    /// `tried` (names), at `now` (monotonic seconds); None when there is no such worker. With
+    /// retention on and a token-id prompt (`retained`), a prompt cached nowhere goes where it
+    /// displaces least (`Retention::room_for`), and the choice carries the refreshes to send
+    /// first, each with the tenant of the prefix it keeps.
     pub fn route(
         &mut self,
         block_hashes: &[u64],
@@ -268,12 +343,13 @@ impl Fleet {
         tried: &[String],
         now: f64,
         retained: Option<&Retained>,
+        model: Option<&str>,
     ) -> Option<Choice> {
         self.candidates.clear();
         self.candidates.extend(
             self.members
                 .iter()
-                .filter(|m| m.available(now) && !tried.contains(&m.name))
+                .filter(|m| m.available(now) && m.serves(model) && !tried.contains(&m.name))
                 .map(|m| m.slot),
         );
         if self.candidates.is_empty() {
@@ -305,11 +381,19 @@ impl Fleet {
             ),
         };
         let mut refreshes = Vec::new();
-        let mut retained_model = None;
         if let Some((r, request)) = retention
             && !block_hashes.is_empty()
         {
-            retained_model = Some(request.model.clone());
+            if self.tenants.len() >= MAX_REFRESH_TENANTS {
+                self.tenants.clear();
+            }
+            self.tenants.insert(
+                block_hashes[0],
+                RefreshTenant {
+                    model: request.model.clone(),
+                    cache_salt: request.cache_salt.clone(),
+                },
+            );
             let incoming = (request.ids.len() + request.output_tokens)
                 .div_ceil(self.routing.block_size())
                 .saturating_sub(routed.overlap);
@@ -331,14 +415,12 @@ impl Fleet {
             );
         }
         drop(index);
+        let refresh_tenants = self.tenants_of(&refreshes);
         let member = self
             .members
-            .iter_mut()
+            .iter()
             .find(|m| m.slot == routed.worker)
             .expect("the step routes among the members' slots");
-        if let Some(model) = retained_model {
-            member.refresh_model = model;
-        }
         Some(Choice {
             name: member.name.clone(),
             url: member.url.clone(),
@@ -347,7 +429,22 @@ impl Fleet {
             prefill_tokens: routed.prefill_tokens,
             overlap_blocks: routed.overlap,
             refreshes,
+            refresh_tenants,
         })
+    }
+
+    /// The tenant of each refresh's prefix.
+    fn tenants_of(&self, refreshes: &[Refresh]) -> Vec<RefreshTenant> {
+        refreshes
+            .iter()
+            .map(|r| {
+                r.block_hashes
+                    .first()
+                    .and_then(|h| self.tenants.get(h))
+                    .cloned()
+                    .unwrap_or_default()
+            })
+            .collect()
     }
 
     /// Workers whose KV capacity the admission guard or retention needs and may ask their
@@ -416,10 +513,12 @@ impl Fleet {
         let mut refreshes = Vec::new();
         let mut index = lock_index(&self.index);
         retention.poll_idle(&self.routing, Some(&mut index), slot, now, &mut refreshes);
+        drop(index);
+        let (name, url) = (member.name.clone(), member.url.clone());
         (!refreshes.is_empty()).then(|| IdleRefreshes {
-            name: member.name.clone(),
-            url: member.url.clone(),
-            model: member.refresh_model.clone(),
+            name,
+            url,
+            tenants: self.tenants_of(&refreshes),
             refreshes,
         })
     }
@@ -532,6 +631,10 @@ impl Fleet {
 mod tests {
     use super::*;
     use crate::config::PolicySpec;
+    use crate::prompt::Prompts;
+    use kvroute_core::blocks::BlockKeys;
+    use kvroute_core::kvevents::events::{BlockStored, KvCacheEvent};
+    use kvroute_core::kvevents::codec::encode_text_extra_keys;
 
     fn fleet(policy: &str, workers: &[&str]) -> Fleet {
         let mut spec = PolicySpec::named(policy);
@@ -549,11 +652,11 @@ mod tests {
     fn kv_aware_sends_a_repeated_prompt_where_it_went_and_counts_the_load() {
         let mut f = fleet("kv-aware", &["http://a:1", "http://b:1/v1"]);
         let hashes = vec![11, 12, 13];
-        let first = f.route(&hashes, 12, &[], 0.0, None).unwrap();
+        let first = f.route(&hashes, 12, &[], 0.0, None, None).unwrap();
         assert_eq!(first.overlap_blocks, 0);
         f.first_token(first.slot, first.prefill_tokens);
         f.finished(first.slot, first.ticket, 0.05);
-        let again = f.route(&hashes, 12, &[], 0.1, None).unwrap();
+        let again = f.route(&hashes, 12, &[], 0.1, None, None).unwrap();
         assert_eq!(again.name, first.name);
         assert_eq!(again.url, first.url);
         assert_eq!(again.overlap_blocks, 3);
@@ -563,13 +666,13 @@ mod tests {
     #[test]
     fn a_retry_never_goes_back_to_a_worker_it_tried() {
         let mut f = fleet("round-robin", &["http://a:1", "http://b:1"]);
-        let first = f.route(&[], 0, &[], 0.0, None).unwrap();
+        let first = f.route(&[], 0, &[], 0.0, None, None).unwrap();
         let second = f
-            .route(&[], 0, std::slice::from_ref(&first.name), 0.0, None)
+            .route(&[], 0, std::slice::from_ref(&first.name), 0.0, None, None)
             .unwrap();
         assert_ne!(first.name, second.name);
         assert!(
-            f.route(&[], 0, &[first.name, second.name], 0.0, None)
+            f.route(&[], 0, &[first.name, second.name], 0.0, None, None)
                 .is_none()
         );
     }
@@ -625,5 +728,160 @@ mod tests {
         let m = f.set_workers(&[WorkerSpec::url("http://b:1")]).unwrap();
         assert_eq!(m.unfollow, ["pod-c"]);
         assert!(f.set_workers(&[WorkerSpec::url("ftp://x")]).is_err());
+    }
+    /// The `BlockStored` vLLM sends for `tokens` (whole 4-token blocks) computed under `keys`:
+    /// its own hashes (another seed), the adapter's name and id, one key tuple per block.
+    fn stored(tokens: &[u32], keys: &BlockKeys) -> KvCacheEvent {
+        let engine = BlockHasher::new(4, 99).unwrap();
+        let extra = (0..tokens.len() / 4)
+            .map(|i| {
+                let k = keys.for_block(i);
+                (!k.is_empty()).then(|| encode_text_extra_keys(&k))
+            })
+            .collect();
+        KvCacheEvent::Stored(BlockStored {
+            lora_id: keys.lora_name.as_ref().map(|_| 1),
+            lora_name: keys.lora_name.clone(),
+            extra_keys: Some(extra),
+            ..BlockStored::plain(
+                engine.hash_blocks_keyed(tokens, None, 0, None, keys),
+                None,
+                tokens.iter().map(|&t| i64::from(t)).collect(),
+                4,
+            )
+        })
+    }
+
+    /// A kv-aware fleet of `n` workers whose prompts are parsed by the returned [`Prompts`].
+    fn multi_tenant(n: usize) -> (Fleet, Prompts, Vec<String>) {
+        let urls: Vec<String> = (0..n).map(|i| format!("http://w{i}:1")).collect();
+        let refs: Vec<&str> = urls.iter().map(String::as_str).collect();
+        let mut f = fleet("kv-aware", &refs);
+        let prompts =
+            Prompts::new(BlockHasher::new(4, 0).unwrap(), None, 1 << 20, 8, false).unwrap();
+        f.set_adapter_names(prompts.adapter_names());
+        let names = f.members().iter().map(|m| m.name.clone()).collect();
+        (f, prompts, names)
+    }
+
+    fn parse(prompts: &Prompts, body: &str) -> crate::prompt::Prompt {
+        prompts
+            .parse(crate::prompt::Route::Completions, body.as_bytes())
+            .unwrap()
+    }
+
+    const PROMPT: &str = "[1,2,3,4,5,6,7,8,9,10,11,12,13,14,15,16]";
+
+    #[test]
+    fn a_salted_request_is_never_routed_on_a_hit_it_cannot_get() {
+        let (mut f, prompts, names) = multi_tenant(2);
+        let tokens: Vec<u32> = (1..=16).collect();
+        lock_index(f.index()).apply(&names[0], &[stored(&tokens, &BlockKeys::default())]);
+        let plain = parse(&prompts, &format!(r#"{{"prompt": {PROMPT}}}"#));
+        let salted = parse(
+            &prompts,
+            &format!(r#"{{"prompt": {PROMPT}, "cache_salt": "t"}}"#),
+        );
+        let workers: Vec<&str> = names.iter().map(String::as_str).collect();
+        let mut index = lock_index(f.index());
+        assert_eq!(
+            index.overlaps(&plain.block_hashes, &workers, 0.0),
+            vec![4, 0]
+        );
+        // The unsalted copy on w0 is no hit for a salted request: vLLM would compute it all.
+        assert_eq!(
+            index.overlaps(&salted.block_hashes, &workers, 0.0),
+            vec![0, 0]
+        );
+        drop(index);
+        let choice = f
+            .route(&salted.block_hashes, 16, &[], 0.0, None, None)
+            .unwrap();
+        assert_eq!(choice.overlap_blocks, 0);
+    }
+
+    #[test]
+    fn tenants_with_the_same_prompt_find_only_their_own_cache() {
+        let (mut f, prompts, names) = multi_tenant(3);
+        let tokens: Vec<u32> = (1..=16).collect();
+        for (worker, salt) in [(0, "tenant-1"), (1, "tenant-2")] {
+            let keys = BlockKeys::new(None, Some(salt));
+            lock_index(f.index()).apply(&names[worker], &[stored(&tokens, &keys)]);
+        }
+        let workers: Vec<&str> = names.iter().map(String::as_str).collect();
+        for (worker, salt) in [(0, "tenant-1"), (1, "tenant-2")] {
+            let body = format!(r#"{{"prompt": {PROMPT}, "cache_salt": "{salt}"}}"#);
+            let p = parse(&prompts, &body);
+            let mut want = vec![0; 3];
+            want[worker] = 4;
+            let got = lock_index(f.index()).overlaps(&p.block_hashes, &workers, 0.0);
+            assert_eq!(got, want);
+            let choice = f.route(&p.block_hashes, 16, &[], 0.0, None, None).unwrap();
+            assert_eq!(
+                (choice.name.as_str(), choice.overlap_blocks),
+                (workers[worker], 4)
+            );
+        }
+        assert_eq!(lock_index(f.index()).stats().skipped_blocks, 0);
+    }
+
+    #[test]
+    fn one_adapters_cache_never_counts_for_another() {
+        let (mut f, prompts, names) = multi_tenant(2);
+        let served = ServedModels::parse(
+            br#"{"data":[{"id":"base","parent":null},{"id":"A","parent":"base"},{"id":"B","parent":"base"}]}"#,
+        )
+        .unwrap();
+        for name in &names {
+            f.set_models(name, served.clone());
+        }
+        let tokens: Vec<u32> = (1..=16).collect();
+        let a = BlockKeys::new(Some("A"), Some("s"));
+        lock_index(f.index()).apply(&names[0], &[stored(&tokens, &a)]);
+        let workers: Vec<&str> = names.iter().map(String::as_str).collect();
+        let overlaps = |f: &Fleet, model: &str, salt: &str| {
+            let body =
+                format!(r#"{{"prompt": {PROMPT}, "model": "{model}", "cache_salt": "{salt}"}}"#);
+            let p = parse(&prompts, &body);
+            lock_index(f.index()).overlaps(&p.block_hashes, &workers, 0.0)
+        };
+        assert_eq!(overlaps(&f, "A", "s"), vec![4, 0]);
+        assert_eq!(overlaps(&f, "B", "s"), vec![0, 0]);
+        assert_eq!(overlaps(&f, "A", "other"), vec![0, 0]);
+        assert_eq!(overlaps(&f, "base", "s"), vec![0, 0]);
+    }
+
+    #[test]
+    fn a_model_is_routed_only_among_the_workers_that_serve_it() {
+        let (mut f, _, names) = multi_tenant(6);
+        let base = ServedModels::parse(br#"{"data":[{"id":"base","parent":null}]}"#).unwrap();
+        let b = ServedModels::parse(br#"{"data":[{"id":"B","parent":null}]}"#).unwrap();
+        assert!(
+            !f.unknown_model("C"),
+            "lists not known yet: any model may be served"
+        );
+        for (i, name) in names.iter().enumerate() {
+            f.set_models(name, if i >= 4 { b.clone() } else { base.clone() });
+        }
+        let mut seen = std::collections::HashSet::new();
+        for r in 0..60u64 {
+            let hashes = [r, r + 1000];
+            let choice = f.route(&hashes, 8, &[], 0.0, None, Some("B")).unwrap();
+            assert!(
+                names[4..].contains(&choice.name),
+                "{} serves no B",
+                choice.name
+            );
+            seen.insert(choice.name.clone());
+            let other = f.route(&hashes, 8, &[], 0.0, None, Some("base")).unwrap();
+            assert!(names[..4].contains(&other.name));
+        }
+        assert_eq!(seen.len(), 2, "both B workers take B's load");
+        // Both B workers tried: nowhere else to go.
+        assert!(
+            f.route(&[1], 4, &names[4..], 0.0, None, Some("B"))
+                .is_none()
+        );
+        assert!(f.unknown_model("C") && !f.unknown_model("B") && !f.unknown_model("base"));
     }
 }

@@ -37,6 +37,7 @@ pub mod edge;
 pub mod fleet;
 pub mod http;
 pub mod metrics;
+pub mod models;
 pub mod prompt;
 pub mod relay;
 pub mod server;

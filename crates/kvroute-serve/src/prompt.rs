@@ -21,12 +21,13 @@
 use std::path::Path;
 use std::sync::Mutex;
 
-use kvroute_core::blocks::BlockHasher;
+use kvroute_core::blocks::{BlockHasher, BlockKeys};
 use kvroute_tokenize::{ChunkerConfig, SyntheticTokenizer, TextChunker};
 use serde_json::Value;
 use tokenizers::Tokenizer;
 
 use crate::config::ConfigError;
+use crate::models::AdapterNames;
 
 /// The two generation routes.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -70,8 +71,11 @@ fn bad(message: impl Into<String>, param: Option<&'static str>) -> BadRequest {
 pub struct Prompt {
     /// Prompt tokens (0 when untokenized and unknown).
     pub tokens: usize,
-    /// Chained hashes of its full blocks (empty when untokenized).
+    /// Chained hashes of its full blocks (empty when untokenized), under its LoRA adapter
+    /// and cache salt as vLLM keys them (`kvroute_core::blocks::BlockKeys`).
     pub block_hashes: Vec<u64>,
+    /// The body's `model` (None when absent): routed only among the workers that serve it.
+    pub model: Option<String>,
     /// Routed without a prefix match (no tokenizer, or longer than any engine takes).
     pub untokenized: bool,
     /// What retention needs of a tokenized prompt (None when untokenized, for a batch, or when
@@ -85,6 +89,7 @@ impl Prompt {
         Self {
             tokens,
             block_hashes: Vec::new(),
+            model: None,
             untokenized: true,
             retained: None,
         }
@@ -101,6 +106,8 @@ pub struct Retained {
     pub output_tokens: usize,
     /// The body's `model`, sent on with the refreshes.
     pub model: Option<String>,
+    /// The body's `cache_salt`, sent on with the refreshes.
+    pub cache_salt: Option<String>,
 }
 
 /// Output budget assumed for a body without `max_tokens` (vLLM's default is the context).
@@ -142,6 +149,8 @@ pub struct Prompts {
     /// The tokenizer's maximum length (`model_max_length`) and longest vocabulary entry in
     /// bytes, when it states the first: what the body limit is derived from.
     limits: Option<(usize, usize)>,
+    /// The workers' LoRA adapters: a `model` naming one keys every block with its name.
+    adapters: AdapterNames,
 }
 
 /// The tokenizer in pieces where its pipeline allows, whole otherwise.
@@ -218,7 +227,23 @@ impl Prompts {
             max_text_bytes: MAX_TEXT_BYTES,
             keep_ids,
             limits,
+            adapters: AdapterNames::default(),
         })
+    }
+
+    /// The adapter names this parser hashes under, for the fleet to keep up to date.
+    pub fn adapter_names(&self) -> AdapterNames {
+        self.adapters.clone()
+    }
+
+    /// The block keys of a body: its `model` when that names a served LoRA adapter, and its
+    /// `cache_salt` (already checked by [`Prompts::parse`]).
+    fn keys(&self, fields: &serde_json::Map<String, Value>) -> BlockKeys {
+        let lora = fields
+            .get("model")
+            .and_then(Value::as_str)
+            .filter(|m| self.adapters.contains(m));
+        BlockKeys::new(lora, fields.get("cache_salt").and_then(Value::as_str))
     }
 
     /// The tokenizer's `(maximum length, longest token's bytes)`, when it states a maximum.
@@ -239,6 +264,17 @@ impl Prompts {
 
     /// The prompt of `body` for `route`.
     pub fn parse(&self, route: Route, body: &[u8]) -> Result<Prompt, BadRequest> {
+        let (mut prompt, model) = self.parse_body(route, body)?;
+        prompt.model = model;
+        Ok(prompt)
+    }
+
+    /// [`Prompts::parse`] but the prompt's `model`, returned beside it.
+    fn parse_body(
+        &self,
+        route: Route,
+        body: &[u8],
+    ) -> Result<(Prompt, Option<String>), BadRequest> {
         let value: Value = serde_json::from_slice(body).map_err(|e| {
             if e.to_string().contains("recursion limit") {
                 self.too_deep()
@@ -252,6 +288,28 @@ impl Prompts {
         let Value::Object(fields) = &value else {
             return Err(bad("body must be a JSON object", None));
         };
+        // vLLM's rule (its request models' `check_cache_salt_support`).
+        if let Some(salt) = fields.get("cache_salt").filter(|v| !v.is_null())
+            && salt.as_str().is_none_or(str::is_empty)
+        {
+            return Err(bad(
+                "Parameter 'cache_salt' must be a non-empty string if provided.",
+                Some("cache_salt"),
+            ));
+        }
+        let model = fields
+            .get("model")
+            .and_then(Value::as_str)
+            .map(str::to_owned);
+        self.prompt_of(route, fields).map(|p| (p, model))
+    }
+
+    /// The prompt of a body's `fields` for `route`.
+    fn prompt_of(
+        &self,
+        route: Route,
+        fields: &serde_json::Map<String, Value>,
+    ) -> Result<Prompt, BadRequest> {
         let untokenized = Prompt::untokenized;
         match route {
             Route::Chat => {
@@ -343,7 +401,8 @@ impl Prompts {
         batch: bool,
     ) -> Prompt {
         let budget = |key: &str| fields.get(key).and_then(Value::as_u64).filter(|&n| n > 0);
-        let block_hashes = self.hasher.hash_blocks(&ids, None, 0, None);
+        let keys = self.keys(fields);
+        let block_hashes = self.hasher.hash_blocks_keyed(&ids, None, 0, None, &keys);
         let tokens = ids.len();
         let retained = (self.keep_ids && !batch).then(|| Retained {
             output_tokens: budget("max_completion_tokens")
@@ -353,11 +412,13 @@ impl Prompts {
                 .get("model")
                 .and_then(Value::as_str)
                 .map(str::to_owned),
+            cache_salt: keys.cache_salt.clone(),
             ids,
         });
         Prompt {
             tokens,
             block_hashes,
+            model: None,
             untokenized: false,
             retained,
         }
@@ -420,6 +481,48 @@ mod tests {
             hasher.hash_blocks(&[1, 2, 3, 4, 5, 6, 7, 8, 9], None, 0, None)
         );
         assert_eq!(p.block_hashes.len(), 2);
+    }
+
+    #[test]
+    fn adapters_and_salts_key_the_hashes_as_vllm_does() {
+        let p = prompts();
+        let hasher = BlockHasher::new(4, 0).unwrap();
+        let ids = [1u32, 2, 3, 4, 5, 6, 7, 8];
+        let parse = |body: &str| p.parse(Route::Completions, body.as_bytes());
+        let plain = parse(r#"{"prompt": [1,2,3,4,5,6,7,8], "model": "sql"}"#).unwrap();
+        // Until a worker lists `sql` as an adapter, it is a model name like any other.
+        assert_eq!(plain.block_hashes, hasher.hash_blocks(&ids, None, 0, None));
+        assert_eq!(plain.model.as_deref(), Some("sql"));
+        p.adapter_names().set(["sql".to_owned()].into());
+        let lora = parse(r#"{"prompt": [1,2,3,4,5,6,7,8], "model": "sql"}"#).unwrap();
+        let keys = BlockKeys::new(Some("sql"), None);
+        assert_eq!(
+            lora.block_hashes,
+            hasher.hash_blocks_keyed(&ids, None, 0, None, &keys)
+        );
+        assert_ne!(lora.block_hashes, plain.block_hashes);
+        let body = r#"{"messages": [{"role": "user", "content": "hi"}], "cache_salt": "t1"}"#;
+        let chat = p.parse(Route::Chat, body.as_bytes()).unwrap();
+        let unsalted = p
+            .parse(
+                Route::Chat,
+                br#"{"messages": [{"role": "user", "content": "hi"}]}"#,
+            )
+            .unwrap();
+        assert_eq!(chat.tokens, unsalted.tokens);
+        assert_ne!(chat.block_hashes.first(), unsalted.block_hashes.first());
+        let retained = chat.retained.unwrap();
+        assert_eq!(retained.cache_salt.as_deref(), Some("t1"));
+        assert_eq!(unsalted.retained.unwrap().cache_salt, None);
+        for bad_salt in ["\"\"", "3", "[]"] {
+            let body = format!(r#"{{"prompt": [1,2,3,4], "cache_salt": {bad_salt}}}"#);
+            assert_eq!(parse(&body).unwrap_err().param, Some("cache_salt"));
+        }
+        let null = parse(r#"{"prompt": [1,2,3,4], "cache_salt": null}"#).unwrap();
+        assert_eq!(
+            null.block_hashes,
+            hasher.hash_blocks(&ids[..4], None, 0, None)
+        );
     }
 
     #[test]

@@ -263,7 +263,7 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
             } => {
                 assert_eq!(*candidates, None, "the simulator routes among every worker");
                 let choice = fleet
-                    .route(block_hashes, *prompt_tokens, &[], *now, None)
+                    .route(block_hashes, *prompt_tokens, &[], *now, None, None)
                     .expect("every worker is available");
                 assert_eq!(
                     (

@@ -41,6 +41,8 @@ PROMPT_FORMATS = ("ids", "text", "chat")
 
 #: A prompt as the conversation it represents: (role, token ids) per segment.
 Segments = list[tuple[str, np.ndarray]]
+#: A request's ``(model, cache_salt)``: None keeps the served model, and sends no salt.
+Tenant = tuple[str | None, str | None]
 
 
 @dataclass(slots=True)
@@ -127,9 +129,12 @@ class PromptEncoder:
     def path(self) -> str:
         return CHAT_PATH if self.prompt_format == "chat" else COMPLETIONS_PATH
 
-    def _body(self, prompt_field: str, prompt: object, output_tokens: int) -> bytes:
+    def _body(
+        self, prompt_field: str, prompt: object, output_tokens: int, tenant: Tenant = (None, None)
+    ) -> bytes:
+        model, salt = tenant
         body = {
-            "model": self.model,
+            "model": model or self.model,
             prompt_field: prompt,
             "max_tokens": output_tokens,
             "temperature": 0.0,
@@ -139,22 +144,30 @@ class PromptEncoder:
         }
         if self.ignore_eos:
             body["ignore_eos"] = True
+        if salt is not None:
+            body["cache_salt"] = salt
         return self._encode.encode(body)
 
-    def encode(self, segments: Segments, output_tokens: int) -> tuple[bytes, int]:
-        """``(body, prompt tokens)`` of a prompt made of ``segments``."""
+    def encode(
+        self, segments: Segments, output_tokens: int, tenant: Tenant = (None, None)
+    ) -> tuple[bytes, int]:
+        """``(body, prompt tokens)`` of a prompt made of ``segments``, for ``tenant``
+        (``(model, cache_salt)``: None keeps the served model, and sends no salt)."""
         if self.prompt_format == "ids":
             ids = np.concatenate([s for _, s in segments]) if segments else np.zeros(0, np.int64)
-            return self._body("prompt", ids.tolist(), output_tokens), len(ids)
+            return self._body("prompt", ids.tolist(), output_tokens, tenant), len(ids)
         tok = self.tokenizer
         assert tok is not None
         if self.prompt_format == "text":
             ids = np.concatenate([s for _, s in segments])
             text = tok.decode(ids.tolist())
-            return self._body("prompt", text, output_tokens), len(tok.encode(text, add_special_tokens=True))
+            return self._body("prompt", text, output_tokens, tenant), len(tok.encode(text, add_special_tokens=True))
         messages = [{"role": role, "content": tok.decode(ids.tolist())} for role, ids in segments]
         rendered = tok.apply_chat_template(messages, add_generation_prompt=True)
-        return self._body("messages", messages, output_tokens), len(tok.encode(rendered, add_special_tokens=False))
+        return (
+            self._body("messages", messages, output_tokens, tenant),
+            len(tok.encode(rendered, add_special_tokens=False)),
+        )
 
     def encode_text(self, text: str, output_tokens: int) -> tuple[bytes, int]:
         """A prompt given as text (trace replay); its length is counted when a tokenizer is
@@ -176,18 +189,22 @@ def _segments(prefix: np.ndarray, suffix: np.ndarray) -> Segments:
 def _request(
     encoder: PromptEncoder, index: int, prefix_id: int | None, session: str | None,
     segments: Segments, output_tokens: int, warmup: bool = False, after: int | None = None,
+    tenant: Tenant = (None, None),
 ) -> BenchRequest:
-    body, n = encoder.encode(segments, output_tokens)
+    body, n = encoder.encode(segments, output_tokens, tenant)
     return BenchRequest(index, prefix_id, session, n, output_tokens, encoder.path, body, warmup, after)
 
 
 def reference_workload(spec: WorkloadSpec, encoder: PromptEncoder, vocab: np.ndarray | None = None) -> BenchWorkload:
     """The reference workload (or its Zipf / mixed-length variants) for one K."""
     wl = generate(spec, vocab)
+    adapters = spec.adapter_of_prefix()
 
     def convert(r, warmup: bool) -> BenchRequest:
         segments = _segments(r.prompt_token_ids[: r.prefix_len], r.prompt_token_ids[r.prefix_len :])
-        return _request(encoder, r.index, r.prefix_id, r.session_id, segments, r.output_tokens, warmup)
+        tenant = spec.tenant_of(r.prefix_id, adapters)
+        return _request(encoder, r.index, r.prefix_id, r.session_id, segments, r.output_tokens, warmup,
+                        tenant=tenant)
 
     return BenchWorkload(
         prefixes=spec.prefixes,

@@ -34,6 +34,13 @@ def add_workload_arguments(parser: argparse.ArgumentParser, prefixes_default: st
     g.add_argument("--zipf", type=float, default=0.0, metavar="ALPHA",
                    help="Zipf popularity exponent over prefixes; 0 = each prefix equally often")
     g.add_argument("--seed", type=int, default=0, help="fixes tokens, order and random choices (default %(default)s)")
+    g.add_argument("--adapters", type=int, default=0, metavar="N",
+                   help="tenants on N LoRA adapters: each prefix belongs to one adapter and its "
+                        "requests name it as model (workers kvroute starts serve them); 0: none")
+    g.add_argument("--adapter-zipf", type=float, default=0.0, metavar="ALPHA",
+                   help="popularity skew of the adapters over the prefixes (default 0: even)")
+    g.add_argument("--salted", action="store_true",
+                   help="each tenant (adapter, or prefix without adapters) sends its own cache_salt")
 
 
 def workload_spec(args: argparse.Namespace, prefixes: int) -> WorkloadSpec:
@@ -48,6 +55,9 @@ def workload_spec(args: argparse.Namespace, prefixes: int) -> WorkloadSpec:
         requests=args.requests,
         zipf_alpha=args.zipf,
         seed=args.seed,
+        adapters=args.adapters,
+        adapter_zipf=args.adapter_zipf,
+        salted=args.salted,
     )
 
 

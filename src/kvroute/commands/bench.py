@@ -183,6 +183,9 @@ def _check_workload_flags(args: Namespace) -> None:
     """Refuse bad workload flags before any network traffic."""
     if args.time_scale <= 0:
         raise UserError(f"--time-scale must be > 0, got {args.time_scale}")
+    tenants = args.adapters or args.salted
+    if tenants and (args.trace is not None or args.sessions is not None):
+        raise UserError("--adapters and --salted shape the reference workload; drop --trace and --sessions")
     if args.trace is not None:
         if not args.trace.is_file():
             raise missing_trace(args.trace)

@@ -103,6 +103,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         '\'{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:5557"}\'',
     )
     serve.add_argument(
+        "--enable-lora", action="store_true",
+        help="serve LoRA adapters: a request whose model is a --lora-modules name runs under "
+        "that adapter, whose name keys its block hashes and KV events as vLLM's",
+    )
+    serve.add_argument(
+        "--lora-modules", nargs="+", metavar="NAME=PATH", default=[],
+        help="LoRA adapters, listed in /v1/models with the base model as parent (the emulator "
+        "never reads PATH)",
+    )
+    serve.add_argument(
+        "--max-loras", type=int, default=1,
+        help="adapters one batch may hold at once; a request for another waits, and an adapter "
+        "that is not loaded costs its load time in the step that loads it (default: %(default)s)",
+    )
+    serve.add_argument(
         "--tokenizer", metavar="DIR",
         help="local Hugging Face tokenizer directory (default: kvroute's built-in tokenizer)",
     )
@@ -127,9 +142,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="run this many times faster than real time (default: %(default)s)",
     )
     own.add_argument(
+        "--lora-load-time", type=float, default=0.02, metavar="SECONDS",
+        help="with --enable-lora: how much longer a step takes for each adapter it loads into "
+        "one of --max-loras slots (default: %(default)s, scaled by --time-scale)",
+    )
+    own.add_argument(
         "--kv-events-wire-format", choices=("map", "array"), default="map",
         help="KV event encoding: map (current vLLM) or array (older, positional) (default: %(default)s)",
     )
+
+
+def _lora_module(spec: str) -> tuple[str, str]:
+    """One ``--lora-modules`` item, ``NAME=PATH``."""
+    name, sep, path = spec.partition("=")
+    if not sep or not name or not path:
+        raise UserError(f"--lora-modules: expected NAME=PATH, got {spec!r}")
+    return name, path
 
 
 def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
@@ -146,6 +174,10 @@ def config_from_args(args: argparse.Namespace) -> EmulatorConfig:
         "kv_events_config": args.kv_events_config,
         "kv_events_wire_format": args.kv_events_wire_format,
         "tokenizer": args.tokenizer,
+        "enable_lora": args.enable_lora,
+        "lora_modules": tuple(_lora_module(m) for m in args.lora_modules),
+        "max_loras": args.max_loras,
+        "lora_load_s": args.lora_load_time,
     }
     optional = {
         "served_model_name": tuple(args.served_model_name) if args.served_model_name else None,

@@ -43,7 +43,7 @@ from kvroute.tinymodel import TinyModelConfig
 from kvroute.trace.format import missing_trace, trace_path
 from kvroute.units import parse_bytes, parse_tokens
 from kvroute.vllm_setup import VllmInstall
-from kvroute.workload import parse_int_list
+from kvroute.workload import adapter_name, parse_int_list
 
 ENGINES = ("emulator", "vllm", "urls")
 #: ``vllm serve --max-model-len``: room for the reference's 2,435-token requests and more.
@@ -134,6 +134,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timing", default=None, choices=sorted(PRESETS),
                         help="emulated workers' timing preset, also used for the prediction "
                         "(default reference-gpu; cpu-tiny with --engine vllm)")
+    parser.add_argument("--max-loras", type=int, default=4, metavar="N",
+                        help="with --adapters: the emulated workers' --max-loras (default %(default)s)")
     parser.add_argument("--time-scale", type=float, default=4.0,
                         help="emulated workers run this many times faster than real time (default %(default)s)")
     parser.add_argument("--out", type=Path, default=None, help="output folder (default kvroute-results/experiment-<time>)")
@@ -195,6 +197,11 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         trace = TraceWindow(args.trace, args.start, args.duration, args.max_requests, args.cut_sessions)
     elif (args.start, args.duration, args.max_requests, args.cut_sessions) != (0.0, None, None, False):
         raise UserError("--start, --duration, --max-requests and --cut-sessions are for --trace")
+    if (args.adapters or args.salted) and (args.engine != "emulator" or trace is not None):
+        raise UserError("--adapters and --salted need emulated workers (--engine emulator) and the "
+                        "reference workload (no --trace)")
+    if args.max_loras < 1:
+        raise UserError("--max-loras must be >= 1")
     prefixes = parse_int_list(args.prefixes or base["prefixes"], "--prefixes")
     return ExperimentPlan(
         workers=tuple(workers),
@@ -250,6 +257,10 @@ def run(args: argparse.Namespace) -> int:
         emulate_args += ["--kv-capacity-tokens", args.kv_capacity_tokens]
     if {"router", "gateway"} & set(plan.topologies):
         emulate_args += ["--kv-events-config", EMULATED_KV_EVENTS]
+    adapters = max(spec.adapters for spec in plan.specs) if plan.specs else 0
+    if adapters:
+        modules = [f"{adapter_name(i)}=/adapters/{adapter_name(i)}" for i in range(adapters)]
+        emulate_args += ["--enable-lora", "--max-loras", str(args.max_loras), "--lora-modules", *modules]
     if args.engine == "vllm":
         install, vllm_options = _vllm_options(args, plan)
 

@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import argparse
 import time
+from pathlib import Path
 
-from kvroute.tinymodel import TinyModelConfig, build_tiny_model, parameter_count
+from kvroute.errors import UserError
+from kvroute.tinymodel import LORA_FILES, TinyModelConfig, build_tiny_lora, build_tiny_model, parameter_count
+from kvroute.workload import adapter_name
 
 NAME = "make-tiny-model"
 HELP = "write a tiny random Qwen3-style model + BPE tokenizer for running real vLLM offline"
@@ -46,6 +49,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         f"(default {TinyModelConfig.vocab_size})",
     )
     parser.add_argument(
+        "--lora-adapters",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also write N LoRA adapters for it (PEFT layout, random weights, rank 8 on "
+        "q_proj and v_proj) into DIR/lora/adapter-<i>, for vllm serve --enable-lora "
+        "--lora-modules adapter-<i>=DIR/lora/adapter-<i>",
+    )
+    parser.add_argument(
         "--force",
         action="store_true",
         help="write into a non-empty directory, replacing the model files in it",
@@ -55,7 +67,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     config = TinyModelConfig(vocab_size=args.vocab_size)
     started = time.perf_counter()
+    if args.lora_adapters < 0:
+        raise UserError(f"--lora-adapters must be >= 0, got {args.lora_adapters}")
     written = build_tiny_model(args.directory, seed=args.seed, config=config, force=args.force)
+    for i in range(args.lora_adapters):
+        lora_dir = Path(args.directory) / "lora" / adapter_name(i)
+        if lora_dir.is_dir() and args.force:
+            for name in LORA_FILES:
+                (lora_dir / name).unlink(missing_ok=True)
+        base = str(Path(args.directory).resolve())
+        written += build_tiny_lora(lora_dir, base, args.seed, i, config)
     elapsed = time.perf_counter() - started
     for path in written:
         print(f"wrote {path} ({path.stat().st_size:,} bytes)")

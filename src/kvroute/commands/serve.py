@@ -62,6 +62,12 @@ template) or with prompts sent as token ids. Without --tokenizer, text is tokeni
 kvroute's built-in tokenizer: exact for emulated workers started without --tokenizer,
 APPROXIMATE for a real engine (matches then come from the load term only).
 
+Many tenants: the router reads each worker's GET /v1/models after its health checks and sends
+a request only to workers that list its "model" (an unknown model gets vLLM's 404). A model
+that names a LoRA adapter (a card with a parent) and a "cache_salt" key the prompt's block
+hashes as vLLM keys them, so one tenant's or adapter's cache never counts for another
+(--health-interval 0 turns this discovery off with the checks).
+
 Workers: --worker (repeatable), --worker-file (one URL per line, re-read when it changes) or
 --dns NAME:PORT (re-resolved; a Kubernetes headless Service) or --k8s-service (the
 Service's EndpointSlices, watched: pods that start terminating get no new requests). Unhealthy workers (GET /health)

@@ -110,6 +110,9 @@ def run(args: argparse.Namespace) -> int:
     num_blocks, block_size, _ = kv_geometry(args)
     config = WorkerConfig(num_blocks, block_size, get_preset(args.timing))
 
+    if args.adapters or args.salted:
+        raise UserError("kvroute sim does not model LoRA adapters or cache salts; drop --adapters and "
+                        "--salted (a tenant per prefix caches as the same workload without them)")
     workloads = {k: generate(workload_spec(args, k)) for k in prefixes}
     for wl in workloads.values():
         check_max_model_len(wl, args.max_model_len)

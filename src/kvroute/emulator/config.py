@@ -69,6 +69,13 @@ class EmulatorConfig:
         kv_events_config: vLLM's ``--kv-events-config`` JSON, or None.
         kv_events_wire_format: ``map`` (current vLLM) or ``array`` (older, positional).
         tokenizer: a local Hugging Face tokenizer directory, or None for the built-in one.
+        enable_lora: serve LoRA adapters (``--enable-lora``).
+        lora_modules: ``--lora-modules NAME=PATH ...`` as (name, path) pairs; a request whose
+            ``model`` is a name runs under that adapter (the path is listed, never read).
+        max_loras: adapters a batch may hold at once (vLLM's ``--max-loras``, default 1).
+        lora_load_s: seconds a step takes longer for each adapter it brings into one of the
+            ``max_loras`` slots (an assumption of the emulator, in real seconds: scaled
+            with ``time_scale``).
     """
 
     served_model_name: tuple[str, ...] = ("Qwen/Qwen3-0.6B",)
@@ -87,6 +94,10 @@ class EmulatorConfig:
     kv_events_config: str | None = None
     kv_events_wire_format: str = "map"
     tokenizer: str | None = None
+    enable_lora: bool = False
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_loras: int = 1
+    lora_load_s: float = 0.02
 
     @classmethod
     def for_model(cls, preset: str = "qwen3-0.6b", **overrides) -> EmulatorConfig:
@@ -148,6 +159,19 @@ class EmulatorConfig:
         ):
             if value <= 0:
                 raise UserError(f"{name} must be positive, got {value}")
+        if self.lora_modules and not self.enable_lora:
+            raise UserError("--lora-modules needs --enable-lora")
+        if self.max_loras < 1:
+            raise UserError(f"--max-loras must be positive, got {self.max_loras}")
+        if not self.lora_load_s >= 0:
+            raise UserError(f"--lora-load-time must be non-negative, got {self.lora_load_s}")
+        names = [name for name, _ in self.lora_modules]
+        for name in names:
+            if not name or name in self.served_model_name or names.count(name) > 1:
+                raise UserError(
+                    f"--lora-modules: {name!r} must be a non-empty name, unique, and not a "
+                    "served model name"
+                )
         if self.kv_events_wire_format not in ("map", "array"):
             raise UserError(
                 f"--kv-events-wire-format must be map or array, got {self.kv_events_wire_format!r}"

@@ -15,7 +15,12 @@ api_server). The facts that matter to clients and to kvroute:
   null fields; the stream ends with ``data: [DONE]``.
 * Completions default to 16 output tokens; chat defaults to the rest of the context window
   (``max_model_len`` minus the prompt).
-* Every served name is accepted as ``model``; responses always name the first one.
+* Every served name is accepted as ``model``; responses always name the first one. With
+  ``--enable-lora`` a ``--lora-modules`` name is accepted too: the request runs under that
+  adapter (its name keys every block hash), and the response names the adapter.
+* ``cache_salt`` (both endpoints): a non-empty string that keys the prompt's first block
+  hash, so only requests with the same salt share its cache (vLLM's
+  ``check_cache_salt_support``).
 
 The emulator always generates exactly ``max_tokens`` tokens, so ``finish_reason`` is
 ``"length"``. Sampling fields (temperature, top_p, seed, stop, ignore_eos, ...) are accepted
@@ -90,6 +95,16 @@ class ServingContext:
     served_model_names: tuple[str, ...]
     max_model_len: int
     tokenizer: Any  # kvroute.tokens.Tokenizer
+    #: ``--lora-modules`` as (name, path), in order: an adapter's id is its position + 1, as
+    #: vLLM numbers them (``lora_int_id``).
+    lora_modules: tuple[tuple[str, str], ...] = ()
+
+    def lora_id(self, name: str) -> int | None:
+        """The id of the adapter called ``name``, or None when it is none."""
+        for i, (module, _) in enumerate(self.lora_modules):
+            if module == name:
+                return i + 1
+        return None
 
     @property
     def model_name(self) -> str:
@@ -108,6 +123,10 @@ class GenerationRequest:
     continuous_usage: bool
     model: str
     request_id: str
+    #: The LoRA adapter it runs under (``model`` naming a ``--lora-modules`` entry).
+    lora_name: str | None = None
+    #: Its ``cache_salt``.
+    cache_salt: str | None = None
 
 
 def parse_json_body(raw: bytes) -> dict:
@@ -160,6 +179,8 @@ def _check_model(body: dict, ctx: ServingContext) -> str:
     """The ``model`` a response names: any served name is accepted, but vLLM answers with the
     first one (``OpenAIServingModels.model_name``), whichever alias the request used."""
     model = _field(body, "model", (str,))
+    if model is not None and ctx.lora_id(model) is not None:
+        return model
     if model is not None and model not in ctx.served_model_names:
         raise ApiError(
             f"The model `{model}` does not exist. Valid aliases: {', '.join(ctx.served_model_names)}.",
@@ -168,6 +189,27 @@ def _check_model(body: dict, ctx: ServingContext) -> str:
             "model",
         )
     return ctx.model_name
+
+
+def _cache_salt(body: dict) -> str | None:
+    """The body's ``cache_salt``: absent or null is none; anything but a non-empty string is
+    refused, as vLLM refuses it."""
+    salt = body.get("cache_salt")
+    if salt is None:
+        return None
+    if not isinstance(salt, str) or not salt:
+        raise validation_error(
+            "Parameter 'cache_salt' must be a non-empty string if provided.", "cache_salt"
+        )
+    return salt
+
+
+def _keyed(gen: GenerationRequest, body: dict, ctx: ServingContext) -> GenerationRequest:
+    """``gen`` with its adapter (when ``model`` names one) and its cache salt."""
+    gen.cache_salt = _cache_salt(body)
+    if ctx.lora_id(gen.model) is not None:
+        gen.lora_name = gen.model
+    return gen
 
 
 def _stream_options(body: dict, stream: bool) -> tuple[bool, bool]:
@@ -271,10 +313,11 @@ def parse_completion(body: dict, ctx: ServingContext) -> GenerationRequest:
     if not prompt:
         raise ApiError("Prompt cannot be empty.", param="prompt")
     max_tokens = _check_length(len(prompt), max_tokens, ctx)
-    return GenerationRequest(
+    gen = GenerationRequest(
         "completion", prompt, max_tokens, stream, include_usage, continuous, model,
         f"cmpl-{random_request_id()}",
     )
+    return _keyed(gen, body, ctx)
 
 
 def _message_text(message: Any, index: int) -> dict:
@@ -332,10 +375,11 @@ def parse_chat(body: dict, ctx: ServingContext) -> GenerationRequest:
     max_tokens = _max_tokens(body, ("max_completion_tokens", "max_tokens"), None)
     prompt = chat_prompt_ids(body, ctx)
     max_tokens = _check_length(len(prompt), max_tokens, ctx)
-    return GenerationRequest(
+    gen = GenerationRequest(
         "chat", prompt, max_tokens, stream, include_usage, continuous, model,
         f"chatcmpl-{random_request_id()}",
     )
+    return _keyed(gen, body, ctx)
 
 
 def parse_tokenize(body: dict, ctx: ServingContext) -> dict:
@@ -411,7 +455,7 @@ def _generate_request(body: dict, gen: GenerationRequest, max_tokens: int | None
         "output_mode": "tokens",
         "stream": gen.stream,
         "stream_options": stream_options,
-        "cache_salt": None,
+        "cache_salt": gen.cache_salt,
         "priority": 0,
         "kv_transfer_params": None,
         "ec_transfer_params": None,
@@ -568,8 +612,39 @@ class ResponseWriter:
         return _dumps(body).encode()
 
 
+def _permission(created: int) -> dict:
+    return {
+        "id": f"modelperm-{random_request_id()}",
+        "object": "model_permission",
+        "created": created,
+        "allow_create_engine": False,
+        "allow_sampling": True,
+        "allow_logprobs": True,
+        "allow_search_indices": False,
+        "allow_view": True,
+        "allow_fine_tuning": False,
+        "organization": "*",
+        "group": None,
+        "is_blocking": False,
+    }
+
+
 def models_json(ctx: ServingContext, created: int, root: str) -> dict:
-    """``GET /v1/models``: one card per served name, as vLLM lists them."""
+    """``GET /v1/models``: one card per served name, then one per LoRA module (its path as
+    ``root``, the base model as ``parent``, no ``max_model_len``), as vLLM lists them."""
+    adapters = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": path,
+            "parent": ctx.model_name,
+            "max_model_len": None,
+            "permission": [_permission(created)],
+        }
+        for name, path in ctx.lora_modules
+    ]
     return {
         "object": "list",
         "data": [
@@ -581,25 +656,11 @@ def models_json(ctx: ServingContext, created: int, root: str) -> dict:
                 "root": root,
                 "parent": None,
                 "max_model_len": ctx.max_model_len,
-                "permission": [
-                    {
-                        "id": f"modelperm-{random_request_id()}",
-                        "object": "model_permission",
-                        "created": created,
-                        "allow_create_engine": False,
-                        "allow_sampling": True,
-                        "allow_logprobs": True,
-                        "allow_search_indices": False,
-                        "allow_view": True,
-                        "allow_fine_tuning": False,
-                        "organization": "*",
-                        "group": None,
-                        "is_blocking": False,
-                    }
-                ],
+                "permission": [_permission(created)],
             }
             for name in ctx.served_model_names
-        ],
+        ]
+        + adapters,
     }
 
 

@@ -166,7 +166,8 @@ class EmulatorApp:
             raise ApiError(str(exc)) from None
         worker = self.worker
         stream = await worker.generate(
-            gen.prompt_token_ids, gen.max_tokens, gen.request_id, received_at
+            gen.prompt_token_ids, gen.max_tokens, gen.request_id, received_at,
+            lora_name=gen.lora_name, cache_salt=gen.cache_salt,
         )
         writer = ResponseWriter(gen, worker.textgen, self.details)
         try:

@@ -141,8 +141,12 @@ class EmulatedWorker:
             enable_caching=config.enable_prefix_caching,
             emit_events=publishes,
         )
+        if config.enable_lora:
+            self.engine.set_lora_slots(config.max_loras, config.lora_load_s / config.time_scale)
         self.metrics = WorkerMetrics(self.engine, config)
-        self.context = ServingContext(config.served_model_name, config.max_model_len, self.tokenizer)
+        self.context = ServingContext(
+            config.served_model_name, config.max_model_len, self.tokenizer, config.lora_modules
+        )
         self.publisher: KVEventPublisher | None = None
         self._streams: dict[str, RequestStream] = {}
         self._wake: asyncio.Event | None = None
@@ -182,8 +186,14 @@ class EmulatedWorker:
         max_tokens: int,
         request_id: str,
         received_at: float | None = None,
+        *,
+        lora_name: str | None = None,
+        cache_salt: str | None = None,
     ) -> RequestStream:
         """Submit a request; returns its stream once the request is in the engine.
+
+        ``lora_name`` (a ``--lora-modules`` name) and ``cache_salt`` key its block hashes and
+        KV events as vLLM's.
 
         The request enters the engine ``frontend_s`` after ``received_at`` (the loop time the
         server started handling it; default now). The cost model's front-end time stands for
@@ -204,6 +214,9 @@ class EmulatedWorker:
             output_token_ids=self.textgen.tokens(prompt, max_tokens),
             arrival_time=loop.time(),
             max_tokens=max_tokens,
+            lora_name=lora_name,
+            lora_id=None if lora_name is None else self.context.lora_id(lora_name),
+            cache_salt=cache_salt,
         )
         stream = RequestStream(request, received_at)
         self.engine.add_request(request)

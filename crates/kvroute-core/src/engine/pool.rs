@@ -29,6 +29,8 @@
 use std::collections::{HashMap, VecDeque};
 use std::hash::{BuildHasherDefault, Hasher};
 
+use crate::blocks::BlockKeys;
+use crate::kvevents::codec::encode_text_extra_keys;
 use crate::kvevents::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
 
 /// A KV block's id: its index in the pool.
@@ -260,6 +262,11 @@ pub struct TokenSeq<'a> {
     pub prompt: &'a [u32],
     /// The tokens generated after it (only as many as the sequence has reached matter).
     pub output: &'a [u32],
+    /// The request's LoRA adapter and cache salt, for the event's `lora_name` and
+    /// `extra_keys`.
+    pub keys: &'a BlockKeys,
+    /// The adapter's id, for the event's `lora_id`.
+    pub lora_id: Option<i64>,
 }
 
 impl TokenSeq<'_> {
@@ -269,6 +276,8 @@ impl TokenSeq<'_> {
             prompt_head: &[],
             prompt,
             output,
+            keys: &BlockKeys::PLAIN,
+            lora_id: None,
         }
     }
 
@@ -662,13 +671,27 @@ impl BlockPool {
                 return;
             }
             let bs = self.block_size;
-            self.pending_events
-                .push(KvCacheEvent::Stored(BlockStored::plain(
-                    block_hashes[num_cached..num_full].to_vec(),
-                    parent,
-                    tokens.range(num_cached * bs, num_full * bs),
-                    bs,
-                )));
+            let mut event = BlockStored::plain(
+                block_hashes[num_cached..num_full].to_vec(),
+                parent,
+                tokens.range(num_cached * bs, num_full * bs),
+                bs,
+            );
+            if !tokens.keys.is_plain() {
+                // As vLLM's `BlockPool.cache_full_blocks`: the adapter's id and name, and
+                // each block's key tuple (None where a block has none).
+                event.lora_id = tokens.lora_id;
+                event.lora_name = tokens.keys.lora_name.clone();
+                event.extra_keys = Some(
+                    (num_cached..num_full)
+                        .map(|i| {
+                            let keys = tokens.keys.for_block(i);
+                            (!keys.is_empty()).then(|| encode_text_extra_keys(&keys))
+                        })
+                        .collect(),
+                );
+            }
+            self.pending_events.push(KvCacheEvent::Stored(event));
         }
     }
 

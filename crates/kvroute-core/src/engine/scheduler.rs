@@ -26,7 +26,7 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::blocks::BlockHasher;
+use crate::blocks::{BlockHasher, BlockKeys};
 use crate::engine::cost::CostModel;
 use crate::engine::pool::{BlockId, BlockPool, TokenSeq};
 use crate::kvevents::events::{EventBatch, HashEvents};
@@ -53,6 +53,10 @@ pub struct NewRequest {
     /// Hashes of the prompt's first full blocks if the caller already has them (the
     /// simulator memoizes shared prefixes); the engine extends them as blocks fill.
     pub block_hashes: Vec<u64>,
+    /// Its LoRA adapter and cache salt, which key its block hashes as vLLM's do.
+    pub keys: BlockKeys,
+    /// Its adapter's id (vLLM's `lora_int_id`, in `BlockStored.lora_id`); None without one.
+    pub lora_id: Option<i64>,
 }
 
 /// The state of one request inside the engine.
@@ -70,8 +74,12 @@ pub struct Request {
     pub max_tokens: usize,
     /// When the engine received it.
     pub arrival_time: f64,
-    /// Chained hashes of its full blocks, as far as computed.
+    /// Chained hashes of its full blocks, as far as computed (under `keys`).
     pub block_hashes: Vec<u64>,
+    /// Its LoRA adapter and cache salt (see [`NewRequest::keys`]).
+    pub keys: BlockKeys,
+    /// Its adapter's id (see [`NewRequest::lora_id`]).
+    pub lora_id: Option<i64>,
     /// Tokens generated so far.
     pub num_output: usize,
     /// Tokens whose KV is computed (or found cached).
@@ -119,6 +127,8 @@ impl Request {
             prompt_head: &self.prompt_head,
             prompt: &self.prompt,
             output: &self.output[..self.num_output.min(self.output.len())],
+            keys: &self.keys,
+            lora_id: self.lora_id,
         }
     }
 }
@@ -251,6 +261,54 @@ pub struct Engine {
     num_preemptions: u64,
     prompt_tokens_total: u64,
     generation_tokens_total: u64,
+    /// LoRA adapters: slots and load time (None: adapters are not modelled).
+    lora: Option<LoraSlots>,
+}
+
+/// vLLM's `--max-loras`: a batch holds requests of at most `max_loras` adapters (a waiting
+/// request of another one is skipped, as vLLM's scheduler skips it), and the adapters sit in
+/// that many slots, least recently used replaced first; a step that brings an adapter into a
+/// slot takes `load_s` longer for each one it brings.
+#[derive(Clone, Debug)]
+pub struct LoraSlots {
+    pub max_loras: usize,
+    pub load_s: f64,
+    /// The adapter ids in the slots, least recently scheduled first.
+    loaded: Vec<i64>,
+    /// Adapters brought into a slot (cumulative).
+    pub loads: u64,
+}
+
+impl LoraSlots {
+    /// `max_loras` slots (at least 1), each load taking `load_s` seconds.
+    pub fn new(max_loras: usize, load_s: f64) -> Self {
+        Self {
+            max_loras: max_loras.max(1),
+            load_s: load_s.max(0.0),
+            loaded: Vec::new(),
+            loads: 0,
+        }
+    }
+
+    /// Whether adapter `id` sits in a slot.
+    pub fn is_loaded(&self, id: i64) -> bool {
+        self.loaded.contains(&id)
+    }
+
+    /// Mark `id` as just scheduled; true when it had to be loaded.
+    fn use_adapter(&mut self, id: i64) -> bool {
+        if let Some(i) = self.loaded.iter().position(|&l| l == id) {
+            let l = self.loaded.remove(i);
+            self.loaded.push(l);
+            return false;
+        }
+        if self.loaded.len() >= self.max_loras {
+            self.loaded.remove(0);
+        }
+        self.loaded.push(id);
+        self.loads += 1;
+        true
+    }
 }
 
 impl Engine {
@@ -279,7 +337,18 @@ impl Engine {
             num_preemptions: 0,
             prompt_tokens_total: 0,
             generation_tokens_total: 0,
+            lora: None,
         }
+    }
+
+    /// Model LoRA adapters with `slots` (see [`LoraSlots`]).
+    pub fn set_lora_slots(&mut self, slots: LoraSlots) {
+        self.lora = Some(slots);
+    }
+
+    /// The LoRA slots, when adapters are modelled.
+    pub fn lora_slots(&self) -> Option<&LoraSlots> {
+        self.lora.as_ref()
     }
 
     // -- queries ---------------------------------------------------------------------------
@@ -369,6 +438,8 @@ impl Engine {
             max_tokens,
             arrival_time: new.arrival_time,
             block_hashes: new.block_hashes,
+            keys: new.keys,
+            lora_id: new.lora_id,
             num_output: 0,
             num_computed_tokens: 0,
             num_cached_tokens: -1,
@@ -445,10 +516,21 @@ impl Engine {
                 result.prefill_tokens += n;
             }
         }
+        let mut loads = 0;
+        if let Some(lora) = &mut self.lora {
+            for &(key, _) in &result.scheduled {
+                let r = self.slots[key].as_ref().expect("a live request");
+                if let Some(id) = r.lora_id {
+                    loads += usize::from(lora.use_adapter(id));
+                }
+            }
+        }
+        let lora_s = self.lora.as_ref().map_or(0.0, |l| l.load_s * loads as f64);
         let end = now
             + self
                 .cost
-                .step_time(result.prefill_tokens, result.decode_seqs);
+                .step_time(result.prefill_tokens, result.decode_seqs)
+            + lora_s;
         result.end = end;
         self.update(result);
         if self.pool.hash_events_on() {
@@ -507,9 +589,33 @@ impl Engine {
         if !result.preempted.is_empty() {
             return;
         }
-        while let Some(&key) = self.waiting.front() {
+        // The adapters of the batch so far (vLLM's `scheduled_loras`).
+        let mut batch_loras: Vec<i64> = match &self.lora {
+            Some(_) => {
+                let mut ids: Vec<i64> = self
+                    .running
+                    .iter()
+                    .filter_map(|&k| self.req(k).lora_id)
+                    .collect();
+                ids.sort_unstable();
+                ids.dedup();
+                ids
+            }
+            None => Vec::new(),
+        };
+        let mut at = 0;
+        while let Some(&key) = self.waiting.get(at) {
             if budget == 0 || self.running.len() >= self.cost.max_num_seqs {
                 break;
+            }
+            if let (Some(lora), Some(id)) = (&self.lora, self.req(key).lora_id)
+                && !batch_loras.contains(&id)
+            {
+                if batch_loras.len() >= lora.max_loras {
+                    at += 1; // another adapter would exceed --max-loras: it waits
+                    continue;
+                }
+                batch_loras.push(id);
             }
             let serial = self.req(key).serial;
             if let Some((s, version, b)) = self.blocked
@@ -537,7 +643,7 @@ impl Engine {
                 self.blocked = Some((serial, self.pool.version(), budget));
                 break;
             }
-            self.waiting.pop_front();
+            self.waiting.remove(at);
             let r = self.slots[key].as_mut().expect("a live request");
             if r.num_preemptions > 0 {
                 self.stats.preempted_requests += 1;
@@ -674,7 +780,13 @@ fn extend_hashes(hasher: &BlockHasher, r: &mut Request, num_full: usize) {
     let mut at = 0;
     for part in [&r.prompt_head[..], &r.prompt[..], &r.output[..]] {
         if lo >= at && hi <= at + part.len() {
-            hasher.extend_chain(&part[lo - at..hi - at], parent, &mut r.block_hashes);
+            hasher.extend_chain_keyed(
+                &part[lo - at..hi - at],
+                parent,
+                have,
+                &r.keys,
+                &mut r.block_hashes,
+            );
             return;
         }
         at += part.len();
@@ -688,7 +800,7 @@ fn extend_hashes(hasher: &BlockHasher, r: &mut Request, num_full: usize) {
         }
         at = end;
     }
-    hasher.extend_chain(&window, parent, &mut r.block_hashes);
+    hasher.extend_chain_keyed(&window, parent, have, &r.keys, &mut r.block_hashes);
 }
 
 #[cfg(test)]
@@ -722,6 +834,8 @@ mod tests {
             output,
             arrival_time: 0.0,
             block_hashes: vec![],
+            keys: BlockKeys::default(),
+            lora_id: None,
         }
     }
 
@@ -752,6 +866,89 @@ mod tests {
         e.add_request(req(1..16, [9])).unwrap();
         assert_eq!(cached_of(&run(&mut e)), 12);
         assert_eq!((e.stats().queries, e.stats().hits), (12 + 12 + 15, 8 + 12));
+    }
+
+    #[test]
+    fn adapters_and_salts_key_the_cache_and_its_events_as_vllms() {
+        let mut e = engine(64);
+        let keyed = |salt: Option<&str>, lora: Option<&str>| NewRequest {
+            keys: BlockKeys::new(lora, salt),
+            lora_id: lora.map(|_| 1),
+            ..req(1..14, [7])
+        };
+        e.add_request(keyed(Some("t1"), None)).unwrap();
+        run(&mut e);
+        // Another tenant's salt, the same tenant under an adapter, no salt: no hit.
+        for (salt, lora) in [(Some("t2"), None), (Some("t1"), Some("a")), (None, None)] {
+            e.add_request(keyed(salt, lora)).unwrap();
+            assert_eq!(cached_of(&run(&mut e)), 0, "{salt:?} {lora:?}");
+        }
+        e.add_request(keyed(Some("t1"), None)).unwrap();
+        assert_eq!(cached_of(&run(&mut e)), 12);
+        // The events name the adapter and carry each block's keys; the index hashes them as
+        // the router hashes the request.
+        e.add_request(keyed(Some("t9"), Some("sql"))).unwrap();
+        let mut stored = vec![];
+        while e.has_work() {
+            if let Some(batch) = e.step(0.0).events {
+                stored.extend(batch.events);
+            }
+        }
+        let KvCacheEvent::Stored(s) = &stored[0] else {
+            panic!("{stored:?}")
+        };
+        assert_eq!((s.lora_id, s.lora_name.as_deref()), (Some(1), Some("sql")));
+        let keys = s.extra_keys.as_ref().unwrap();
+        assert_eq!(keys.len(), 3);
+        let text = |k: &Option<Vec<u8>>| {
+            crate::kvevents::codec::text_extra_keys(k.as_deref().unwrap())
+                .unwrap()
+                .join(",")
+        };
+        assert_eq!(
+            (text(&keys[0]), text(&keys[1])),
+            ("sql,t9".into(), "sql".into())
+        );
+        let mut index =
+            crate::index::KvIndex::new(BlockHasher::new(BS, 1).unwrap(), Some(1.0), None, None)
+                .unwrap();
+        index.apply("w", &stored);
+        let mine = BlockHasher::new(BS, 1).unwrap().hash_blocks_keyed(
+            &(1..14).collect::<Vec<u32>>(),
+            None,
+            0,
+            None,
+            &BlockKeys::new(Some("sql"), Some("t9")),
+        );
+        assert_eq!(index.overlaps(&mine, &["w"], 0.0), vec![3]);
+    }
+
+    #[test]
+    fn max_loras_holds_back_another_adapter_and_loading_one_takes_time() {
+        let mut e = engine(64);
+        e.set_lora_slots(LoraSlots::new(1, 0.5));
+        let lora = |id: i64, start: u32| NewRequest {
+            keys: BlockKeys::new(Some(&format!("a{id}")), None),
+            lora_id: Some(id),
+            ..req(start..start + 5, [7, 8, 9])
+        };
+        e.add_request(lora(1, 1)).unwrap();
+        e.add_request(lora(2, 100)).unwrap();
+        e.add_request(req(200..205, [7, 8, 9])).unwrap(); // no adapter: never held back
+        let first = e.step(0.0);
+        let ids: Vec<Option<i64>> = first
+            .scheduled
+            .iter()
+            .map(|&(k, _)| e.req(k).lora_id)
+            .collect();
+        assert_eq!(ids, vec![Some(1), None], "adapter 2 waits for a slot");
+        // The instant cost model: every second of a step is a load.
+        assert_eq!(first.end, 0.5);
+        let mut t = first.end;
+        while e.has_work() {
+            t = e.step(t).end;
+        }
+        assert_eq!((e.lora_slots().unwrap().loads, t), (2, 1.0));
     }
 
     #[test]

@@ -1130,5 +1130,30 @@ pub fn encode_batch(batch: &EventBatch, format: WireFormat) -> Vec<u8> {
     out
 }
 
+/// The strings of an `extra_keys` entry that is a tuple of strings only (what a text request
+/// has: its LoRA adapter's name, its cache salt), in order; None for any other entry
+/// (multimodal identifiers with their offsets, prompt-embedding digests, malformed bytes):
+/// keys kvroute cannot derive from a prompt.
+pub fn text_extra_keys(raw: &[u8]) -> Option<Vec<&str>> {
+    let mut r = Reader { buf: raw, pos: 0 };
+    let len = r.array_len().ok()??;
+    let mut keys = Vec::with_capacity(len.min(raw.len()));
+    for _ in 0..len {
+        keys.push(r.str().ok()??);
+    }
+    (r.pos == raw.len()).then_some(keys)
+}
+
+/// The msgpack bytes of an `extra_keys` entry holding `keys` (a tuple of strings), as vLLM's
+/// msgspec encoder writes it; the inverse of [`text_extra_keys`].
+pub fn encode_text_extra_keys(keys: &[&str]) -> Vec<u8> {
+    let mut out = Vec::with_capacity(1 + keys.iter().map(|k| 5 + k.len()).sum::<usize>());
+    write_array_len(&mut out, keys.len());
+    for key in keys {
+        write_str(&mut out, key);
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests;

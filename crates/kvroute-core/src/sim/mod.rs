@@ -30,7 +30,7 @@ use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 
-use crate::blocks::BlockHasher;
+use crate::blocks::{BlockHasher, BlockKeys};
 use crate::engine::cost::CostModel;
 use crate::engine::scheduler::{Engine, NewRequest, PrefixCacheStats, StepResult};
 use crate::retention::Refresh;
@@ -483,6 +483,8 @@ impl<'p> Simulation<'p> {
             max_tokens: out,
             arrival_time: arrival,
             block_hashes: hashes,
+            keys: BlockKeys::default(),
+            lora_id: None,
         };
         let sent = Sent {
             pos,
@@ -517,6 +519,8 @@ impl<'p> Simulation<'p> {
                 max_tokens: 1,
                 arrival_time: self.now + self.config.cost.frontend_s,
                 block_hashes: hashes,
+                keys: BlockKeys::default(),
+                lora_id: None,
             };
             let sent = Sent {
                 pos: REFRESH,

@@ -8,11 +8,14 @@ use std::time::Duration;
 use bytes::Bytes;
 use http_body_util::{BodyExt, Full};
 use hyper::Request;
+use hyper::header::AUTHORIZATION;
 use kvroute_io::consumer::{Consumer, Item};
 use tokio::sync::watch;
 
+use super::MAX_ANSWER_BYTES;
 use super::UNHEALTHY_CHECKS_PER_INTERVAL;
 use super::state::Shared;
+use crate::models::ServedModels;
 
 /// How often the consumer's notices (each a worker reset) are logged.
 const NOTICE_INTERVAL: Duration = Duration::from_millis(200);
@@ -33,17 +36,26 @@ pub(super) async fn health_loop(
     let tick = interval / UNHEALTHY_CHECKS_PER_INTERVAL;
     let mut round: u32 = 0;
     loop {
-        tokio::select! {
-            _ = tokio::time::sleep(tick) => {},
-            _ = stopped.changed() => return,
+        // The first round runs at once: it learns the workers' models before most requests.
+        if round > 0 {
+            tokio::select! {
+                _ = tokio::time::sleep(tick) => {},
+                _ = stopped.changed() => return,
+            }
         }
         round = round.wrapping_add(1);
         let now = shared.now();
+        // A worker whose models are not known yet is checked as often as an unhealthy one:
+        // until then its requests are hashed without their adapter's key.
         let due: Vec<(String, String)> = shared
             .fleet()
             .members()
             .iter()
-            .filter(|m| !m.available(now) || round % UNHEALTHY_CHECKS_PER_INTERVAL == 0)
+            .filter(|m| {
+                !m.available(now)
+                    || m.models.is_none()
+                    || round % UNHEALTHY_CHECKS_PER_INTERVAL == 0
+            })
             .map(|m| (m.name.clone(), m.url.clone()))
             .collect();
         for (name, url) in due {
@@ -52,6 +64,9 @@ pub(super) async fn health_loop(
                 let passed = check(&shared, &url).await;
                 let now = shared.now();
                 shared.fleet().checked(&name, passed, now);
+                if passed && let Some(models) = served_models(&shared, &url).await {
+                    shared.fleet().set_models(&name, models);
+                }
             });
         }
     }
@@ -75,6 +90,30 @@ async fn check(shared: &Shared, url: &str) -> bool {
     })
     .await;
     matches!(answer, Ok(Some(true)))
+}
+
+/// The models and adapters the worker at `url` lists in `GET /v1/models` (a 2xx within the
+/// health-check timeout, at most [`super::MAX_ANSWER_BYTES`]), or None.
+async fn served_models(shared: &Shared, url: &str) -> Option<ServedModels> {
+    let uri = format!("{url}/v1/models").parse::<hyper::Uri>().ok()?;
+    let mut request = Request::get(uri);
+    if let Some(auth) = &shared.worker_authorization {
+        request = request.header(AUTHORIZATION, auth.clone());
+    }
+    let request = request.body(Full::new(Bytes::new())).ok()?;
+    tokio::time::timeout(shared.config.health_timeout, async {
+        let response = shared.upstream.request(request).await.ok()?;
+        if !response.status().is_success() {
+            return None;
+        }
+        let body = http_body_util::Limited::new(response.into_body(), MAX_ANSWER_BYTES)
+            .collect()
+            .await
+            .ok()?;
+        ServedModels::parse(&body.to_bytes())
+    })
+    .await
+    .ok()?
 }
 
 /// Ask each worker whose KV capacity the admission guard or retention needs for its engine's

@@ -146,6 +146,16 @@ impl Pipeline {
         if prompt.untokenized {
             shared.metrics.untokenized.fetch_add(1, Ordering::Relaxed);
         }
+        if let Some(model) = prompt.model.as_deref()
+            && shared.fleet().unknown_model(model)
+        {
+            return Err(edge::error(
+                StatusCode::NOT_FOUND,
+                &format!("The model `{model}` does not exist."),
+                "NotFoundError",
+                Some("model"),
+            ));
+        }
         Ok(Admitted { prompt, started })
     }
 
@@ -173,6 +183,7 @@ impl Pipeline {
             excluded,
             now,
             prompt.retained.as_ref(),
+            prompt.model.as_deref(),
         )?;
         if retry {
             shared.metrics.retries.fetch_add(1, Ordering::Relaxed);
@@ -194,9 +205,9 @@ impl Pipeline {
             prefill_tokens: Some(choice.prefill_tokens),
         };
         if !choice.refreshes.is_empty() {
-            let model = prompt.retained.as_ref().and_then(|r| r.model.as_deref());
             let waited = Instant::now();
-            send_refreshes(shared, &choice.name, &choice.url, &choice.refreshes, model).await;
+            let (refreshes, tenants) = (&choice.refreshes, &choice.refresh_tenants);
+            send_refreshes(shared, &choice.name, &choice.url, refreshes, tenants).await;
             shared.metrics.refresh_wait(waited.elapsed().as_secs_f64());
         }
         Some(Decision { choice, load })
@@ -300,7 +311,7 @@ impl Drop for Load {
                     &idle.name,
                     &idle.url,
                     &idle.refreshes,
-                    idle.model.as_deref(),
+                    &idle.tenants,
                 )
                 .await;
             });

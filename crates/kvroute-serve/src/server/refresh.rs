@@ -12,6 +12,7 @@ use hyper::{Request, StatusCode};
 
 use super::MAX_REFRESHES_OPEN;
 use super::state::Shared;
+use crate::fleet::RefreshTenant;
 use crate::relay::{self, SignalBody};
 
 /// A refresh's whole answer (one token) must come within this, or it counts as an error.
@@ -28,10 +29,10 @@ pub(super) async fn send_refreshes(
     worker: &str,
     url: &str,
     refreshes: &[kvroute_core::retention::Refresh],
-    model: Option<&str>,
+    tenants: &[RefreshTenant],
 ) {
     let mut written = Vec::with_capacity(refreshes.len());
-    for refresh in refreshes {
+    for (refresh, tenant) in refreshes.iter().zip(tenants) {
         {
             let mut open = shared
                 .refreshes_open
@@ -45,8 +46,11 @@ pub(super) async fn send_refreshes(
             *n += 1;
         }
         let mut body = serde_json::json!({"prompt": &*refresh.prompt, "max_tokens": 1});
-        if let Some(m) = model {
-            body["model"] = serde_json::Value::from(m);
+        if let Some(m) = &tenant.model {
+            body["model"] = serde_json::Value::from(m.as_str());
+        }
+        if let Some(salt) = &tenant.cache_salt {
+            body["cache_salt"] = serde_json::Value::from(salt.as_str());
         }
         let (body, done) = SignalBody::new(Bytes::from(body.to_string()));
         written.push(done);

@@ -179,7 +179,8 @@ impl Router {
             config.max_json_depth,
             config.retention.is_some(),
         )?;
-        let (fleet, membership) = Fleet::new(&config)?;
+        let (mut fleet, membership) = Fleet::new(&config)?;
+        fleet.set_adapter_names(prompts.adapter_names());
         let worker_authorization =
             match &config.worker_api_key {
                 Some(key) => Some(HeaderValue::from_str(&format!("Bearer {key}")).map_err(

@@ -523,3 +523,21 @@ fn token_ids_beyond_i64_are_kept_as_i64_max() {
     };
     assert_eq!(stored.token_ids, vec![i64::MAX, -3, 70000]);
 }
+
+#[test]
+fn text_extra_keys_read_string_tuples_only() {
+    // ("adapter-a", "salt") as msgspec writes a tuple of two strings.
+    let raw = b"\x92\xa9adapter-a\xa4salt";
+    assert_eq!(text_extra_keys(raw), Some(vec!["adapter-a", "salt"]));
+    assert_eq!(encode_text_extra_keys(&["adapter-a", "salt"]), raw.to_vec());
+    let long = "x".repeat(40);
+    let enc = encode_text_extra_keys(&[&long]);
+    assert_eq!(text_extra_keys(&enc), Some(vec![long.as_str()]));
+    // A multimodal key (an identifier with its offset), bytes, trailing data, a bare string.
+    assert_eq!(text_extra_keys(b"\x92\xa7mm-hash\x07"), None);
+    assert_eq!(text_extra_keys(b"\x91\x92\xa1a\x00"), None);
+    assert_eq!(text_extra_keys(b"\x91\xc4\x01a"), None);
+    assert_eq!(text_extra_keys(b"\x91\xa1a\xa1b"), None);
+    assert_eq!(text_extra_keys(b"\xa1a"), None);
+    assert_eq!(text_extra_keys(b"\x92\xa1a"), None);
+}
