@@ -45,8 +45,8 @@ import zlib
 from collections import Counter
 from pathlib import Path
 
-from kvroute.fleet import launch_emulated
 from kvroute.gateway import free_port, run_envoy
+from kvroute.workers import launch_emulated
 
 ROUTER_LINE = re.compile(r"listening on (http://\S+),")
 

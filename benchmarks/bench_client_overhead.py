@@ -67,8 +67,8 @@ from kvroute.bench.prompts import (
     poisson_schedule,
     reference_workload,
 )
-from kvroute.fleet import free_ports
 from kvroute.records import RequestRecord
+from kvroute.workers import free_ports
 from kvroute.workload import WorkloadSpec
 
 # -- the canned server (run as a subprocess: this file with --serve-canned PORT N_TOKENS) ------

@@ -8,7 +8,7 @@ conversation of ``--turns`` user/assistant turns after a system prompt, ``--char
 per message); only ``render`` is timed, with the Python-to-template conversion of the messages
 included on the native side, as the router pays it. Templates: kvroute's ChatML (what
 ``make-tiny-model`` writes), and the Qwen3- and Llama-3-style templates of
-tests/test_chat_template.py (thinking, namespaces, string methods, strftime_now).
+tests/unit/test_chat_template.py (thinking, namespaces, string methods, strftime_now).
 
     python benchmarks/chat_template_speed.py [--turns 8] [--chars 400] [--seconds 1]
 

@@ -67,9 +67,9 @@ from kvroute import _native
 from kvroute._native import EVENTS_COALESCE_S, KvEventConsumer, SequenceTracker
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import BlockRemoved, BlockStored, EventBatch
-from kvroute.fleet import free_ports
 from kvroute.kvevents.wire import decode_batch, decode_native, encode_batch
 from kvroute.routing.index import KvIndex
+from kvroute.workers import free_ports
 
 BLOCK = 16
 #: The native consumer's thread, as /proc names it (15 characters).

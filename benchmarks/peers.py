@@ -127,10 +127,10 @@ from kvroute.bench.runner import (
     TrialSink,
 )
 from kvroute.errors import UserError
-from kvroute.fleet import Fleet, cpu_times, free_ports, launch_emulated
 from kvroute.gateway import envoy_binary, envoy_config
 from kvroute.records import RequestRecord, TrialStats
 from kvroute.tokens import load_tokenizer, safe_vocabulary
+from kvroute.workers import Workers, cpu_times, free_ports, launch_emulated
 from kvroute.workload import LengthDist, WorkloadSpec
 
 #: Plain relays that do no routing: references for the overhead mode, measured only on request.
@@ -561,7 +561,7 @@ class Backends:
     kv_events: list[str]                 # each worker's "EVENTS,REPLAY" endpoints (emulated)
     count: Callable[[], dict[str, int]]  # cumulative finished requests per worker (blocking)
     close: Callable[[], Awaitable[None]]  # stops the workers
-    fleet: Fleet | None = None
+    fleet: Workers | None = None
 
 
 def _request_success(url: str) -> int:

@@ -36,9 +36,9 @@ import aiohttp
 import numpy as np
 
 from kvroute.bench.prompts import PromptEncoder, reference_workload
-from kvroute.fleet import cpu_seconds, launch_emulated
 from kvroute.tinymodel import build_tiny_model
 from kvroute.tokens import HFTokenizer, safe_vocabulary
+from kvroute.workers import cpu_seconds, launch_emulated
 from kvroute.workload import WorkloadSpec
 
 _EVENTS_LINE = re.compile(r"worker (\d+): (http://\S+?)/v1\s+kv-events (\S+) \(replay (\S+)\)")

@@ -2,7 +2,7 @@
 
 Goals (issue 15, the native core): the ``--preset reference`` sweep (72 trials) in < 0.5 s on
 one core of the 2-core CI machine, and 1,000,000 requests over 64 workers in < 10 s; before
-the core the figures were 1.71 s and 84.9 s. Results are pinned by tests/test_sim_golden.py.
+the core the figures were 1.71 s and 84.9 s. Results are pinned by tests/unit/test_sim_golden.py.
 
     python benchmarks/sim_speed.py                 # both figures
     python benchmarks/sim_speed.py --requests 100000   # a quicker large run

@@ -53,14 +53,14 @@ from dataclasses import dataclass, field
 import aiohttp
 
 from kvroute import aio
-from kvroute.fleet import cpu_seconds, launch_emulated
-from kvroute.proxy import (
+from kvroute.router import (
     WORKER_HEADER,
     EventsSettings,
     EventsSource,
     RouterConfig,
     start_router,
 )
+from kvroute.workers import cpu_seconds, launch_emulated
 
 BLOCK = 16
 _WORKER_LINE = re.compile(r"worker 0: (http://\S+?)/v1\b")

@@ -4,7 +4,7 @@
 The flag tables come from each command's argparse parser (the same text as ``--help``); the
 metrics table from a running router's ``/metrics`` (``# HELP`` and ``# TYPE`` lines). Each part
 sits between ``<!-- generated:NAME -->`` and ``<!-- /generated:NAME -->`` markers; the prose
-around them is written by hand. tests/test_operations_doc.py fails when a part is stale.
+around them is written by hand. tests/docs/test_operations_doc.py fails when a part is stale.
 
     python scripts/operations_doc.py --write                          # flag tables
     python scripts/operations_doc.py --write --metrics-url http://127.0.0.1:8000/metrics

@@ -33,16 +33,16 @@ from hypothesis import settings
 
 from kvroute.bench.runner import server_cache_config
 from kvroute.experiment import ExperimentPlan
-from kvroute.fleet import (
-    Fleet,
+from kvroute.tinymodel import TinyModelConfig
+from kvroute.vllm_setup import VllmInstall
+from kvroute.workers import (
     VllmServeOptions,
     VllmServer,
+    Workers,
     start_vllm_servers,
     terminate_servers,
     wait_healthy,
 )
-from kvroute.tinymodel import TinyModelConfig
-from kvroute.vllm_setup import VllmInstall
 from kvroute.workload import LengthDist, WorkloadSpec
 
 # Property tests check behaviour, not speed: hypothesis's default 200 ms deadline per example
@@ -64,11 +64,11 @@ VLLM_STARTUP_TIMEOUT_S = 900.0
 class RealVllmFleet:
     """The tier's running servers and what tests may assume about them.
 
-    ``fleet`` is a :class:`kvroute.fleet.Fleet` of the two workers that its users must not
+    ``fleet`` is a :class:`kvroute.workers.Workers` of the two workers that its users must not
     close (the session does); ``plain`` is the server without prompt token details.
     """
 
-    fleet: Fleet
+    fleet: Workers
     plain: VllmServer
     install: VllmInstall
     model: str
@@ -148,7 +148,7 @@ def vllm_fleet(pytestconfig: pytest.Config) -> Iterator[RealVllmFleet]:
         raise
     finally:
         pool.shutdown()
-    fleet = Fleet(urls=[s.url for s in servers[:VLLM_TIER_WORKERS]], servers=servers[:VLLM_TIER_WORKERS])
+    fleet = Workers(urls=[s.url for s in servers[:VLLM_TIER_WORKERS]], servers=servers[:VLLM_TIER_WORKERS])
     try:
         yield RealVllmFleet(
             fleet=fleet,
@@ -185,6 +185,20 @@ def tier_plan(vllm_fleet: RealVllmFleet) -> Callable[..., ExperimentPlan]:
         )
 
     return make
+
+
+#: The folders whose tests start servers on 127.0.0.1 (emulated workers, the router, Envoy) and
+#: talk to them over sockets: their tests are marked ``live``, so a quick local run can leave them
+#: out with ``python -m pytest -q -m 'not vllm and not live'`` (tests/unit and tests/deploy are pure).
+LIVE_FOLDERS = frozenset({"serve", "gateway", "emulator", "bench", "docs"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    tests = Path(__file__).resolve().parent
+    for item in items:
+        parts = item.path.resolve().relative_to(tests).parts
+        if len(parts) > 1 and parts[0] in LIVE_FOLDERS:
+            item.add_marker(pytest.mark.live)
 
 
 def pytest_report_header(config: pytest.Config) -> str | None:

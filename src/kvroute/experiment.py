@@ -56,14 +56,14 @@ from kvroute.bench.runner import (
     simulate_trace_points,
 )
 from kvroute.errors import UserError
-from kvroute.fleet import Fleet
 from kvroute.gateway import run_envoy
 from kvroute.kvevents import EventsSettings, EventsSource
-from kvroute.proxy import RouterConfig, start_router
-from kvroute.proxy.config import default_retention
 from kvroute.records import Point, RequestRecord
+from kvroute.router import RouterConfig, start_router
+from kvroute.router.config import default_retention
 from kvroute.service import TcpBalancer
 from kvroute.sim import trial_seed
+from kvroute.workers import Workers
 from kvroute.workload import WorkloadSpec
 
 TOPOLOGIES = ("service", "router", "gateway")
@@ -178,13 +178,13 @@ async def run_experiment(
     interrupted run still has what was measured), then predict them with the simulator.
 
     Args:
-        start_fleet: ``await start_fleet(W)`` gives a running ``Fleet`` of W workers.
+        start_fleet: ``await start_fleet(W)`` gives a running ``Workers`` of W workers.
     """
     options = BenchOptions(concurrency=plan.concurrency, trials=plan.trials, seed=plan.seed,
                            time_scale=plan.time_scale, open_loop=plan.trace is not None)
     workloads: list[BenchWorkload] | None = None
     for w in plan.workers:
-        fleet: Fleet = await start_fleet(w)
+        fleet: Workers = await start_fleet(w)
         try:
             if result.geometry is None:
                 configs = await server_cache_config([f"{u}/metrics" for u in fleet.urls])
@@ -227,7 +227,7 @@ async def run_experiment(
 async def _measure(
     topology: str,
     plan: ExperimentPlan,
-    fleet: Fleet,
+    fleet: Workers,
     workers: int,
     workloads: list[BenchWorkload],
     options: BenchOptions,
@@ -263,7 +263,7 @@ async def _measure(
 
 @contextlib.asynccontextmanager
 async def _balancer(
-    topology: str, plan: ExperimentPlan, fleet: Fleet, geometry: tuple[int, int] | None
+    topology: str, plan: ExperimentPlan, fleet: Workers, geometry: tuple[int, int] | None
 ) -> AsyncIterator[tuple[str, str | None, Callable[[SweepHooks], SweepHooks]]]:
     """Start ``topology`` in front of ``fleet``; yield its URL, the URL of the kvroute router
     deciding its routes when that is elsewhere (the gateway's Endpoint Picker), and how to wrap

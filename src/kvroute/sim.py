@@ -31,8 +31,8 @@ from kvroute.blocks import BlockHasher, as_token_array
 from kvroute.engine import CostModel, Engine, PrefixCacheStats
 from kvroute.engine.pool import usable_blocks
 from kvroute.errors import UserError
-from kvroute.proxy.config import default_retention
 from kvroute.records import Point, RequestRecord, TrialStats, summarize
+from kvroute.router.config import default_retention
 from kvroute.routing import RoutingStep
 from kvroute.routing.index import KvIndex
 from kvroute.routing.policies import Policy, WorkerState, make_policy, policy_parameters
@@ -319,7 +319,7 @@ def run_point(
 
 def retention_modes(policy: str, retention: Iterable[str] | None) -> list[str]:
     """The retention modes to simulate ``policy`` with: ``retention`` as given, or (None) what
-    ``kvroute serve`` runs with that policy (:func:`kvroute.proxy.config.default_retention`),
+    ``kvroute serve`` runs with that policy (:func:`kvroute.router.config.default_retention`),
     so that a plain simulation predicts the router as shipped."""
     return [default_retention(policy)] if retention is None else list(retention)
 

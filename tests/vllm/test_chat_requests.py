@@ -24,7 +24,7 @@ from kvroute._native import ChatTemplate
 from kvroute.tokens import load_tokenizer
 
 sys.path.insert(0, str(Path(__file__).parents[1]))
-from test_chat_template import LLAMA3_STYLE, QWEN3_STYLE, TOOL_CALLS_STYLE  # noqa: E402
+from chat_templates import LLAMA3_STYLE, QWEN3_STYLE, TOOL_CALLS_STYLE  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

@@ -30,7 +30,6 @@ from kvroute.bench.runner import SweepHooks
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.experiment import ExperimentResult, run_experiment
-from kvroute.fleet import VllmServer, external
 from kvroute.kvevents.subscriber import (
     EngineRestarted,
     EventsReceived,
@@ -41,6 +40,7 @@ from kvroute.kvevents.subscriber import (
     SubscriberItem,
 )
 from kvroute.tokens import HFTokenizer
+from kvroute.workers import VllmServer, external
 
 pytestmark = pytest.mark.vllm
 

@@ -36,7 +36,6 @@ from kvroute.bench.runner import SweepHooks, server_cache_config
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.experiment import ExperimentResult, run_experiment
-from kvroute.fleet import Fleet, VllmServer
 from kvroute.kvevents.subscriber import (
     EngineRestarted,
     EventsReceived,
@@ -45,7 +44,7 @@ from kvroute.kvevents.subscriber import (
     ReplayFailed,
     SubscriberItem,
 )
-from kvroute.proxy import (
+from kvroute.router import (
     WORKER_HEADER,
     EventsSettings,
     EventsSource,
@@ -54,6 +53,7 @@ from kvroute.proxy import (
     start_router,
 )
 from kvroute.tokens import flatten_message_content, load_tokenizer
+from kvroute.workers import VllmServer, Workers
 
 pytestmark = pytest.mark.vllm
 
@@ -301,10 +301,10 @@ async def test_kv_aware_router_beats_random_on_real_vllm(vllm_fleet, tier_plan, 
     plan = tier_plan(topologies=("service", "router"), router_policy="kv-aware")
     servers = vllm_fleet.servers
 
-    async def shared_fleet(workers: int) -> Fleet:
+    async def shared_fleet(workers: int) -> Workers:
         # The session owns the servers: a fleet that launched nothing stops nothing on close(),
         # and names each worker's KV event sockets for the router topology.
-        return Fleet(urls=[s.url for s in servers],
+        return Workers(urls=[s.url for s in servers],
                      kv_events=[(s.events_endpoint, s.replay_endpoint) for s in servers])
 
     result = ExperimentResult()

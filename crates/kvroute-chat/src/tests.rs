@@ -1,5 +1,5 @@
 //! Expected texts are what `transformers`' jinja2 environment renders for the same template
-//! and context (tests/test_chat_template.py checks many more against jinja2 itself).
+//! and context (tests/unit/test_chat_template.py checks many more against jinja2 itself).
 
 use super::*;
 

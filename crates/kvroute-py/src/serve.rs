@@ -114,8 +114,8 @@ fn worker_specs(workers: &Bound<'_, PyAny>) -> PyResult<Vec<WorkerSpec>> {
     Ok(out)
 }
 
-/// The native router, serving from the moment it is made (see ``kvroute.proxy.router``).
-/// Every argument is required: ``kvroute.proxy.router.native_arguments`` passes them all, with
+/// The native router, serving from the moment it is made (see ``kvroute.router.server``).
+/// Every argument is required: ``kvroute.router.server.native_arguments`` passes them all, with
 /// the defaults ``serve_defaults`` reports.
 ///
 /// Raises:
@@ -390,7 +390,7 @@ impl NativeRouter {
 }
 
 /// `ServeConfig::default()` in the units `NativeRouter` takes (seconds as floats, sizes in
-/// bytes, None for a limit that is off): `kvroute.proxy.config` takes its defaults from here,
+/// bytes, None for a limit that is off): `kvroute.router.config` takes its defaults from here,
 /// so that they are written once, in the data plane.
 #[pyfunction]
 fn serve_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {

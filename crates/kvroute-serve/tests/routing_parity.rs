@@ -12,7 +12,7 @@
 //! receives. The fleet must choose every request's worker and charge every prefill as the
 //! simulator did, and end with the same per-worker state and the same index.
 //!
-//! This is the native router's form of `tests/test_routing_step.py`'s replay through the
+//! This is the native router's form of `tests/unit/test_routing_step.py`'s replay through the
 //! aiohttp router's glue (`Router._choose`, `_Load`, the pool's event feed), which retires
 //! with that router; the cases are that test's.
 

@@ -242,7 +242,7 @@ def _tcp_port(endpoint: str) -> int | None:
 def events_line(endpoint: str, replay: str | None, binds: bool) -> str:
     """A worker's event sockets and how its PUB socket meets subscribers, as vLLM decides it
     (a wildcard or ipc binds, a concrete host connects). Scripts read the endpoints from the
-    ``kv-events ENDPOINT (replay REPLAY)`` part (``kvroute.fleet``)."""
+    ``kv-events ENDPOINT (replay REPLAY)`` part (``kvroute.workers``)."""
     line = f"kv-events {endpoint}" + (f" (replay {replay})" if replay else "")
     return line + (" — binds" if binds else " — connects to it (a concrete host connects, as in vLLM)")
 

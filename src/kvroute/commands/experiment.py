@@ -27,9 +27,7 @@ from kvroute.experiment import (
     cpu_kv_cache_bytes,
     run_experiment,
 )
-from kvroute.fleet import VllmServeOptions, external, launch_emulated, launch_vllm
 from kvroute.progress import LineProgress, sweep_progress
-from kvroute.proxy.config import RETENTION_MODES
 from kvroute.report import (
     output_console,
     print_hit_rate_table,
@@ -38,11 +36,13 @@ from kvroute.report import (
     print_trace_tables,
     trace_replay_table,
 )
+from kvroute.router.config import RETENTION_MODES
 from kvroute.routing.policies import POLICIES
 from kvroute.tinymodel import TinyModelConfig
 from kvroute.trace.format import missing_trace, trace_path
 from kvroute.units import parse_bytes, parse_tokens
 from kvroute.vllm_setup import VllmInstall
+from kvroute.workers import VllmServeOptions, external, launch_emulated, launch_vllm
 from kvroute.workload import adapter_name, parse_int_list
 
 ENGINES = ("emulator", "vllm", "urls")

@@ -15,7 +15,7 @@ from kvroute.blocks import GPU_BLOCK_SIZE
 from kvroute.commands._common import add_policy_option_argument, parse_policy_options
 from kvroute.errors import UserError
 from kvroute.kvevents import EventsSettings, EventsSource
-from kvroute.proxy.config import (
+from kvroute.router.config import (
     DEFAULT_BODY_TIMEOUT_S,
     DEFAULT_FIRST_BYTE_TIMEOUT_S,
     DEFAULT_HEADER_TIMEOUT_S,
@@ -32,9 +32,9 @@ from kvroute.proxy.config import (
     RETENTION_MODES,
     RouterConfig,
 )
-from kvroute.proxy.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
-from kvroute.proxy.resources import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
-from kvroute.proxy.router import Router
+from kvroute.router.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
+from kvroute.router.resources import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
+from kvroute.router.server import Router
 from kvroute.routing.policies import POLICIES, make_policy
 from kvroute.units import parse_bytes
 
@@ -332,11 +332,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         discovery = DnsDiscovery.from_spec(args.dns, args.discovery_interval)
     elif args.k8s_service:
         # Imported here: only this mode needs the Kubernetes client.
-        from kvroute.proxy.k8s import EndpointSliceDiscovery
+        from kvroute.router.k8s import EndpointSliceDiscovery
 
         discovery = EndpointSliceDiscovery.from_spec(args.k8s_service)
     elif args.pool:
-        from kvroute.proxy.k8s import InferencePoolDiscovery
+        from kvroute.router.k8s import InferencePoolDiscovery
 
         discovery = InferencePoolDiscovery.from_spec(args.pool)
     for flag, port in (("--port", args.port), ("--grpc-port", getattr(args, "grpc_port", None))):

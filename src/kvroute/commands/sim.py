@@ -19,9 +19,9 @@ from kvroute.commands._common import (
 from kvroute.engine import PRESETS, get_preset
 from kvroute.errors import UserError
 from kvroute.progress import sweep_progress
-from kvroute.proxy.config import RETENTION_MODES
 from kvroute.records import Point, write_points_json
 from kvroute.report import output_console, print_tables
+from kvroute.router.config import RETENTION_MODES
 from kvroute.routing.policies import POLICIES, policy_parameters
 from kvroute.sim import WorkerConfig, run_point, sweep_points
 from kvroute.workload import Workload, generate, parse_int_list

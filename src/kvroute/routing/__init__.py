@@ -2,7 +2,7 @@
 (``kvroute.routing.policies``), the router-side index of which worker holds which KV block
 (``kvroute.routing.index``) and the one routing step around them (:class:`RoutingStep`:
 look-up, policy, prediction and load accounting, used by ``kvroute.sim`` and
-``kvroute.proxy``). All three are native (``kvroute_core``)."""
+``kvroute.router``). All three are native (``kvroute_core``)."""
 
 from kvroute._native import RoutingStep
 from kvroute.routing.index import IndexStats, KvIndex

@@ -2,7 +2,7 @@
 
 The traces in ``engine_*.json`` were recorded from the pure-Python engine (``BlockPool`` and the
 scheduler of ``kvroute.engine`` before they moved to ``kvroute-core``) and
-``tests/test_engine_golden.py`` replays them against today's engine, requiring exact equality.
+``tests/unit/test_engine_golden.py`` replays them against today's engine, requiring exact equality.
 So this file must keep driving an engine exactly as it did when the traces were recorded:
 change a scenario or the driver and the traces mean nothing.
 

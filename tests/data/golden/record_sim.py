@@ -10,9 +10,9 @@ holds no hash (a request's partial last block) goes to the head of the free queu
 0.32's ``free_blocks``, which made the model agree with real vLLM request for request
 (tests/vllm/test_engine_parity.py); 126 of the 156 trials changed. kv-aware runs without its
 admission guard (``admission_wait=None``, the guard came after the record): the traces pin the
-engine and the policy's other paths; tests/test_kv_aware.py and the core's tests cover the guard.
+engine and the policy's other paths; tests/unit/test_kv_aware.py and the core's tests cover the guard.
 
-tests/test_sim_golden.py requires today's simulator to reproduce every request exactly: worker,
+tests/unit/test_sim_golden.py requires today's simulator to reproduce every request exactly: worker,
 cached tokens, TTFT and end-to-end latency (as float reprs), and each worker's prefix-cache
 counters over the measured window.
 

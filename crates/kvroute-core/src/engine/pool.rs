@@ -851,7 +851,7 @@ impl Iterator for FreeQueueIter<'_> {
 
 #[cfg(test)]
 mod tests {
-    //! One test per rule of vLLM's block pool (as tests/test_engine_pool.py).
+    //! One test per rule of vLLM's block pool (as tests/unit/test_engine_pool.py).
     use super::*;
 
     const BS: usize = 4;

@@ -805,7 +805,7 @@ fn extend_hashes(hasher: &BlockHasher, r: &mut Request, num_full: usize) {
 
 #[cfg(test)]
 mod tests {
-    //! As the engine half of tests/test_engine_pool.py.
+    //! As the engine half of tests/unit/test_engine_pool.py.
     use super::*;
     use crate::blocks::DEFAULT_HASH_SEED;
     use crate::kvevents::events::{HashEvents, KvCacheEvent};

@@ -2,7 +2,7 @@
 //! this crate's codec in the engine's roles: a PUB that tells a test when a subscription
 //! arrived, and a ROUTER answering replays from a buffer in current vLLM's framing. (Interop
 //! with libzmq itself, pyzmq's PUB and ROUTER as vLLM uses them, is tested from Python:
-//! tests/test_kvevents.py, tests/test_proxy_events.py, tests/test_faults.py.)
+//! tests/emulator/test_kvevents.py, tests/serve/test_serve_events.py, tests/serve/test_faults.py.)
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};

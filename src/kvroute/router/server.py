@@ -1,0 +1,226 @@
+"""The live router (``kvroute serve``): an OpenAI-compatible HTTP proxy that sends each request
+to the worker holding most of its prefix, fed by the workers' KV events or by its own
+predictions.
+
+The data plane is native (``crates/kvroute-serve``: tokio and hyper) and serves every request
+on its own threads, without the interpreter: the edge limits, parsing the body, tokenizing and
+hashing the prompt, the routing step (the same ``kvroute_core`` step as the simulator),
+forwarding, relaying the answer event by event, retries before the first byte, health checks
+and outlier ejection. Python turns the configuration into the server's arguments and, for a
+discovery source that changes (worker file, DNS, Kubernetes), follows it and hands each
+complete worker list over.
+
+The workers' KV events are followed by the native consumer (``kvroute-io``) on a thread of
+its own and applied to the index the routing step reads; chats are rendered with the
+tokenizer's chat template; retention (``--retention on|auto``) sends its refreshes from the
+native server; without ``--tokenizer`` prompts are tokenized with kvroute's synthetic
+tokenizer (the emulator's).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Sequence
+from typing import Any
+
+from kvroute._native import NativeRouter
+from kvroute.errors import UserError
+from kvroute.kvevents import EventsSettings
+from kvroute.router.config import RouterConfig, predicted_settings, retention_capacity
+from kvroute.router.discovery import Endpoint, StaticDiscovery
+from kvroute.router.resources import default_max_connections
+from kvroute.router.status import WorkerStatus, metric_value
+from kvroute.routing.index import KvIndex
+
+logger = logging.getLogger(__name__)
+
+#: Response header naming the worker that served the request.
+WORKER_HEADER = "x-kvroute-worker"
+
+
+def worker_specs(config: RouterConfig, endpoints: Sequence[Endpoint]) -> list[tuple]:
+    """``(url, name, events endpoint, replay endpoint, ready)`` per endpoint, as
+    ``NativeRouter`` takes them."""
+    events = config.events or EventsSettings()
+    specs = []
+    for e in endpoints:
+        source = events.source_for(e) if events.enabled else None
+        specs.append((e.url, e.name, source.endpoint if source else None,
+                      source.replay_endpoint if source else None, e.ready))
+    return specs
+
+
+def native_arguments(config: RouterConfig) -> dict[str, Any]:
+    """``NativeRouter``'s keyword arguments for ``config`` (the workers apart)."""
+    events = config.events or EventsSettings()
+    ttl, capacity = predicted_settings(config)
+    retention = config.retention_mode()
+    return dict(
+        retention=None if retention == "off" else retention,
+        retention_capacity_blocks=retention_capacity(config),
+        kv_capacity_blocks=config.kv_capacity_blocks,
+        host=config.host, port=config.port, threads=config.threads, policy=config.policy,
+        policy_options=dict(config.policy_options) or None, seed=config.seed,
+        block_size=config.block_size, hash_seed=config.hash_seed, tokenizer=config.tokenizer,
+        prompt_cache_bytes=config.prompt_cache_bytes, predicted_ttl_s=ttl,
+        predicted_capacity_blocks=capacity, index_max_bytes=config.index_max_bytes,
+        events_topic=events.topic,
+        max_body_bytes=config.max_body_bytes, max_buffered_body_bytes=config.max_buffered_body_bytes,
+        max_json_depth=config.max_json_depth,
+        offload_bytes=config.offload_bytes, header_timeout_s=config.header_timeout_s,
+        keepalive_timeout_s=config.keepalive_timeout_s, send_timeout_s=config.send_timeout_s,
+        body_timeout_s=config.body_timeout_s,
+        max_connections=config.max_connections or default_max_connections(),
+        connect_timeout_s=config.connect_timeout_s,
+        first_byte_timeout_s=config.first_byte_timeout_s,
+        stream_idle_timeout_s=config.stream_idle_timeout_s, max_attempts=config.max_attempts,
+        health_interval_s=config.health_interval_s, health_timeout_s=config.health_timeout_s,
+        eject_after_failures=config.eject_after_failures, eject_base_s=config.eject_base_s,
+        api_key=config.api_key, metrics_public=config.metrics_public,
+        worker_api_key=config.worker_api_key, forward_authorization=config.forward_authorization,
+        grpc_port=config.grpc_port,
+    )
+
+
+class Router:
+    """A running router (``config.threads`` serving threads) and, when ``config.discovery`` is
+    a source that changes, the task that follows it. Built by :func:`start_router`.
+
+    Attributes:
+        url: ``http://host:port`` it listens on (an Endpoint Picker's ``/metrics`` and
+            ``/health`` only).
+        grpc_address: ``host:port`` of an Endpoint Picker's ext_proc (None for the proxy).
+        native: the ``kvroute._native.NativeRouter``.
+        max_body_bytes / max_body_source: the body limit and where it came from.
+    """
+
+    def __init__(self, config: RouterConfig) -> None:
+        self.config = config
+        arguments = native_arguments(config)
+        discovery = config.discovery or StaticDiscovery(config.workers)  # validates the URLs
+        if isinstance(discovery, StaticDiscovery):
+            workers, self._discovery = worker_specs(config, discovery.endpoints), None
+        else:
+            workers, self._discovery = [], discovery
+        try:
+            self.native = NativeRouter(workers, **arguments)
+        except ValueError as exc:
+            raise UserError(str(exc)) from None
+        self._follow_task: asyncio.Task | None = None
+        host = f"[{config.host}]" if ":" in config.host else config.host
+        self.url = f"http://{host}:{self.native.port}"
+        grpc = self.native.grpc_port
+        self.grpc_address: str | None = None if grpc is None else f"{host}:{grpc}"
+        self.max_body_bytes: int = self.native.max_body_bytes
+        self.max_body_source: str = self.native.max_body_source
+        self.max_connections = arguments["max_connections"]
+
+    async def start(self) -> None:
+        """Follow the discovery source (if any) until its first list is in."""
+        if self._discovery is None:
+            return
+        first = asyncio.Event()
+        self._follow_task = asyncio.ensure_future(self._follow(first))
+        await first.wait()
+
+    async def _follow(self, first: asyncio.Event) -> None:
+        try:
+            async for endpoints in self._discovery.watch():
+                self.native.set_workers(worker_specs(self.config, endpoints))
+                first.set()
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("worker discovery stopped; keeping the last worker list")
+        finally:
+            first.set()
+
+    @property
+    def in_flight(self) -> int:
+        return self.native.in_flight
+
+    # --- inspection (for tests and tools; /metrics says the same over HTTP) ---------------------
+
+    @property
+    def index(self) -> KvIndex:
+        """The index the routing step reads (shared with the native router)."""
+        return self.native.index
+
+    def metrics_text(self) -> str:
+        """The text ``GET /metrics`` answers."""
+        return self.native.metrics_text()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """A sample's value in :meth:`metrics_text` (0 when absent)."""
+        return metric_value(self.metrics_text(), name, **labels)
+
+    def worker_statuses(self) -> dict[str, WorkerStatus]:
+        """Every worker by name, as the router sees it now."""
+        return {
+            w["name"]: WorkerStatus(w["name"], w["ready"], w["healthy"], w["available"], w["in_flight"],
+                                    w["in_flight_tokens"], w["consecutive_failures"])
+            for w in self.native.workers()
+        }
+
+    def available_workers(self) -> list[str]:
+        """Names of the workers that may take a new request."""
+        return [name for name, w in self.worker_statuses().items() if w.available]
+
+    def retention_stats(self) -> dict | None:
+        """Retention's counters; None when it is off."""
+        return self.native.retention_stats()
+
+    async def drain(self, timeout_s: float | None = None) -> bool:
+        """New requests 503 and ``/health`` failing, then wait for those in flight."""
+        timeout = self.config.drain_timeout_s if timeout_s is None else timeout_s
+        finished = await asyncio.to_thread(self.native.drain, timeout)
+        if not finished:
+            logger.warning("drain: %d requests still in flight after %gs", self.native.in_flight, timeout)
+        return finished
+
+    async def close(self) -> None:
+        if self._follow_task is not None:
+            self._follow_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._follow_task
+            self._follow_task = None
+        await asyncio.to_thread(self.native.close)
+
+    async def __aenter__(self) -> Router:
+        await self.start()
+        return self
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self.close()
+
+
+class _StartedRouter:
+    """``start_router``'s result: ``async with`` it, or ``await`` it and ``close()`` later."""
+
+    def __init__(self, config: RouterConfig) -> None:
+        self._router = Router(config)
+
+    def __await__(self):
+        return self._start().__await__()
+
+    async def _start(self) -> Router:
+        await self._router.start()
+        return self._router
+
+    async def __aenter__(self) -> Router:
+        return await self._start()
+
+    async def __aexit__(self, *exc_info: object) -> None:
+        await self._router.close()
+
+
+def start_router(config: RouterConfig) -> _StartedRouter:
+    """Start a router in the running event loop.
+
+    ``async with start_router(RouterConfig(workers=[...])) as router:`` serves on
+    ``router.url`` until the block ends; ``router = await start_router(config)`` serves until
+    ``await router.close()``.
+    """
+    return _StartedRouter(config)
