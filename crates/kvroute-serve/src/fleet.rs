@@ -633,8 +633,8 @@ mod tests {
     use crate::config::PolicySpec;
     use crate::prompt::Prompts;
     use kvroute_core::blocks::BlockKeys;
-    use kvroute_core::kvevents::events::{BlockStored, KvCacheEvent};
     use kvroute_core::kvevents::codec::encode_text_extra_keys;
+    use kvroute_core::kvevents::events::{BlockStored, KvCacheEvent};
 
     fn fleet(policy: &str, workers: &[&str]) -> Fleet {
         let mut spec = PolicySpec::named(policy);

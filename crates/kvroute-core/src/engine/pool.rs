@@ -26,10 +26,10 @@
 //! engine to hand out per step: full [`KvCacheEvent`]s, or, for the simulator's own index
 //! ([`BlockPool::set_hash_events`]), the same events as [`HashEvents`] (hashes only).
 
-use std::collections::{HashMap, VecDeque};
-use std::hash::{BuildHasherDefault, Hasher};
+use std::collections::VecDeque;
 
 use crate::blocks::BlockKeys;
+use crate::index::HashKeyed;
 use crate::kvevents::codec::encode_text_extra_keys;
 use crate::kvevents::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
 
@@ -48,28 +48,6 @@ pub const fn usable_blocks(num_blocks: usize) -> usize {
 
 /// End of the free queue's links, and an empty slot of the hash table.
 const NIL: u32 = u32::MAX;
-
-/// Hashes a block hash for a table keyed by it. Block hashes are already xxh3 output, so one
-/// multiply spreads them enough; SipHash would be most of a lookup's cost.
-#[derive(Default, Clone, Copy)]
-pub struct BlockHashHasher(u64);
-
-impl Hasher for BlockHashHasher {
-    fn finish(&self) -> u64 {
-        self.0
-    }
-    fn write(&mut self, bytes: &[u8]) {
-        for &b in bytes {
-            self.0 = (self.0.rotate_left(8) ^ u64::from(b)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
-        }
-    }
-    fn write_u64(&mut self, n: u64) {
-        self.0 = (n ^ (n >> 29)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    }
-}
-
-/// A map keyed by block hash (for the rare tables: younger holders, the lookup memo).
-pub type BlockHashMap<V> = HashMap<u64, V, BuildHasherDefault<BlockHashHasher>>;
 
 /// One block's state, packed: everything a take, a free, a touch or an eviction reads or
 /// writes of a block sits in one 24-byte record (a cache line holds more than two), where
@@ -336,7 +314,7 @@ pub struct BlockPool {
     /// hash -> the oldest block holding it (what a lookup returns).
     cached: HashTable,
     /// hash -> younger holders of the same hash, oldest first (rare: vLLM does not dedup).
-    more_holders: BlockHashMap<VecDeque<BlockId>>,
+    more_holders: HashKeyed<VecDeque<BlockId>>,
     pending_events: Vec<KvCacheEvent>,
     /// Events are collected as `hash_events` instead of `pending_events`.
     hash_only: bool,
@@ -344,7 +322,7 @@ pub struct BlockPool {
     version: u64,
     /// The last hit found for a chain, by the chain's first hash: its blocks and their
     /// generations then. Bounded; any entry may be dropped.
-    hit_memo: BlockHashMap<Vec<(BlockId, u32)>>,
+    hit_memo: HashKeyed<Vec<(BlockId, u32)>>,
     /// Scratch for `free_blocks`: the freed blocks that hold no hash, kept to spare an
     /// allocation per call.
     freed_uncached: Vec<BlockId>,
@@ -381,12 +359,12 @@ impl BlockPool {
             tail: NIL,
             num_free: 0,
             cached: HashTable::with_room_for(num_blocks),
-            more_holders: BlockHashMap::default(),
+            more_holders: HashKeyed::default(),
             pending_events: Vec::new(),
             hash_only: false,
             hash_events: HashEvents::default(),
             version: 0,
-            hit_memo: BlockHashMap::default(),
+            hit_memo: HashKeyed::default(),
             freed_uncached: Vec::new(),
         };
         for b in 1..num_blocks as u32 {
@@ -852,6 +830,8 @@ impl Iterator for FreeQueueIter<'_> {
 #[cfg(test)]
 mod tests {
     //! One test per rule of vLLM's block pool (as tests/unit/test_engine_pool.py).
+    use std::collections::HashMap;
+
     use super::*;
 
     const BS: usize = 4;
