@@ -19,7 +19,6 @@ use std::time::Duration;
 
 use bytes::Bytes;
 use http_body_util::{BodyExt, Limited};
-use hyper::body::Incoming;
 use hyper::header::{CONTENT_ENCODING, CONTENT_LENGTH, CONTENT_TYPE, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 
@@ -208,14 +207,19 @@ fn over_budget(budget: &BodyBudget, metrics: &Metrics) -> Response<Body> {
 
 /// The whole request body and its reservation in `budget` (keep it while the body is held),
 /// or the response that refuses it (counted in `metrics`); its head has passed
-/// [`refuse_early`].
-pub async fn read_body(
-    request: Request<Incoming>,
+/// [`refuse_early`]. Any body: a serve connection's, or the chunks a gateway streams to the
+/// Endpoint Picker.
+pub async fn read_body<B>(
+    request: Request<B>,
     limit: usize,
     timeout: Duration,
     budget: &BodyBudget,
     metrics: &Metrics,
-) -> Result<(Bytes, BodyReservation), Response<Body>> {
+) -> Result<(Bytes, BodyReservation), Response<Body>>
+where
+    B: hyper::body::Body<Data = Bytes> + Unpin,
+    B::Error: Into<Box<dyn std::error::Error + Send + Sync>>,
+{
     let headers = request.headers();
     if let Some(encoding) = headers.get(CONTENT_ENCODING)
         && !encoding.as_bytes().eq_ignore_ascii_case(b"identity")

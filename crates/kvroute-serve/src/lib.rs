@@ -44,4 +44,4 @@ pub mod relay;
 pub mod server;
 
 pub use config::{ConfigError, EventSource, PolicySpec, ServeConfig, WorkerSpec};
-pub use server::{Server, WorkerView};
+pub use server::{Router, Server, WorkerView};
