@@ -128,6 +128,10 @@ class ExperimentPlan:
             topology) instead of ``specs`` at each ``concurrency``.
         max_model_len: the workers' context length; the trace's prediction refuses what
             they refuse.
+        router_replicas: the router topology as this many ``kvroute serve`` replicas with
+            the same flags behind the Service balancer (``TcpBalancer``), as a Kubernetes
+            Deployment of routers behind its Service runs them; the bench reads every
+            replica's ``/metrics`` for the refreshes.
     """
 
     workers: tuple[int, ...]
@@ -143,6 +147,7 @@ class ExperimentPlan:
     vocab_size: int | None = None
     trace: TraceWindow | None = None
     max_model_len: int = 4096
+    router_replicas: int = 1
 
     @property
     def retention(self) -> str:
@@ -233,12 +238,13 @@ async def _measure(
     hooks: SweepHooks,
     result: ExperimentResult,
 ) -> None:
-    async with _balancer(topology, plan, fleet, result.geometry) as (url, trial_hooks):
+    async with _balancer(topology, plan, fleet, result.geometry) as (url, trial_hooks, routers):
         target = BenchTarget(
             url=url,
             metrics_urls=tuple(f"{u}/metrics" for u in fleet.urls),
             label=topology,
             workers=workers,
+            router_metrics_urls=routers,
         )
         runner = BenchRunner(target, options, writer, trial_hooks(hooks))
         sweep = asyncio.ensure_future(runner.run(workloads))
@@ -261,9 +267,10 @@ async def _measure(
 @contextlib.asynccontextmanager
 async def _balancer(
     topology: str, plan: ExperimentPlan, fleet: Fleet, geometry: tuple[int, int] | None
-) -> AsyncIterator[tuple[str, Callable[[SweepHooks], SweepHooks]]]:
-    """Start ``topology`` in front of ``fleet``; yield its URL and how to wrap the bench's
-    hooks for it (the Service's per-trial reseeding)."""
+) -> AsyncIterator[tuple[str, Callable[[SweepHooks], SweepHooks], tuple[str, ...]]]:
+    """Start ``topology`` in front of ``fleet``; yield its URL, how to wrap the bench's
+    hooks for it (the Service's per-trial reseeding) and the router replicas' URLs (none for
+    the service)."""
     if topology == "service":
         balancer = TcpBalancer(fleet.addresses)
         await balancer.start()
@@ -271,6 +278,7 @@ async def _balancer(
             yield (
                 f"http://127.0.0.1:{balancer.port}",
                 lambda hooks: _ReseedPerTrial(hooks, balancer, plan.seed),
+                (),
             )
         finally:
             await balancer.close()
@@ -290,10 +298,26 @@ async def _balancer(
             predicted_capacity_blocks=None if per_worker else num_blocks,
             threads=os.cpu_count() or 1,
         )
-        async with start_router(config) as router:
-            yield router.url, lambda hooks: hooks
+        async with _router_replicas(config, plan.router_replicas) as (url, routers):
+            yield url, lambda hooks: hooks, routers
     else:
         raise UserError(f"unknown topology {topology!r}; available: {', '.join(TOPOLOGIES)}")
+
+
+@contextlib.asynccontextmanager
+async def _router_replicas(config: RouterConfig, replicas: int) -> AsyncIterator[tuple[str, tuple[str, ...]]]:
+    """``replicas`` routers with ``config`` (each on its own port), behind the Service
+    balancer when there are several; yields the URL to send to and each replica's URL."""
+    async with contextlib.AsyncExitStack() as stack:
+        routers = [await stack.enter_async_context(start_router(config)) for _ in range(replicas)]
+        urls = tuple(r.url for r in routers)
+        if replicas == 1:
+            yield urls[0], urls
+            return
+        balancer = TcpBalancer([("127.0.0.1", r.native.port) for r in routers])
+        await balancer.start()
+        stack.push_async_callback(balancer.close)
+        yield f"http://127.0.0.1:{balancer.port}", urls
 
 
 class _ReseedPerTrial(SweepHooks):
