@@ -232,6 +232,26 @@ def test_router_discovers_workers_through_the_headless_service(discovery):
     assert one(objects, "ServiceAccount")["metadata"]["name"] == pod["serviceAccountName"]
 
 
+def test_router_replicas_share_their_decisions_through_a_headless_service():
+    objects = render({})
+    mesh = one(objects, "Service", "-router-mesh")
+    assert mesh["spec"]["clusterIP"] == "None" and mesh["spec"]["publishNotReadyAddresses"] is True
+    assert [(p["name"], p["port"], p["targetPort"]) for p in mesh["spec"]["ports"]] == [("mesh", 5600, "mesh")]
+    router = one(objects, "Deployment", "-router")
+    assert selects(mesh["spec"]["selector"], router["spec"]["template"]["metadata"]["labels"])
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "mesh", "containerPort": 5600} in container["ports"]
+    # `kvroute serve`'s own parser reads the chart's command line.
+    config = serve_config(container["args"][1:])
+    assert config.mesh_bind == "0.0.0.0:5600"
+    assert config.peers == (f"{mesh['metadata']['name']}.{NAMESPACE}.svc.cluster.local:5600",)
+
+    alone = render({"router": {"mesh": {"enabled": False}}})
+    assert not [s for s in by_kind(alone, "Service") if s["metadata"]["name"].endswith("-router-mesh")]
+    args = one(alone, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--mesh-bind" not in args and "--peer" not in args
+
+
 def test_service_monitor_is_optional_and_scrapes_each_worker_once():
     assert by_kind(render({}), "ServiceMonitor") == []
     objects = render({"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}})

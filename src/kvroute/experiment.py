@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -132,6 +133,8 @@ class ExperimentPlan:
             the same flags behind the Service balancer (``TcpBalancer``), as a Kubernetes
             Deployment of routers behind its Service runs them; the bench reads every
             replica's ``/metrics`` for the refreshes.
+        router_mesh: whether those replicas share their decisions and refreshes (the replica
+            mesh, ``kvroute serve --mesh-bind/--peer``); off, each sees only its own.
     """
 
     workers: tuple[int, ...]
@@ -148,6 +151,7 @@ class ExperimentPlan:
     trace: TraceWindow | None = None
     max_model_len: int = 4096
     router_replicas: int = 1
+    router_mesh: bool = True
 
     @property
     def retention(self) -> str:
@@ -298,6 +302,8 @@ async def _balancer(
             predicted_capacity_blocks=None if per_worker else num_blocks,
             threads=os.cpu_count() or 1,
         )
+        if plan.router_replicas > 1 and plan.router_mesh:
+            config = dataclasses.replace(config, mesh_bind="127.0.0.1:0")
         async with _router_replicas(config, plan.router_replicas) as (url, routers):
             yield url, lambda hooks: hooks, routers
     else:
@@ -311,6 +317,10 @@ async def _router_replicas(config: RouterConfig, replicas: int) -> AsyncIterator
     async with contextlib.AsyncExitStack() as stack:
         routers = [await stack.enter_async_context(start_router(config)) for _ in range(replicas)]
         urls = tuple(r.url for r in routers)
+        if config.mesh_bind is not None:
+            meshes = [r.mesh_address for r in routers]
+            for i, router in enumerate(routers):
+                router.set_peers([m for j, m in enumerate(meshes) if j != i])
         if replicas == 1:
             yield urls[0], urls
             return

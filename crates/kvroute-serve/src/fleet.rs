@@ -19,6 +19,9 @@
 //! fleet only says which workers joined and left ([`Membership`]), and the server follows or
 //! stops following their streams.
 
+mod peers;
+
+use std::collections::HashSet;
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::blocks::BlockHasher;
@@ -30,6 +33,8 @@ use kvroute_io::consumer::{SharedIndex, lock_index};
 
 use crate::config::{ConfigError, EventSource, ServeConfig, WorkerSpec, worker_base_url};
 use crate::prompt::Retained;
+
+pub use peers::PeerRouted;
 
 /// Longest ejection, whatever the number of ejections in a row.
 pub const MAX_EJECTION_S: f64 = 300.0;
@@ -136,6 +141,12 @@ pub struct Fleet {
     retention: Option<Retention>,
     /// The configured KV capacity of every worker (None: each reports its own).
     kv_capacity_blocks: Option<usize>,
+    /// The worker URLs whose refreshes this replica sends (None: all; the replica mesh
+    /// names one owner per worker, see [`peers`]).
+    retention_owned: Option<HashSet<String>>,
+    /// How the index's lock is contended when the routing step takes it (the KV-event
+    /// consumer's thread holds it while it applies a batch).
+    index_lock: crate::contention::LockStats,
 }
 
 impl Fleet {
@@ -168,6 +179,8 @@ impl Fleet {
                 Retention::new(RetentionConfig::new(mode, config.block_size, capacity))
             }),
             kv_capacity_blocks: config.kv_capacity_blocks,
+            retention_owned: None,
+            index_lock: crate::contention::LockStats::default(),
         };
         let membership = fleet.set_workers(&config.workers)?;
         Ok((fleet, membership))
@@ -176,6 +189,11 @@ impl Fleet {
     /// The index, shared with the KV-event consumer.
     pub fn index(&self) -> &SharedIndex {
         &self.index
+    }
+
+    /// How the routing step waits for the index's lock.
+    pub fn index_lock(&self) -> &crate::contention::LockStats {
+        &self.index_lock
     }
 
     /// Make the fleet match `workers` (a complete list): new workers join healthy, removed
@@ -278,7 +296,7 @@ impl Fleet {
         if self.candidates.is_empty() {
             return None;
         }
-        let mut index = lock_index(&self.index);
+        let mut index = self.index_lock.lock(&self.index);
         let retention = self.retention.as_mut().zip(retained);
         let room = retention.as_ref().and_then(|(r, _)| {
             r.room_for(
@@ -305,21 +323,24 @@ impl Fleet {
         };
         let mut refreshes = Vec::new();
         let mut retained_model = None;
-        if let Some((r, request)) = retention
+        let owned = self.owns_retention(routed.worker);
+        if let Some((r, request)) = self.retention.as_mut().zip(retained)
             && !block_hashes.is_empty()
         {
             retained_model = Some(request.model.clone());
             let incoming = (request.ids.len() + request.output_tokens)
                 .div_ceil(self.routing.block_size())
                 .saturating_sub(routed.overlap);
-            r.poll_step(
-                &self.routing,
-                Some(&mut index),
-                routed.worker,
-                incoming,
-                now,
-                &mut refreshes,
-            );
+            if owned {
+                r.poll_step(
+                    &self.routing,
+                    Some(&mut index),
+                    routed.worker,
+                    incoming,
+                    now,
+                    &mut refreshes,
+                );
+            }
             r.routed(
                 routed.worker,
                 block_hashes,
@@ -404,6 +425,9 @@ impl Fleet {
         now: f64,
     ) -> Option<IdleRefreshes> {
         self.routing.finished(slot, ticket, now);
+        if !self.owns_retention(slot) {
+            return None;
+        }
         let retention = self.retention.as_mut()?;
         if !retention.polls_idle(&self.routing, slot) {
             return None; // most finishes: no index lock taken

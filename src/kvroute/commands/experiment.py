@@ -128,6 +128,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "behind the Service balancer (a random replica per connection, as a Kubernetes "
                         "Service in front of a router Deployment); the bench sums every replica's "
                         "refresh counters (default %(default)s)")
+    parser.add_argument("--no-mesh", action="store_true",
+                        help="with --router-replicas: the replicas do not share their decisions (each "
+                        "sees only its own share of the traffic; the baseline the mesh is measured against)")
     parser.add_argument("--quick", action="store_true",
                         help="a reduced sweep (W 6,3; K 2,12,24; c 4,8; 1 trial) that takes a few minutes")
     parser.add_argument("--concurrency", "-c", default=None, metavar="C[,C...]", help="closed-loop levels (reference 4,8,16)")
@@ -214,6 +217,7 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         trace=trace,
         max_model_len=args.max_model_len or (VLLM_MAX_MODEL_LEN if args.engine == "vllm" else DEFAULT_MAX_MODEL_LEN),
         router_replicas=args.router_replicas,
+        router_mesh=not args.no_mesh,
     )
 
 
@@ -300,6 +304,7 @@ def run(args: argparse.Namespace) -> int:
         "workers": list(plan.workers),
         "topologies": list(plan.topologies),
         "router_replicas": plan.router_replicas,
+        "router_mesh": plan.router_mesh and plan.router_replicas > 1,
         "timing": plan.timing,
         "time_scale": plan.time_scale,
         "max_model_len": plan.max_model_len,

@@ -137,6 +137,10 @@ class RouterConfig:
             reads each worker's own from its ``/metrics`` (``vllm:cache_config_info``), and
             retention assumes ``predicted_capacity_blocks`` (or its default) less the null block.
         threads: the threads serving requests (``kvroute serve`` defaults to one per core).
+        mesh_bind: ``host:port`` where this replica publishes its decisions to its peer
+            replicas (port 0: an ephemeral one, see ``Router.mesh_address``); None: no mesh.
+        peers: the peer replicas' mesh addresses (``host:port``; a host name resolving to
+            several addresses, such as a headless Service's, is that many peers).
     """
 
     workers: Sequence[str] = ()
@@ -179,6 +183,8 @@ class RouterConfig:
     retention: str | None = None
     kv_capacity_blocks: int | None = None
     threads: int = _SERVE["threads"]
+    mesh_bind: str | None = None
+    peers: tuple[str, ...] = ()
 
     def retention_mode(self) -> str:
         """The retention mode the router runs: ``retention``, or the policy's default."""

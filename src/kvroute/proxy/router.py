@@ -80,6 +80,7 @@ def native_arguments(config: RouterConfig) -> dict[str, Any]:
         eject_after_failures=config.eject_after_failures, eject_base_s=config.eject_base_s,
         api_key=config.api_key, metrics_public=config.metrics_public,
         worker_api_key=config.worker_api_key, forward_authorization=config.forward_authorization,
+        mesh_bind=config.mesh_bind, peers=list(config.peers),
     )
 
 
@@ -142,6 +143,15 @@ class Router:
     def index(self) -> KvIndex:
         """The index the routing step reads (shared with the native router)."""
         return self.native.index
+
+    @property
+    def mesh_address(self) -> str | None:
+        """``host:port`` of this replica's mesh socket (None without ``config.mesh_bind``)."""
+        return self.native.mesh_address
+
+    def set_peers(self, peers: list[str]) -> None:
+        """Replace the peer replicas' mesh addresses (``host:port`` each)."""
+        self.native.set_peers(list(peers))
 
     def metrics_text(self) -> str:
         """The text ``GET /metrics`` answers."""

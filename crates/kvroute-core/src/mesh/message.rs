@@ -2,9 +2,9 @@
 //!
 //! An envelope `[version, sender, seq, sent_unix_s, kind, ...]` then the body's fields.
 //! Block hashes travel as one binary of little-endian `u64`s and token ids as one of
-//! little-endian `u32`s (8 and 4 bytes each, no per-item tag): a decision of a 2,400-token
-//! prompt whose 2,000-token prefix the worker held is about 8.2 KB, most of it the prefix's
-//! tokens that retention needs to refresh it.
+//! little-endian `u32`s (8 and 4 bytes each, no per-item tag): a decision of a 2,435-token
+//! prompt is about 11 KB with its token ids (which retention needs, to model the worker's
+//! queue and refresh the prefix) and 1.3 KB without.
 
 use std::fmt;
 
@@ -29,9 +29,11 @@ pub enum MeshBody {
         output_tokens: u32,
         /// Leading blocks the sender's index credited the worker with.
         overlap: u32,
-        /// The prompt's tokens as far as retention may track them (the overlap's blocks and
-        /// one token more); empty for a prompt retention does not follow.
-        prefix: Vec<u32>,
+        /// The prompt's token ids, which retention models the worker's queue with and
+        /// refreshes its prefix from; empty for a prompt retention does not follow.
+        prompt: Vec<u32>,
+        /// The body's `model`, which refreshes of its prefix name (empty: none).
+        model: String,
     },
     /// The request `decision` got its first response byte.
     FirstToken { decision: u64 },
@@ -94,7 +96,8 @@ impl MeshMessage {
                 prompt_tokens,
                 output_tokens,
                 overlap,
-                prefix,
+                prompt,
+                model,
             } => fields.extend([
                 Value::from(1u8),
                 Value::from(*decision),
@@ -103,7 +106,8 @@ impl MeshMessage {
                 Value::from(*prompt_tokens),
                 Value::from(*output_tokens),
                 Value::from(*overlap),
-                u32s_to_bin(prefix),
+                u32s_to_bin(prompt),
+                Value::from(model.as_str()),
             ]),
             MeshBody::FirstToken { decision } => {
                 fields.extend([Value::from(2u8), Value::from(*decision)]);
@@ -155,7 +159,8 @@ impl MeshMessage {
                 prompt_tokens: f.u32()?,
                 output_tokens: f.u32()?,
                 overlap: f.u32()?,
-                prefix: f.u32s()?,
+                prompt: f.u32s()?,
+                model: f.string()?,
             },
             2 => MeshBody::FirstToken { decision: f.u64()? },
             3 => MeshBody::Finished { decision: f.u64()? },
@@ -266,7 +271,8 @@ mod tests {
                 prompt_tokens: 2435,
                 output_tokens: 40,
                 overlap: 2,
-                prefix: vec![5, 6, u32::MAX],
+                prompt: vec![5, 6, u32::MAX],
+                model: "Qwen/Qwen3-0.6B".into(),
             },
             MeshBody::FirstToken { decision: 7 },
             MeshBody::Finished { decision: 7 },
@@ -289,10 +295,11 @@ mod tests {
             prompt_tokens: 2435,
             output_tokens: 40,
             overlap: 125,
-            prefix: vec![0; 2001],
+            prompt: vec![0; 2435],
+            model: "Qwen/Qwen3-0.6B".into(),
         });
         let len = m.encode().len();
-        assert!(len < 152 * 8 + 2001 * 4 + 80, "{len} bytes");
+        assert!(len < 152 * 8 + 2435 * 4 + 100, "{len} bytes");
     }
 
     #[test]

@@ -97,7 +97,8 @@ pub enum Received<'a> {
         prompt_tokens: usize,
         output_tokens: usize,
         overlap: usize,
-        prefix: &'a [u32],
+        prompt: &'a [u32],
+        model: &'a str,
     },
     /// A peer decision applied here (its handle) got its first token.
     FirstToken(&'a mut DecisionHandle),
@@ -245,7 +246,8 @@ impl Mesh {
                 prompt_tokens,
                 output_tokens,
                 overlap,
-                prefix,
+                prompt,
+                model,
             } => {
                 if self.open.len() >= self.config.max_open {
                     self.stats.refused += 1;
@@ -259,7 +261,8 @@ impl Mesh {
                     prompt_tokens: *prompt_tokens as usize,
                     output_tokens: *output_tokens as usize,
                     overlap: *overlap as usize,
-                    prefix,
+                    prompt,
+                    model,
                 }
             }
             MeshBody::FirstToken { decision } => match self.open.get_mut(&(sender, *decision)) {
@@ -373,7 +376,8 @@ mod tests {
                 prompt_tokens: 40,
                 output_tokens: 8,
                 overlap: 1,
-                prefix: vec![9; 17],
+                prompt: vec![9; 17],
+                model: String::new(),
             },
         }
     }

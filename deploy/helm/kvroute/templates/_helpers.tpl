@@ -17,6 +17,7 @@
 {{- define "kvroute.service.name" -}}{{ include "kvroute.fullname" . }}-workers{{- end -}}
 {{- define "kvroute.headless.name" -}}{{ include "kvroute.fullname" . }}-workers-headless{{- end -}}
 {{- define "kvroute.router.name" -}}{{ include "kvroute.fullname" . }}-router{{- end -}}
+{{- define "kvroute.router.mesh.name" -}}{{ include "kvroute.fullname" . }}-router-mesh{{- end -}}
 {{- define "kvroute.headless.fqdn" -}}
 {{- printf "%s.%s.svc.%s" (include "kvroute.headless.name" .) .Release.Namespace .Values.clusterDomain -}}
 {{- end -}}
@@ -116,6 +117,12 @@ It listens on all addresses: the default, 127.0.0.1, is unreachable from outside
 {{- with .Values.router.tokenizer }}
 - --tokenizer
 - {{ . | quote }}
+{{- end }}
+{{- if .Values.router.mesh.enabled }}
+- --mesh-bind
+- {{ printf "0.0.0.0:%d" (int .Values.router.mesh.port) | quote }}
+- --peer
+- {{ printf "%s.%s.svc.%s:%d" (include "kvroute.router.mesh.name" .) .Release.Namespace .Values.clusterDomain (int .Values.router.mesh.port) | quote }}
 {{- end }}
 {{- range .Values.router.extraArgs }}
 - {{ . | quote }}
