@@ -11,6 +11,7 @@
 use std::collections::HashSet;
 
 use kvroute_core::mesh::DecisionHandle;
+use kvroute_core::policies::{Choose, WorkerState};
 use kvroute_io::consumer::lock_index;
 
 use super::{Fleet, IdleRefreshes};
@@ -72,6 +73,18 @@ impl Fleet {
             peer.prompt_tokens,
             now,
         );
+        // The policy counts the peer's choice among the workers it would have chosen from.
+        let candidates: Vec<usize> = self
+            .members
+            .iter()
+            .filter(|m| m.available(now))
+            .map(|m| m.slot)
+            .collect();
+        if let Some(chosen) = candidates.iter().position(|&s| s == slot) {
+            let states: Vec<&WorkerState> =
+                candidates.iter().map(|&s| self.routing.state(s)).collect();
+            self.policy.observe(&states, chosen);
+        }
         let mut refreshes = Vec::new();
         if let Some(r) = self.retention.as_mut()
             && !peer.prompt.is_empty()
