@@ -7,7 +7,9 @@ the reference workload's prompts (K = 24 shared prefixes, ~2,400 tokens) go as t
 keep-alive connections. The load comes from ``--clients`` separate client processes (this
 script in client mode), so the generator is not one Python thread competing with the router:
 their CPU is reported beside the router's, and a row where the clients use about as many
-cores as the machine has left is a row where the generator, not the router, set the pace.
+cores as the machine has left is a row where the generator, not the router, set the pace. The
+emulated workers' CPU is reported too: they are one Python process (one core at most), so on
+a small machine they, not the router, may cap the rate.
 
 Per ``--threads`` value: requests/s; the router's CPU per request (user + system of its
 process, from /proc) and the cores it kept busy; and, from the router's own counters
@@ -80,7 +82,7 @@ def lock_figures(text: str) -> dict[str, dict[str, float]]:
     return out
 
 
-async def measure(args, threads: int, urls_events) -> dict:
+async def measure(args, threads: int, urls_events, workers_pid: int) -> dict:
     cmd = [sys.executable, "-m", "kvroute", "serve", "--port", "0", "--threads", str(threads),
            "--health-interval", "5"]
     for url, events, replay in urls_events:
@@ -93,9 +95,10 @@ async def measure(args, threads: int, urls_events) -> dict:
         # Warm up: every prefix once and the connections' first requests.
         await asyncio.to_thread(run_clients, args, url, min(args.requests, 200))
         before = lock_figures(await scrape(url))
-        cpu0, t0 = cpu_seconds(router.pid), time.perf_counter()
+        cpu0, t0, wcpu0 = cpu_seconds(router.pid), time.perf_counter(), cpu_seconds(workers_pid)
         client_cpu = await asyncio.to_thread(run_clients, args, url, args.requests)
         elapsed, cpu = time.perf_counter() - t0, cpu_seconds(router.pid) - cpu0
+        workers_cpu = cpu_seconds(workers_pid) - wcpu0
         after = lock_figures(await scrape(url))
     finally:
         router.terminate()
@@ -103,7 +106,7 @@ async def measure(args, threads: int, urls_events) -> dict:
     n = args.requests + 24  # the workload's warmup requests are sent too
     row = {"threads": threads, "requests": n, "req_per_s": n / elapsed,
            "router_cpu_us_per_request": 1e6 * cpu / n, "router_cores": cpu / elapsed,
-           "client_cores": client_cpu / elapsed}
+           "client_cores": client_cpu / elapsed, "worker_cores": workers_cpu / elapsed}
     for lock in ("fleet", "index"):
         a, b = after.get(lock, {}), before.get(lock, {})
         acquired = a.get("acquired", 0) - b.get("acquired", 0)
@@ -162,7 +165,7 @@ async def main(args: argparse.Namespace) -> None:
         urls_events = [found[i] for i in sorted(found)]
         rows = []
         for threads in [int(t) for t in args.threads.split(",")]:
-            rows.append(await measure(args, threads, urls_events))
+            rows.append(await measure(args, threads, urls_events, fleet.process.pid))
             print(f"  --threads {threads}: {rows[-1]['req_per_s']:.0f} req/s", file=sys.stderr)
     finally:
         await fleet.close()
@@ -171,10 +174,11 @@ async def main(args: argparse.Namespace) -> None:
           f"1 output token, keep-alive, {args.clients} client processes × {args.concurrency // args.clients} "
           f"streams, {args.requests} requests per row")
     print(f"{'threads':>7s} {'req/s':>7s} {'CPU/req':>9s} {'router cores':>12s} {'client cores':>12s} "
+          f"{'worker cores':>12s} "
           f"{'fleet lock: contended':>22s} {'wait/req':>9s} {'index lock: contended':>22s} {'wait/req':>9s}")
     for r in rows:
         print(f"{r['threads']:7d} {r['req_per_s']:7.0f} {r['router_cpu_us_per_request']:6.0f} µs "
-              f"{r['router_cores']:12.2f} {r['client_cores']:12.2f} "
+              f"{r['router_cores']:12.2f} {r['client_cores']:12.2f} {r['worker_cores']:12.2f} "
               f"{100 * r['fleet_contended_share']:21.2f}% {r['fleet_wait_us_per_request']:6.1f} µs "
               f"{100 * r['index_contended_share']:21.2f}% {r['index_wait_us_per_request']:6.1f} µs")
     if args.json:
