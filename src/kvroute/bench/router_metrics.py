@@ -31,9 +31,10 @@ from kvroute.errors import UserError
 
 INFO = "kvroute_router_info"
 
-#: ``/metrics`` reads of ``--url`` the first time it is asked, to see whether more than one
-#: router answers there: a balancer choosing uniformly among N >= 2 replicas shows one replica
-#: to all of them with probability at most 2**-(PROBE_READS - 1).
+#: ``/metrics`` reads of ``--url`` the first time it is asked, when the first shows a kvroute
+#: router, to see whether more than one answers there: a balancer choosing uniformly among
+#: N >= 2 replicas shows one replica to all of them with probability at most
+#: 2**-(PROBE_READS - 1).
 PROBE_READS = 16
 
 
@@ -166,9 +167,10 @@ class RouterMetricsReader:
                                         "count twice; give each replica's own address, not the balancer's")
                     seen[reading.instance] = url
             return True
-        readings = [await read_router(self.urls[0], self.api_key) for _ in range(PROBE_READS)]
-        if all(r is None for r in readings):
-            return False  # a worker or another balancer: no router refreshes to take out
+        first = await read_router(self.urls[0], self.api_key)
+        if first is None:
+            return False  # a worker, or a balancer of workers: no router refreshes to take out
+        readings = [first] + [await read_router(self.urls[0], self.api_key) for _ in range(PROBE_READS - 1)]
         instances = {r.instance for r in readings if r is not None}
         if len(instances) > 1 or any(r is None for r in readings):
             self._warn_balancer(instances)
