@@ -11,7 +11,7 @@
 //! that breaks is dialled again every [`RECONNECT`]; its messages meanwhile are lost (the
 //! receiver counts them by the gap in the sequence numbers).
 
-use std::collections::HashSet;
+use std::collections::{HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -154,8 +154,11 @@ async fn serve_subscriber(
     }
 }
 
-/// Follow the peers named in `peers` (re-resolved every [`RESOLVE_INTERVAL`]): one
-/// subscriber connection per address, each payload given to `on_message`.
+/// Follow the peers named in `peers` (re-resolved every [`RESOLVE_INTERVAL`] and whenever the
+/// list changes): one subscriber connection per address, each payload given to `on_message`.
+/// An address no name resolves to any more (a pod gone from a headless Service, a peer taken
+/// off the list) is no longer followed; a round in which some name does not resolve retires
+/// nothing (a DNS hiccup must not cut the mesh).
 pub async fn follow_peers(
     peers: watch::Receiver<Vec<String>>,
     own: SocketAddr,
@@ -163,26 +166,36 @@ pub async fn follow_peers(
     on_message: OnMessage,
     stopped: watch::Receiver<bool>,
 ) {
-    let mut followed: HashSet<SocketAddr> = HashSet::new();
+    let mut followed: HashMap<SocketAddr, watch::Sender<bool>> = HashMap::new();
     let mut peers = peers;
     let mut stop = stopped.clone();
     loop {
         let names = peers.borrow_and_update().clone();
+        let mut current: HashSet<SocketAddr> = HashSet::new();
+        let mut complete = true;
         for name in names {
-            let Ok(addrs) = tokio::net::lookup_host(name.as_str()).await else {
-                continue;
-            };
-            for addr in addrs {
-                if addr == own || !followed.insert(addr) {
-                    continue;
-                }
-                tokio::spawn(follow_one(
-                    addr,
-                    counters.clone(),
-                    on_message.clone(),
-                    stopped.clone(),
-                ));
+            match tokio::net::lookup_host(name.as_str()).await {
+                Ok(addrs) => current.extend(addrs.filter(|a| *a != own)),
+                Err(_) => complete = false,
             }
+        }
+        if complete {
+            // Dropping a follower's sender tells it to stop.
+            followed.retain(|addr, _| current.contains(addr));
+        }
+        for addr in current {
+            if followed.contains_key(&addr) {
+                continue;
+            }
+            let (retire, retired) = watch::channel(false);
+            followed.insert(addr, retire);
+            tokio::spawn(follow_one(
+                addr,
+                counters.clone(),
+                on_message.clone(),
+                stopped.clone(),
+                retired,
+            ));
         }
         tokio::select! {
             _ = tokio::time::sleep(RESOLVE_INTERVAL) => {}
@@ -192,18 +205,27 @@ pub async fn follow_peers(
     }
 }
 
-/// One peer's PUB socket, dialled again after every break, until the router stops.
+/// One peer's PUB socket, dialled again after every break, until the router stops or the peer
+/// is retired (its sender dropped).
 async fn follow_one(
     addr: SocketAddr,
     counters: Arc<WireCounters>,
     on_message: OnMessage,
     mut stopped: watch::Receiver<bool>,
+    mut retired: watch::Receiver<bool>,
 ) {
     loop {
-        if let Ok(stream) = TcpStream::connect(addr).await {
+        let connect = tokio::select! {
+            c = TcpStream::connect(addr) => c,
+            _ = retired.changed() => return,
+        };
+        if let Ok(stream) = connect {
             let _ = stream.set_nodelay(true);
             counters.connected.fetch_add(1, Ordering::Relaxed);
-            let end = subscribe(stream, &counters, &*on_message, &mut stopped).await;
+            let end = tokio::select! {
+                end = subscribe(stream, &counters, &*on_message, &mut stopped) => end,
+                _ = retired.changed() => None,
+            };
             counters.connected.fetch_sub(1, Ordering::Relaxed);
             if end.is_none() {
                 return;
@@ -212,6 +234,7 @@ async fn follow_one(
         tokio::select! {
             _ = tokio::time::sleep(RECONNECT) => {}
             _ = stopped.changed() => return,
+            _ = retired.changed() => return,
         }
     }
 }
@@ -255,5 +278,71 @@ async fn subscribe(
                 }
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Mutex;
+
+    use super::*;
+
+    async fn until(check: impl Fn() -> bool) {
+        for _ in 0..200 {
+            if check() {
+                return;
+            }
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        panic!("not within 2 s");
+    }
+
+    #[tokio::test]
+    async fn a_subscriber_gets_what_is_published_and_a_retired_peer_is_let_go() {
+        let (_stop, stopped) = watch::channel(false);
+        let counters = Arc::new(WireCounters::default());
+        let publisher = Publisher::start("127.0.0.1:0", counters.clone(), stopped.clone())
+            .await
+            .unwrap();
+        let got: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
+        let sink = got.clone();
+        let on_message: OnMessage = Arc::new(move |p: &[u8]| sink.lock().unwrap().push(p.to_vec()));
+        let (peers, peers_rx) = watch::channel(vec![publisher.local_addr().to_string()]);
+        let own: SocketAddr = "127.0.0.1:1".parse().unwrap();
+        tokio::spawn(follow_peers(
+            peers_rx,
+            own,
+            counters.clone(),
+            on_message,
+            stopped,
+        ));
+        until(|| counters.connected.load(Ordering::Relaxed) == 1).await;
+        // The subscription reaches the publisher after the connection: publish until one
+        // arrives, then the rest in order.
+        until(|| {
+            publisher.publish(Bytes::from_static(b"hello"));
+            !got.lock().unwrap().is_empty()
+        })
+        .await;
+        for i in 0..100u8 {
+            publisher.publish(Bytes::from(vec![i; 1 + usize::from(i) * 100]));
+        }
+        // (Hellos published before the first arrived may still come: they are left out.)
+        let numbered = || -> Vec<Vec<u8>> {
+            let got = got.lock().unwrap();
+            got.iter()
+                .filter(|p| p.as_slice() != b"hello")
+                .cloned()
+                .collect()
+        };
+        until(|| numbered().len() == 100).await;
+        let sizes: Vec<usize> = numbered().iter().map(Vec::len).collect();
+        assert_eq!(sizes, (0..100).map(|i| 1 + i * 100).collect::<Vec<_>>());
+        // Taken off the list: its connection closes and is not dialled again.
+        peers.send_replace(Vec::new());
+        until(|| counters.connected.load(Ordering::Relaxed) == 0).await;
+        tokio::time::sleep(RECONNECT * 2).await;
+        assert_eq!(counters.connected.load(Ordering::Relaxed), 0);
+        assert_eq!(counters.malformed.load(Ordering::Relaxed), 0);
     }
 }
