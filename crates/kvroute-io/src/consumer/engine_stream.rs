@@ -229,7 +229,11 @@ impl EngineStream {
 
     /// Take the whole messages live connection `j` has buffered, until none is left or a gap
     /// starts a replay.
-    fn pump_live(&mut self, j: usize, actions: &mut Vec<Action>) -> Result<(), ProtocolError> {
+    fn pump_live(
+        &mut self,
+        j: usize,
+        actions: &mut Vec<Action>,
+    ) -> Result<(), ProtocolError> {
         loop {
             if self.replay.is_some() && self.conns[j].codec.is_ready() {
                 return Ok(()); // the handshake's READY is taken, messages wait
@@ -336,7 +340,12 @@ impl EngineStream {
     }
 
     /// Ask the replay socket for every buffered batch from `from` on.
-    fn start_replay(&mut self, from: u64, purpose: Purpose, now: Instant) -> Result<(), String> {
+    fn start_replay(
+        &mut self,
+        from: u64,
+        purpose: Purpose,
+        now: Instant,
+    ) -> Result<(), String> {
         let Some(endpoint) = &self.subscription.replay_endpoint else {
             return Err("no replay endpoint configured".into());
         };
@@ -375,7 +384,12 @@ impl EngineStream {
         }
     }
 
-    fn finish_replay(&mut self, actions: &mut Vec<Action>, failure: Option<String>, now: Instant) {
+    fn finish_replay(
+        &mut self,
+        actions: &mut Vec<Action>,
+        failure: Option<String>,
+        now: Instant,
+    ) {
         let replay = self.replay.take().expect("a replay is running");
         self.finish_replay_with(actions, replay.purpose, replay.received, failure, now);
     }
