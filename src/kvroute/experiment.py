@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import os
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
@@ -130,6 +131,12 @@ class ExperimentPlan:
             topology) instead of ``specs`` at each ``concurrency``.
         max_model_len: the workers' context length; the trace's prediction refuses what
             they refuse.
+        router_replicas: the router topology as this many ``kvroute serve`` replicas with
+            the same flags behind the Service balancer (``TcpBalancer``), as a Kubernetes
+            Deployment of routers behind its Service runs them; the bench reads every
+            replica's ``/metrics`` for the refreshes.
+        router_mesh: whether those replicas share their decisions and refreshes (the replica
+            mesh, ``kvroute serve --mesh-bind/--peer``); off, each sees only its own.
     """
 
     workers: tuple[int, ...]
@@ -145,6 +152,8 @@ class ExperimentPlan:
     vocab_size: int | None = None
     trace: TraceWindow | None = None
     max_model_len: int = 4096
+    router_replicas: int = 1
+    router_mesh: bool = True
 
     @property
     def retention(self) -> str:
@@ -235,13 +244,13 @@ async def _measure(
     hooks: SweepHooks,
     result: ExperimentResult,
 ) -> None:
-    async with _balancer(topology, plan, fleet, result.geometry) as (url, router_url, trial_hooks):
+    async with _balancer(topology, plan, fleet, result.geometry) as (url, trial_hooks, routers):
         target = BenchTarget(
             url=url,
             metrics_urls=tuple(f"{u}/metrics" for u in fleet.urls),
             label=topology,
             workers=workers,
-            router_url=router_url,
+            router_metrics_urls=routers,
         )
         runner = BenchRunner(target, options, writer, trial_hooks(hooks))
         sweep = asyncio.ensure_future(runner.run(workloads))
@@ -264,19 +273,16 @@ async def _measure(
 @contextlib.asynccontextmanager
 async def _balancer(
     topology: str, plan: ExperimentPlan, fleet: Workers, geometry: tuple[int, int] | None
-) -> AsyncIterator[tuple[str, str | None, Callable[[SweepHooks], SweepHooks]]]:
-    """Start ``topology`` in front of ``fleet``; yield its URL, the URL of the kvroute router
-    deciding its routes when that is elsewhere (the gateway's Endpoint Picker), and how to wrap
-    the bench's hooks for it (the Service's per-trial reseeding)."""
+) -> AsyncIterator[tuple[str, Callable[[SweepHooks], SweepHooks], tuple[str, ...]]]:
+    """Start ``topology`` in front of ``fleet``; yield its URL, how to wrap the bench's
+    hooks for it (the Service's per-trial reseeding) and the URLs of the kvroute routers
+    deciding its routes: the router replicas, or the gateway's Endpoint Picker (none for the
+    service)."""
     if topology == "service":
         balancer = TcpBalancer(fleet.addresses)
         await balancer.start()
         try:
-            yield (
-                f"http://127.0.0.1:{balancer.port}",
-                None,
-                lambda hooks: _ReseedPerTrial(hooks, balancer, plan.seed),
-            )
+            yield f"http://127.0.0.1:{balancer.port}", lambda hooks: _ReseedPerTrial(hooks, balancer, plan.seed), ()
         finally:
             await balancer.close()
     elif topology in ("router", "gateway"):
@@ -297,15 +303,38 @@ async def _balancer(
             # The gateway: the same router as an Endpoint Picker behind Envoy.
             grpc_port=0 if topology == "gateway" else None,
         )
-        async with start_router(config) as router:
-            if router.grpc_address is None:
-                yield router.url, None, lambda hooks: hooks
-            else:
+        if topology == "gateway":
+            async with start_router(config) as router:
                 epp_port = int(router.grpc_address.rpartition(":")[2])
                 async with run_envoy(epp_port) as envoy:
-                    yield envoy.url, router.url, lambda hooks: hooks
+                    yield envoy.url, lambda hooks: hooks, (router.url,)
+            return
+        if plan.router_replicas > 1 and plan.router_mesh:
+            config = dataclasses.replace(config, mesh_bind="127.0.0.1:0")
+        async with _router_replicas(config, plan.router_replicas) as (url, routers):
+            yield url, lambda hooks: hooks, routers
     else:
         raise UserError(f"unknown topology {topology!r}; available: {', '.join(TOPOLOGIES)}")
+
+
+@contextlib.asynccontextmanager
+async def _router_replicas(config: RouterConfig, replicas: int) -> AsyncIterator[tuple[str, tuple[str, ...]]]:
+    """``replicas`` routers with ``config`` (each on its own port), behind the Service
+    balancer when there are several; yields the URL to send to and each replica's URL."""
+    async with contextlib.AsyncExitStack() as stack:
+        routers = [await stack.enter_async_context(start_router(config)) for _ in range(replicas)]
+        urls = tuple(r.url for r in routers)
+        if config.mesh_bind is not None:
+            meshes = [r.mesh_address for r in routers]
+            for i, router in enumerate(routers):
+                router.set_peers([m for j, m in enumerate(meshes) if j != i])
+        if replicas == 1:
+            yield urls[0], urls
+            return
+        balancer = TcpBalancer([("127.0.0.1", r.native.port) for r in routers])
+        await balancer.start()
+        stack.push_async_callback(balancer.close)
+        yield f"http://127.0.0.1:{balancer.port}", urls
 
 
 class _ReseedPerTrial(SweepHooks):

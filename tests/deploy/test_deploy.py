@@ -237,6 +237,26 @@ def test_router_discovers_workers_through_the_headless_service(discovery):
     assert one(objects, "ServiceAccount")["metadata"]["name"] == pod["serviceAccountName"]
 
 
+def test_router_replicas_share_their_decisions_through_a_headless_service():
+    objects = render({})
+    mesh = one(objects, "Service", "-router-mesh")
+    assert mesh["spec"]["clusterIP"] == "None" and mesh["spec"]["publishNotReadyAddresses"] is True
+    assert [(p["name"], p["port"], p["targetPort"]) for p in mesh["spec"]["ports"]] == [("mesh", 5600, "mesh")]
+    router = one(objects, "Deployment", "-router")
+    assert selects(mesh["spec"]["selector"], router["spec"]["template"]["metadata"]["labels"])
+    container = router["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "mesh", "containerPort": 5600} in container["ports"]
+    # `kvroute serve`'s own parser reads the chart's command line.
+    config = serve_config(container["args"][1:])
+    assert config.mesh_bind == "0.0.0.0:5600"
+    assert config.peers == (f"{mesh['metadata']['name']}.{NAMESPACE}.svc.cluster.local:5600",)
+
+    alone = render({"router": {"mesh": {"enabled": False}}})
+    assert not [s for s in by_kind(alone, "Service") if s["metadata"]["name"].endswith("-router-mesh")]
+    args = one(alone, "Deployment", "-router")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--mesh-bind" not in args and "--peer" not in args
+
+
 def test_service_monitor_is_optional_and_scrapes_each_worker_once():
     assert by_kind(render({}), "ServiceMonitor") == []
     objects = render({"serviceMonitor": {"enabled": True, "labels": {"release": "prometheus"}}})
@@ -271,6 +291,11 @@ def test_bench_job_measures_the_chosen_service(target, url):
     assert env["BENCH_LABEL"] == target
     assert env["WORKERS"] == "6"
     assert env["WORKERS_HOST"] == f"kv-kvroute-workers-headless.{NAMESPACE}.svc.cluster.local"
+    if target == "router":  # every replica's refreshes summed
+        assert (env["ROUTERS_HOST"], env["ROUTER_PORT"], env["ROUTERS"]) == (
+            f"kv-kvroute-router-mesh.{NAMESPACE}.svc.cluster.local", "8080", "2")
+    else:
+        assert "ROUTERS_HOST" not in env
     assert container["args"] == ["--prefixes", "2,7,12,24", "--concurrency", "4,8,16", "--trials", "3"]
     # What the Job's script adds plus the chart's arguments: a command line `kvroute bench` takes.
     from kvroute.commands import bench
@@ -278,7 +303,8 @@ def test_bench_job_measures_the_chosen_service(target, url):
     parser = argparse.ArgumentParser()
     bench.add_arguments(parser)
     parsed = parser.parse_args(["--url", env["BENCH_URL"], "--label", target, "--workers", "6", "--out", "/results/x",
-                                "--metrics-url", "http://10.0.0.1:8000", *container["args"]])
+                                "--metrics-url", "http://10.0.0.1:8000",
+                                "--router-metrics-url", "http://10.0.0.2:8080", *container["args"]])
     assert (parsed.prefixes, parsed.concurrency, parsed.trials) == ("2,7,12,24", "4,8,16", 3)
     # The script the Job runs is the chart's file, verbatim.
     script = one(objects, "ConfigMap", f"-bench-{target}")["data"]["run-bench.py"]
@@ -428,7 +454,8 @@ def test_bench_job_script_passes_every_worker_and_ends_with_the_summary(tmp_path
     env = {"PATH": f"{bin_dir}{os.pathsep}{os.environ['PATH']}",
            "BENCH_URL": models_server, "BENCH_LABEL": "service",
            "WORKERS_HOST": "localhost", "WORKER_PORT": "8000", "WORKERS": "1", "WAIT_SECONDS": "5",
-           "RESULTS_DIR": str(tmp_path / "results")}
+           "RESULTS_DIR": str(tmp_path / "results"),
+           "ROUTERS_HOST": "localhost", "ROUTER_PORT": "8080", "ROUTERS": "1"}
     done = run_bench_script(env, "--prefixes", "2", "-c", "8")
     assert done.returncode == 0, done.stderr
     assert json.loads(done.stdout.strip().splitlines()[-1]) == {"points": [{"hit_rate": 0.95}]}
@@ -439,6 +466,8 @@ def test_bench_job_script_passes_every_worker_and_ends_with_the_summary(tmp_path
     metrics = [argv[i + 1] for i, a in enumerate(argv) if a == "--metrics-url"]
     assert metrics and all(re.fullmatch(r"http://(127\.0\.0\.1|\[::1\]):8000", m) for m in metrics)
     assert flag(argv, "--workers") == str(len(metrics))
+    routers = [argv[i + 1] for i, a in enumerate(argv) if a == "--router-metrics-url"]
+    assert routers and all(re.fullmatch(r"http://(127\.0\.0\.1|\[::1\]):8080", m) for m in routers)
     assert argv[-4:] == ["--prefixes", "2", "-c", "8"]
 
 

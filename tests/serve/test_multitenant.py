@@ -226,7 +226,7 @@ async def test_retention_refreshes_each_prefix_under_its_own_tenant():
     hit its cache (under another tenant's keys they would compute it all again)."""
     import numpy as np
 
-    from kvroute.bench.runner import router_refreshes
+    from kvroute.bench.router_metrics import read_router, router_metrics_url
 
     blocks = 65  # 64 usable: 4 prefixes of 10 blocks and their requests' own blocks overflow
     config = lora_config(num_gpu_blocks_override=blocks)
@@ -246,7 +246,7 @@ async def test_retention_refreshes_each_prefix_under_its_own_tenant():
                 status, answer, _ = await post(s, router.url, body)
                 assert status == 200, answer
             await asyncio.sleep(0.3)  # let the last refreshes come back
-            refreshes = await router_refreshes(router.url + "/v1")
+            refreshes = (await read_router(router_metrics_url(router.url))).refreshes
             assert refreshes.sent > 0 and refreshes.open == 0
             assert refreshes.prompt_tokens - refreshes.sent <= refreshes.cached_tokens
     finally:

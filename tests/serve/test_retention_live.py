@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 from aiohttp import web
 
-from kvroute.bench.runner import RouterRefreshes, router_refreshes
+from kvroute.bench.router_metrics import RouterRefreshes, read_router, router_metrics_url
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.router import RouterConfig, start_router
 from kvroute.router.server import native_arguments
@@ -131,7 +131,7 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
                 text = await _metrics(router.url)
                 assert "kvroute_retention_refreshes" not in text
                 assert worker.worker.engine.stats.requests == 40
-                assert await router_refreshes(router.url) == RouterRefreshes()
+                assert (await read_router(router_metrics_url(router.url))).refreshes == RouterRefreshes()
                 return
             await _settle(router)
             text = await _metrics(router.url)
@@ -148,13 +148,13 @@ async def test_refreshes_reach_the_worker_and_are_counted_apart_from_client_requ
             # Every client request went after its refreshes were on their connections.
             assert metric(text, "kvroute_retention_refreshes_late_total") == 0
             # What the bench reads as a trial's refreshes; a worker's own /metrics has none.
-            refreshes = await router_refreshes(router.url + "/v1")
+            refreshes = (await read_router(router_metrics_url(router.url + "/v1"))).refreshes
             assert refreshes.sent == sent and refreshes.open == 0
             # Every refresh came back with its usage, mostly cached (what the bench takes out
             # of the workers' counters).
             assert refreshes.answered_prompt_tokens == refreshes.prompt_tokens
             assert refreshes.prompt_tokens - sent <= refreshes.cached_tokens < refreshes.prompt_tokens
-            assert await router_refreshes(worker.url) is None
+            assert await read_router(router_metrics_url(worker.url)) is None
 
 
 @pytest.mark.parametrize("form", ["text", "chat"])

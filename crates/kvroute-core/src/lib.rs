@@ -23,6 +23,7 @@ pub mod blocks;
 pub mod engine;
 pub mod index;
 pub mod kvevents;
+pub mod mesh;
 pub mod policies;
 pub mod pyrandom;
 pub mod retention;

@@ -88,6 +88,11 @@ pub trait Choose {
     }
     /// Index into `workers` (non-empty) of the worker to send `request` to.
     fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize;
+    /// Another router replica sent a request to `workers[chosen]` (the replica mesh): a
+    /// policy whose state follows its decisions (kv-aware's recent shares) counts it as its
+    /// own, so that replicas seeing the same decisions keep the same state. None keeps state
+    /// by default.
+    fn observe(&mut self, _workers: &[&WorkerState], _chosen: usize) {}
 }
 
 /// A policy option out of range; the message is the one users see.
@@ -583,6 +588,10 @@ impl Choose for KvAware {
         self.record(workers, shares, chosen);
         chosen
     }
+    fn observe(&mut self, workers: &[&WorkerState], chosen: usize) {
+        let shares = self.shares(workers);
+        self.record(workers, shares, chosen);
+    }
 }
 
 /// Every native policy, by kind.
@@ -675,6 +684,11 @@ impl Choose for Policy {
             Policy::KvAware(p) => p.choose(request, workers),
         }
     }
+    fn observe(&mut self, workers: &[&WorkerState], chosen: usize) {
+        if let Policy::KvAware(p) = self {
+            p.observe(workers, chosen);
+        }
+    }
 }
 
 #[cfg(test)]
@@ -683,6 +697,28 @@ mod tests {
 
     fn fleet(n: usize) -> Vec<WorkerState> {
         (0..n).map(|i| WorkerState::new(format!("w{i}"))).collect()
+    }
+
+    #[test]
+    fn a_replica_that_observes_anothers_decisions_keeps_its_shares() {
+        let workers = fleet(3);
+        let refs: Vec<&WorkerState> = workers.iter().collect();
+        let mut deciding = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap();
+        let mut observing = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(9)).unwrap();
+        let hashes = [1u64, 2, 3];
+        for i in 0..40 {
+            let overlap = [usize::from(i % 3 == 0) * 3, 0, usize::from(i % 5 == 0)];
+            let view = RequestView {
+                block_hashes: &hashes,
+                prompt_tokens: 64,
+                overlap_blocks: Some(&overlap),
+                admission_wait: None,
+            };
+            let chosen = deciding.choose(&view, &refs);
+            Choose::observe(&mut observing, &refs, chosen);
+        }
+        assert_eq!(deciding.shares(&refs), observing.shares(&refs));
+        assert_ne!(deciding.shares(&refs), vec![1.0 / 3.0; 3]);
     }
 
     #[test]

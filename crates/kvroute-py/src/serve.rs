@@ -7,8 +7,10 @@ use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
+use kvroute_core::mesh::MeshConfig;
 use kvroute_core::retention::RetentionMode;
 use kvroute_epp::Epp;
+use kvroute_serve::mesh::MeshSettings;
 use kvroute_serve::{EventSource, PolicySpec, Router, ServeConfig, Server, WorkerSpec};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
@@ -164,7 +166,8 @@ impl NativeRouter {
         first_byte_timeout_s, stream_idle_timeout_s, max_attempts, health_interval_s,
         health_timeout_s, eject_after_failures, eject_base_s, api_key, metrics_public,
         worker_api_key, forward_authorization, events_topic, retention, retention_capacity_blocks,
-        kv_capacity_blocks, grpc_port = None
+        kv_capacity_blocks, grpc_port = None, mesh_bind = None, peers = Vec::new(),
+        mesh_liveness_s = 3.0
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -209,7 +212,26 @@ impl NativeRouter {
         retention_capacity_blocks: usize,
         kv_capacity_blocks: Option<usize>,
         grpc_port: Option<u16>,
+        mesh_bind: Option<String>,
+        peers: Vec<String>,
+        mesh_liveness_s: f64,
     ) -> PyResult<Self> {
+        let mesh = match mesh_bind {
+            Some(bind) => Some(MeshSettings {
+                bind,
+                peers,
+                config: MeshConfig {
+                    liveness_s: positive(mesh_liveness_s, "mesh_liveness_s")?.as_secs_f64(),
+                    ..MeshConfig::default()
+                },
+            }),
+            None if !peers.is_empty() => {
+                return Err(PyValueError::new_err(
+                    "peers need a mesh address of this replica's own (mesh_bind)",
+                ));
+            }
+            None => None,
+        };
         let mode = match retention.as_deref() {
             None => RetentionMode::Off,
             Some(name) => name.parse().map_err(PyValueError::new_err)?,
@@ -256,6 +278,7 @@ impl NativeRouter {
             forward_authorization,
             retention,
             kv_capacity_blocks,
+            mesh,
         };
         // With a gRPC port: the Endpoint Picker (`port` serves its /metrics).
         let front = py
@@ -303,6 +326,18 @@ impl NativeRouter {
             Front::Epp(e) => e.set_workers(&specs),
         })?
         .map_err(|e| PyValueError::new_err(e.0))
+    }
+
+    /// ``host:port`` of the replica mesh's PUB socket (the one bound when asked for port 0);
+    /// None without a mesh.
+    #[getter]
+    fn mesh_address(&self) -> PyResult<Option<String>> {
+        self.with(|s| s.router().mesh_addr().map(|a| a.to_string()))
+    }
+
+    /// Replace the replica mesh's peers (``host:port`` each: discovery's list).
+    fn set_peers(&self, peers: Vec<String>) -> PyResult<()> {
+        self.with(|s| s.router().set_peers(peers))
     }
 
     /// The text ``GET /metrics`` answers.

@@ -182,6 +182,9 @@ pub struct ServeConfig {
     /// (`vllm:cache_config_info`'s `num_gpu_blocks` less the null block): until it is known
     /// the guard leaves that worker alone and retention assumes `retention`'s blocks.
     pub kv_capacity_blocks: Option<usize>,
+    /// The replica mesh (`crate::mesh`): where this replica publishes its decisions and whom
+    /// it hears theirs from; None: a lone router.
+    pub mesh: Option<crate::mesh::MeshSettings>,
 }
 
 impl Default for ServeConfig {
@@ -223,6 +226,7 @@ impl Default for ServeConfig {
             forward_authorization: false,
             retention: None,
             kv_capacity_blocks: None,
+            mesh: None,
         }
     }
 }

@@ -23,7 +23,9 @@
 //! fleet only says which workers joined and left ([`Membership`]), and the server follows or
 //! stops following their streams.
 
-use std::collections::HashMap;
+mod peers;
+
+use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::blocks::BlockHasher;
@@ -37,6 +39,8 @@ use kvroute_io::consumer::{SharedIndex, lock_index};
 use crate::config::{ConfigError, EventSource, ServeConfig, WorkerSpec, worker_base_url};
 use crate::models::{AdapterNames, ServedModels};
 use crate::prompt::Retained;
+
+pub use peers::PeerRouted;
 
 /// Longest ejection, whatever the number of ejections in a row.
 pub const MAX_EJECTION_S: f64 = 300.0;
@@ -125,6 +129,32 @@ pub struct RefreshTenant {
 /// over (a refresh of a forgotten prefix names no model and no salt).
 const MAX_REFRESH_TENANTS: usize = 1 << 16;
 
+/// Whether a replica owning the retention of the worker URLs `owned` (None: all) sends
+/// `slot`'s refreshes (a free function, so the routing step can ask while it holds the
+/// fleet's retention).
+fn owns(owned: &Option<HashSet<String>>, members: &[Member], slot: usize) -> bool {
+    match owned {
+        None => true,
+        Some(owned) => members
+            .iter()
+            .find(|m| m.slot == slot)
+            .is_some_and(|m| owned.contains(&m.url)),
+    }
+}
+
+/// Remember that the prefix starting with block `first_block` is `tenant`'s, for the
+/// refreshes that keep it (bounded by [`MAX_REFRESH_TENANTS`]).
+fn remember_tenant(
+    tenants: &mut HashMap<u64, RefreshTenant>,
+    first_block: u64,
+    tenant: RefreshTenant,
+) {
+    if tenants.len() >= MAX_REFRESH_TENANTS {
+        tenants.clear();
+    }
+    tenants.insert(first_block, tenant);
+}
+
 /// One worker as the admission guard sees it ([`Fleet::admission_figures`]).
 #[derive(Clone, Debug, PartialEq)]
 pub struct WorkerAdmission<'a> {
@@ -171,6 +201,12 @@ pub struct Fleet {
     /// The tenant of each prefix retention saw routed, by its first block's hash (which
     /// the adapter and the salt key already).
     tenants: HashMap<u64, RefreshTenant>,
+    /// The worker URLs whose refreshes this replica sends (None: all; the replica mesh
+    /// names one owner per worker, see [`peers`]).
+    retention_owned: Option<HashSet<String>>,
+    /// How the index's lock is contended when the routing step takes it (the KV-event
+    /// consumer's thread holds it while it applies a batch).
+    index_lock: crate::contention::LockStats,
 }
 
 impl Fleet {
@@ -205,6 +241,8 @@ impl Fleet {
             kv_capacity_blocks: config.kv_capacity_blocks,
             adapters: AdapterNames::default(),
             tenants: HashMap::new(),
+            retention_owned: None,
+            index_lock: crate::contention::LockStats::default(),
         };
         let membership = fleet.set_workers(&config.workers)?;
         Ok((fleet, membership))
@@ -213,6 +251,11 @@ impl Fleet {
     /// The index, shared with the KV-event consumer.
     pub fn index(&self) -> &SharedIndex {
         &self.index
+    }
+
+    /// How the routing step waits for the index's lock.
+    pub fn index_lock(&self) -> &crate::contention::LockStats {
+        &self.index_lock
     }
 
     /// Make the fleet match `workers` (a complete list): new workers join healthy, removed
@@ -355,7 +398,7 @@ impl Fleet {
         if self.candidates.is_empty() {
             return None;
         }
-        let mut index = lock_index(&self.index);
+        let mut index = self.index_lock.lock(&self.index);
         let retention = self.retention.as_mut().zip(retained);
         let room = retention.as_ref().and_then(|(r, _)| {
             r.room_for(
@@ -381,30 +424,28 @@ impl Fleet {
             ),
         };
         let mut refreshes = Vec::new();
+        let owned = owns(&self.retention_owned, &self.members, routed.worker);
         if let Some((r, request)) = retention
             && !block_hashes.is_empty()
         {
-            if self.tenants.len() >= MAX_REFRESH_TENANTS {
-                self.tenants.clear();
-            }
-            self.tenants.insert(
-                block_hashes[0],
-                RefreshTenant {
-                    model: request.model.clone(),
-                    cache_salt: request.cache_salt.clone(),
-                },
-            );
+            let tenant = RefreshTenant {
+                model: request.model.clone(),
+                cache_salt: request.cache_salt.clone(),
+            };
+            remember_tenant(&mut self.tenants, block_hashes[0], tenant);
             let incoming = (request.ids.len() + request.output_tokens)
                 .div_ceil(self.routing.block_size())
                 .saturating_sub(routed.overlap);
-            r.poll_step(
-                &self.routing,
-                Some(&mut index),
-                routed.worker,
-                incoming,
-                now,
-                &mut refreshes,
-            );
+            if owned {
+                r.poll_step(
+                    &self.routing,
+                    Some(&mut index),
+                    routed.worker,
+                    incoming,
+                    now,
+                    &mut refreshes,
+                );
+            }
             r.routed(
                 routed.worker,
                 block_hashes,
@@ -502,6 +543,9 @@ impl Fleet {
         now: f64,
     ) -> Option<IdleRefreshes> {
         self.routing.finished(slot, ticket, now);
+        if !self.owns_retention(slot) {
+            return None;
+        }
         let retention = self.retention.as_mut()?;
         if !retention.polls_idle(&self.routing, slot) {
             return None; // most finishes: no index lock taken

@@ -184,6 +184,8 @@ pub struct Metrics {
     pub connections_refused: AtomicU64,
     pub untokenized: AtomicU64,
     pub offloaded: AtomicU64,
+    /// This router process's identity ([`new_instance_id`]).
+    instance: String,
 }
 
 impl Default for Metrics {
@@ -210,11 +212,27 @@ impl Default for Metrics {
             connections_refused: AtomicU64::new(0),
             untokenized: AtomicU64::new(0),
             offloaded: AtomicU64::new(0),
+            instance: new_instance_id(),
         }
     }
 }
 
+/// A name for this router process that no other replica and no earlier run of it has: the
+/// process id and the wall clock's nanoseconds at start, in hex. `/metrics` shows it
+/// (`kvroute_router_info{instance=...}`), so a reader that meets two instances behind one URL
+/// knows it is reading through a balancer, and one whose instance changed knows the counters
+/// restarted.
+pub fn new_instance_id() -> String {
+    let nanos = jiff::Timestamp::now().as_nanosecond();
+    format!("{:x}-{:x}", std::process::id(), nanos as u64)
+}
+
 impl Metrics {
+    /// This router process's identity (see [`new_instance_id`]).
+    pub fn instance(&self) -> &str {
+        &self.instance
+    }
+
     /// One routing decision's figures: the chosen worker's overlap and the prompt's blocks.
     pub fn routed(&self, overlap_blocks: usize, prompt_blocks: usize) {
         self.overlap_blocks.observe(overlap_blocks as f64);
@@ -361,6 +379,12 @@ impl Metrics {
         open: Open,
     ) -> String {
         let mut out = String::with_capacity(4096);
+        let _ = writeln!(
+            out,
+            "# HELP kvroute_router_info This router process (its instance is new at every start)\n\
+             # TYPE kvroute_router_info gauge\nkvroute_router_info{{instance=\"{}\"}} 1",
+            escape(&self.instance)
+        );
         if fleet.retention_stats().is_some() {
             self.write_retention(&mut out, open.refreshes);
         }

@@ -16,17 +16,16 @@ same order (the workload is built once per K, from the seed).
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import astuple, dataclass, field
+from dataclasses import dataclass, field
 
 import aiohttp
 
 from kvroute.analytic import capacity_for_mean_lengths
-from kvroute.bench.client import BenchClient, openai_base_url, run_closed_loop, run_open_loop, run_sequential
+from kvroute.bench.client import BenchClient, run_closed_loop, run_open_loop, run_sequential
 from kvroute.bench.prompts import BenchRequest, BenchWorkload, poisson_schedule
+from kvroute.bench.router_metrics import RouterMetricsReader, RouterRefreshes
 from kvroute.bench.scrape import (
     CacheDelta,
     MetricsScraper,
@@ -64,8 +63,8 @@ class BenchTarget:
         workers: W, for labels and the formula; default: the number of metrics URLs.
         api_key: bearer token for ``url`` (a server started with ``--api-key``); never
             written to the results.
-        router_url: where the kvroute router deciding the routes serves its own ``/metrics``
-            (its retention refreshes), when not at ``url``: an Endpoint Picker behind a gateway.
+        router_metrics_urls: each router replica's base or ``/metrics`` URL, whose retention
+            refreshes are summed (:mod:`kvroute.bench.router_metrics`); empty: ``url``'s.
     """
 
     url: str
@@ -74,7 +73,7 @@ class BenchTarget:
     label: str = "service"
     workers: int | None = None
     api_key: str | None = field(default=None, repr=False)
-    router_url: str | None = None
+    router_metrics_urls: tuple[str, ...] = ()
 
     @property
     def num_workers(self) -> int:
@@ -181,82 +180,6 @@ class _Current:
     measuring: bool = False
 
 
-@dataclass(frozen=True)
-class RouterRefreshes:
-    """What a kvroute router's ``/metrics`` says of its retention refreshes so far: the
-    refreshes sent (``kvroute_retention_refreshes_total``, summed over workers), those still
-    open, the prompt tokens sent, and of the refreshes answered with their usage, the prompt
-    tokens and the cached tokens the engines reported. The workers' prefix-cache counters
-    count refreshes like any request; these let the bench take them out."""
-
-    sent: float = 0.0
-    open: float = 0.0
-    prompt_tokens: float = 0.0
-    answered_prompt_tokens: float = 0.0
-    cached_tokens: float = 0.0
-
-    def since(self, earlier: RouterRefreshes) -> RouterRefreshes:
-        """The counts between ``earlier`` and this reading (the open gauge's change too)."""
-        return RouterRefreshes(*(a - b for a, b in zip(astuple(self), astuple(earlier))))
-
-
-#: ``RouterRefreshes``' fields, by the metric each is read from.
-_REFRESH_METRICS = {
-    "kvroute_retention_refreshes_total": "sent",
-    "kvroute_retention_refreshes_open": "open",
-    "kvroute_retention_refresh_prompt_tokens_total": "prompt_tokens",
-    "kvroute_retention_refresh_answered_prompt_tokens_total": "answered_prompt_tokens",
-    "kvroute_retention_refresh_cached_tokens_total": "cached_tokens",
-}
-
-
-def parse_router_refreshes(metrics_text: str) -> RouterRefreshes | None:
-    """:class:`RouterRefreshes` from a ``/metrics`` page; all zero for a kvroute router that
-    sent none (or runs without retention), None for a page that is not a kvroute router's."""
-    values = dict.fromkeys(_REFRESH_METRICS.values(), 0.0)
-    for line in metrics_text.splitlines():
-        name = line.split("{", 1)[0].split(" ", 1)[0]
-        if name in _REFRESH_METRICS:
-            values[_REFRESH_METRICS[name]] += float(line.rsplit(None, 1)[-1])
-    if "kvroute_router_decisions" not in metrics_text and not any(values.values()):
-        return None
-    return RouterRefreshes(**values)
-
-
-async def router_refreshes(url: str, api_key: str | None = None, timeout_s: float = 5.0) -> RouterRefreshes | None:
-    """:func:`parse_router_refreshes` of ``url``'s ``/metrics`` (``url`` may end in ``/v1``);
-    None when it is not a kvroute router (a worker, a balancer) or does not answer."""
-    base = openai_base_url(url)
-    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-    try:
-        async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=timeout_s)) as s, \
-                s.get(f"{base}/metrics", headers=headers) as r:
-            if r.status != 200:
-                return None
-            text = await r.text()
-    except (aiohttp.ClientError, TimeoutError, UnicodeDecodeError):
-        return None
-    return parse_router_refreshes(text)
-
-
-async def settled_router_refreshes(
-    url: str, api_key: str | None = None, limit_s: float = 5.0, poll_s: float = 0.05
-) -> RouterRefreshes | None:
-    """:func:`router_refreshes` once the router has no refresh open and sent none since the
-    previous look (a worker falling idle sends its refreshes from a task of their own, just
-    after its last answer), or after ``limit_s``: read with the workers' counters after it,
-    both count the same refreshes."""
-    deadline = time.monotonic() + limit_s
-    last = await router_refreshes(url, api_key)
-    while last is not None and time.monotonic() < deadline:
-        await asyncio.sleep(poll_s)
-        now = await router_refreshes(url, api_key)
-        if now is None or (now.open == 0 and now.sent == last.sent):
-            return now
-        last = now
-    return last
-
-
 async def discover_model(url: str, timeout_s: float = 10.0, api_key: str | None = None) -> str:
     """The first model that ``GET {url}/v1/models`` lists; checks the target is reachable
     (and, with ``api_key``, that it accepts the key).
@@ -317,8 +240,9 @@ class BenchRunner:
         self._checked_cached_tokens = options.allow_missing_cached_tokens
         self._warned_reset = False
         #: Whether the target is a kvroute router whose refreshes to count (None: not asked
-        #: yet; asked once, before the first trial).
-        self._router_metrics: bool | None = None
+        #: yet; False: it is not, so its /metrics is not read again).
+        self._router_metrics = RouterMetricsReader(target.router_metrics_urls, target.url, target.api_key,
+                                                   self.hooks.warning)
         self._warned_refreshes = False
 
     async def run(self, workloads: Sequence[BenchWorkload]) -> list[Point]:
@@ -327,11 +251,10 @@ class BenchRunner:
         scraper = MetricsScraper(list(self.target.metrics_urls)) if self.target.metrics_urls else None
         if scraper is None and self.options.reset:
             self._warn_reset("no --metrics-url given, so worker caches cannot be reset between trials")
-        if self._router_metrics is None:
-            # Asked before the first trial, not inside it: behind a Service this GET is a
-            # connection, which takes one of the balancer's random draws, and the trial's
-            # draws must be the simulator's (the experiment reseeds as each trial starts).
-            self._router_metrics = await router_refreshes(self.target.router_url or self.target.url, self.target.api_key) is not None
+        # Asked before the first trial, not inside it: behind a Service this GET is a
+        # connection, which takes one of the balancer's random draws, and the trial's draws
+        # must be the simulator's (the experiment reseeds as each trial starts).
+        await self._router_metrics.prepare()
         done: list[Point] = []
         try:
             for workload in workloads:
@@ -380,7 +303,7 @@ class BenchRunner:
                 await run_sequential(client, workload.warmup, self._on_warmup)
                 if all(not r.ok for r in cur.warmup):
                     raise UserError(f"every warmup request failed; the first: {cur.warmup[0].error}")
-            refreshes_before = await self._refreshes()
+            refreshes_before = await self._router_metrics.read()
             before = await scraper.scrape() if scraper else None
             self.hooks.phase("measure", len(workload.requests))
             cur.measuring = True
@@ -389,17 +312,17 @@ class BenchRunner:
                 await run_closed_loop(client, workload.requests, concurrency, self._on_record)
             else:
                 await run_open_loop(client, workload.requests, offsets, self._on_record)
-            refreshes_after = await self._refreshes()
+            refreshes_after = await self._router_metrics.read()
             after = await scraper.scrape() if scraper else None
         window = deltas(before, after) if before is not None and after is not None else []
         records = sorted(cur.records, key=lambda r: r.index)
-        counted = refreshes_before is not None and refreshes_after is not None
-        refreshed = refreshes_after.since(refreshes_before) if counted else RouterRefreshes()
+        counted = self._router_metrics.window(refreshes_before, refreshes_after)
+        refreshed = counted or RouterRefreshes()
         if refreshed.answered_prompt_tokens < refreshed.prompt_tokens:
             self._warn_unmeasured_refreshes()
         stats = summarize(records, metrics_token_hit_rate=window_token_hit_rate(
             window, refreshed.answered_prompt_tokens, refreshed.cached_tokens))
-        if counted:
+        if counted is not None:
             stats.refreshes = int(refreshed.sent)
         result = TrialResult(self.target, workload.prefixes, concurrency, trial, cur.warmup, records, window, stats)
         self.sink.trial_done(result)
@@ -408,14 +331,6 @@ class BenchRunner:
             raise UserError(f"every request of the trial failed; the first: {records[0].error}")
         self._check_cached_tokens(cur.warmup + records, window)
         return stats
-
-    async def _refreshes(self) -> RouterRefreshes | None:
-        """The target router's refreshes so far, once settled
-        (:func:`settled_router_refreshes`); None for a target that is not a kvroute router
-        (never asked inside a trial)."""
-        if not self._router_metrics:
-            return None
-        return await settled_router_refreshes(self.target.router_url or self.target.url, self.target.api_key)
 
     def _warn_unmeasured_refreshes(self) -> None:
         if not self._warned_refreshes:

@@ -23,13 +23,13 @@ from kvroute.bench.prompts import (
     session_workload,
     trace_workload,
 )
+from kvroute.bench.router_metrics import read_router, router_metrics_url
 from kvroute.bench.runner import (
     BenchOptions,
     BenchRunner,
     BenchTarget,
     capacity_for,
     discover_model,
-    router_refreshes,
     server_cache_config,
     simulate_points,
 )
@@ -58,6 +58,12 @@ ways: per request (usage.prompt_tokens_details.cached_tokens, which vLLM reports
 needs to balance it; the warmup (one request per prefix) is not measured; the order is fixed
 by --seed, identical across trials and topologies.
 
+Behind a kvroute router, the router's retention refreshes (requests it sends to keep prefixes
+cached) are read from its /metrics around each trial, taken out of the workers' counters and
+reported per client request. With router replicas behind a balancer give every replica with
+--router-metrics-url: read through the balancer, /metrics comes from one replica or another,
+and the bench then says so and leaves refreshes uncounted.
+
 Writes records.jsonl (one line per request), summary.json (the `kvroute sim --json` point
 format), points.csv, PNG plots and report.html to --out. Ctrl-C saves what was measured.
 
@@ -65,6 +71,7 @@ examples:
   kvroute bench --url http://127.0.0.1:8000 --metrics-url http://w0:8001 --metrics-url http://w1:8001
   kvroute bench --url http://svc:8000 --workers 6 -K 2,12 -c 8 --trials 1 --compare-sim
   kvroute bench --url http://127.0.0.1:8000 --rate 20 -K 12 --tokenizer ./qwen3-tokenizer
+  kvroute bench --url http://svc:8000 --router-metrics-url http://r0:8000 --router-metrics-url http://r1:8000
   kvroute bench --url http://127.0.0.1:8000 --sessions 50 --turns 4 --prompt-format chat
   kvroute bench --url http://127.0.0.1:8000 --trace requests.jsonl
   kvroute bench --url http://127.0.0.1:8000 --trace synthetic_trace.jsonl --duration 120 --time-scale 10
@@ -79,6 +86,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     t.add_argument("--url", required=True, help="OpenAI-compatible base URL (balancer, router or worker)")
     t.add_argument("--metrics-url", action="append", default=[], metavar="WORKER_URL",
                    help="a worker's base or /metrics URL; repeat (or comma-separate) for each worker")
+    t.add_argument("--router-metrics-url", action="append", default=[], metavar="ROUTER_URL",
+                   help="a kvroute router replica's base or /metrics URL; repeat (or comma-separate) for "
+                        "every replica behind --url: their retention refreshes are summed (default: "
+                        "--url's own, counted only when one router answers there)")
     t.add_argument("--model", default=None, help="served model name (default: the first of GET /v1/models)")
     t.add_argument("--api-key", default=os.environ.get("OPENAI_API_KEY") or None, metavar="KEY",
                    help="bearer token for a server started with --api-key (default: $OPENAI_API_KEY, "
@@ -215,6 +226,7 @@ def run(args: Namespace) -> int:
     check_bench_url(args.url)
     args.url = openai_base_url(args.url)
     metrics_urls = _metrics_urls(args.metrics_url)
+    router_metrics_urls = tuple(u.strip() for v in args.router_metrics_url for u in v.split(",") if u.strip())
     options = _options(args)
     if args.workers is not None and args.workers < 1:
         raise UserError("--workers must be >= 1")
@@ -242,8 +254,10 @@ def run(args: Namespace) -> int:
             vocab = safe_vocabulary(tokenizer)
         encoder = PromptEncoder(prompt_format, model, tokenizer, ignore_eos=not args.no_ignore_eos)
         workloads = _workloads(args, encoder, vocab)
-        label = args.label or ("router" if await router_refreshes(args.url, args.api_key) is not None else "service")
-        target = BenchTarget(args.url, metrics_urls, model, label, args.workers, args.api_key)
+        is_router = router_metrics_urls or await read_router(router_metrics_url(args.url), args.api_key) is not None
+        label = args.label or ("router" if is_router else "service")
+        target = BenchTarget(args.url, metrics_urls, model, label, args.workers, args.api_key,
+                             router_metrics_urls=router_metrics_urls)
         setup.update(model=model, blocks=blocks, block_size=block_size, geometry=geometry_source,
                      workloads=workloads, target=target)
         total = len(workloads) * len(options.load_levels) * options.trials
@@ -324,6 +338,7 @@ def _report(args, options: BenchOptions, setup: dict, points: list[Point], write
         "model": setup["model"],
         "workers": target.num_workers,
         "metrics_urls": list(target.metrics_urls),
+        "router_metrics_urls": list(target.router_metrics_urls),
         "concurrency": list(options.concurrency) if options.rate is None else [],
         "rate_rps": options.rate,
         "trials": options.trials,

@@ -92,6 +92,7 @@ examples:
   kvroute experiment --quick            # reduced sweep: W 6,3; K 2,12,24; c 4,8; 1 trial
   kvroute experiment                    # the full reference sweep (72 trials)
   kvroute experiment --engine vllm --workers 2 --quick --requests 60
+  kvroute experiment --quick -W 6 -K 24 -c 8,16 --topology router --router-replicas 2
   kvroute experiment --engine urls --worker http://10.0.0.5:8000 --worker http://10.0.0.6:8000
   kvroute experiment --trace synthetic_trace.jsonl --duration 120 --workers 4 --time-scale 10 \
       --kv-capacity-tokens 3M --max-model-len 200000
@@ -127,6 +128,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--router-retention", default=None, choices=RETENTION_MODES,
                         help="the router topology's --retention, also simulated for its prediction "
                         "(default: kvroute serve's, auto with kv-aware)")
+    parser.add_argument("--router-replicas", type=int, default=1, metavar="N",
+                        help="run the router topology as N `kvroute serve` replicas with the same flags "
+                        "behind the Service balancer (a random replica per connection, as a Kubernetes "
+                        "Service in front of a router Deployment); the bench sums every replica's "
+                        "refresh counters (default %(default)s)")
+    parser.add_argument("--no-mesh", action="store_true",
+                        help="with --router-replicas: the replicas do not share their decisions (each "
+                        "sees only its own share of the traffic; the baseline the mesh is measured against)")
     parser.add_argument("--quick", action="store_true",
                         help="a reduced sweep (W 6,3; K 2,12,24; c 4,8; 1 trial) that takes a few minutes")
     parser.add_argument("--concurrency", "-c", default=None, metavar="C[,C...]", help="closed-loop levels (reference 4,8,16)")
@@ -172,6 +181,8 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         raise UserError("--kv-cache-memory-bytes and --enforce-eager are for --engine vllm")
     if args.time_scale <= 0:
         raise UserError("--time-scale must be > 0")
+    if args.router_replicas < 1:
+        raise UserError("--router-replicas must be >= 1")
     topologies = tuple(t.strip() for t in args.topology.split(",") if t.strip())
     unknown = [t for t in topologies if t not in TOPOLOGIES]
     if unknown or not topologies:
@@ -217,6 +228,8 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         vocab_size=TinyModelConfig().vocab_size if args.engine == "vllm" else None,
         trace=trace,
         max_model_len=args.max_model_len or (VLLM_MAX_MODEL_LEN if args.engine == "vllm" else DEFAULT_MAX_MODEL_LEN),
+        router_replicas=args.router_replicas,
+        router_mesh=not args.no_mesh,
     )
 
 
@@ -307,6 +320,8 @@ def run(args: argparse.Namespace) -> int:
         "vllm_kv_cache_memory_bytes": vllm_options.kv_cache_memory_bytes if args.engine == "vllm" else None,
         "workers": list(plan.workers),
         "topologies": list(plan.topologies),
+        "router_replicas": plan.router_replicas,
+        "router_mesh": plan.router_mesh and plan.router_replicas > 1,
         "timing": plan.timing,
         "time_scale": plan.time_scale,
         "max_model_len": plan.max_model_len,

@@ -36,6 +36,7 @@ from kvroute.router.discovery import DnsDiscovery, FileDiscovery, normalize_work
 from kvroute.router.resources import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
 from kvroute.router.server import Router
 from kvroute.routing.policies import POLICIES, make_policy
+from kvroute.service import parse_hostport
 from kvroute.units import parse_bytes
 
 NAME = "serve"
@@ -166,6 +167,16 @@ def add_arguments(parser: argparse.ArgumentParser, *, epp: bool = False) -> None
                          help="seconds between GET /health checks of a healthy worker; one taken out is checked "
                               "4 times as often, to return soon after a restart; 0 disables them "
                               "(default: %(default)s)")
+
+    replicas = parser.add_argument_group(
+        "replicas (several routers behind one Service share their decisions: docs/replicas.md)")
+    replicas.add_argument("--mesh-bind", metavar="HOST:PORT",
+                          help="publish this replica's routing decisions and refreshes to its peers on "
+                               "HOST:PORT (ZeroMQ PUB; e.g. 0.0.0.0:5600)")
+    replicas.add_argument("--peer", action="append", default=[], metavar="HOST:PORT",
+                          help="a peer replica's --mesh-bind address; repeat per peer, or give a name "
+                               "resolving to every replica (a headless Service: router-mesh:5600), "
+                               "re-resolved every 5 s; this replica's own address is skipped")
 
     routing = parser.add_argument_group("routing")
     routing.add_argument("--policy", default="kv-aware", choices=sorted(POLICIES),
@@ -367,6 +378,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise UserError(f"--max-attempts must be >= 1, got {args.max_attempts}")
     if args.kv_capacity_blocks is not None and args.kv_capacity_blocks < 1:
         raise UserError(f"--kv-capacity-blocks must be >= 1, got {args.kv_capacity_blocks}")
+    if args.peer and not args.mesh_bind:
+        raise UserError("--peer needs --mesh-bind: peers subscribe to this replica's decisions there")
+    for address in ([args.mesh_bind] if args.mesh_bind else []) + args.peer:
+        parse_hostport(address)  # one clear line for a malformed address
     for flag, value in (("--first-byte-timeout", args.first_byte_timeout),
                         ("--stream-idle-timeout", args.stream_idle_timeout),
                         ("--send-timeout", args.send_timeout)):
@@ -423,6 +438,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         kv_capacity_blocks=args.kv_capacity_blocks,
         threads=threads,
         grpc_port=getattr(args, "grpc_port", None),
+        mesh_bind=args.mesh_bind,
+        peers=tuple(args.peer),
     )
 
 

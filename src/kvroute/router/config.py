@@ -140,6 +140,10 @@ class RouterConfig:
         grpc_port: serve Envoy's ext_proc on this port as a Gateway API Inference Extension
             Endpoint Picker (``kvroute epp``; 0 picks a free one) instead of proxying; ``port``
             then serves ``/metrics`` and ``/health`` only. None: ``kvroute serve``'s proxy.
+        mesh_bind: ``host:port`` where this replica publishes its decisions to its peer
+            replicas (port 0: an ephemeral one, see ``Router.mesh_address``); None: no mesh.
+        peers: the peer replicas' mesh addresses (``host:port``; a host name resolving to
+            several addresses, such as a headless Service's, is that many peers).
     """
 
     workers: Sequence[str] = ()
@@ -183,6 +187,8 @@ class RouterConfig:
     kv_capacity_blocks: int | None = None
     threads: int = _SERVE["threads"]
     grpc_port: int | None = None
+    mesh_bind: str | None = None
+    peers: tuple[str, ...] = ()
 
     def retention_mode(self) -> str:
         """The retention mode the router runs: ``retention``, or the policy's default."""

@@ -81,6 +81,7 @@ def native_arguments(config: RouterConfig) -> dict[str, Any]:
         api_key=config.api_key, metrics_public=config.metrics_public,
         worker_api_key=config.worker_api_key, forward_authorization=config.forward_authorization,
         grpc_port=config.grpc_port,
+        mesh_bind=config.mesh_bind, peers=list(config.peers),
     )
 
 
@@ -147,6 +148,15 @@ class Router:
     def index(self) -> KvIndex:
         """The index the routing step reads (shared with the native router)."""
         return self.native.index
+
+    @property
+    def mesh_address(self) -> str | None:
+        """``host:port`` of this replica's mesh socket (None without ``config.mesh_bind``)."""
+        return self.native.mesh_address
+
+    def set_peers(self, peers: list[str]) -> None:
+        """Replace the peer replicas' mesh addresses (``host:port`` each)."""
+        self.native.set_peers(list(peers))
 
     def metrics_text(self) -> str:
         """The text ``GET /metrics`` answers."""

@@ -286,6 +286,29 @@ impl Retention {
         }
     }
 
+    /// Another router replica, owner of `worker`'s retention, refreshed there the prefix of
+    /// these leading block hashes: the model moves that prefix to the tail as its own refresh
+    /// would have (without counting it in this replica's stats, which count what it sent).
+    /// False when no tracked prefix starts with them (the refresh taught this model nothing).
+    pub fn refreshed_elsewhere(&mut self, worker: usize, block_hashes: &[u64]) -> bool {
+        let Some(m) = self.workers.get_mut(worker) else {
+            return false;
+        };
+        let held = block_hashes.len();
+        let Some((&k, t)) = m
+            .tracked
+            .iter_mut()
+            .find(|(_, t)| held > 0 && t.blocks >= held && t.hashes[..held] == *block_hashes)
+        else {
+            return false;
+        };
+        t.last_touch = m.requests;
+        t.gone = false;
+        m.queue.take(k);
+        m.queue.push_tail(Some(k), held);
+        true
+    }
+
     /// Where among `slots` a prompt of these block hashes goes, or None where the policy
     /// decides: a prompt of at least `min_prefix_blocks` blocks that the index finds cached on
     /// none of them goes to the slot that is home to the fewest prefix families (its own
@@ -692,6 +715,44 @@ mod tests {
         let mut r = Retention::new(RetentionConfig::new(RetentionMode::Off, BS, 45));
         assert!(drive(&mut r, 4, 200, &idle()).is_empty());
         assert_eq!(r.stats(), RetentionStats::default());
+    }
+
+    #[test]
+    fn a_peers_refreshes_keep_a_replicas_model_where_its_own_would() {
+        // Two replicas see the same routing (the mesh shares it); only the owner polls. The
+        // other, told of each refresh, models the worker's free queue as the owner does; one
+        // that is not told models a queue the refreshes never reordered.
+        let load = idle();
+        let (mut owner, mut told, mut untold) = (
+            Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45)),
+            Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45)),
+            Retention::new(RetentionConfig::new(RetentionMode::On, BS, 45)),
+        );
+        let mut sent = 0;
+        for i in 0..60u32 {
+            let p = i % 4;
+            let (tokens, hashes) = prompt(p, 10, 2 * BS, i);
+            let overlap = if i < 4 { 0 } else { 10 };
+            for r in [&mut owner, &mut told, &mut untold] {
+                r.routed(0, &hashes, &tokens, overlap, BS, f64::from(i));
+            }
+            let mut out = Vec::new();
+            owner.poll(0, &load, &mut held_all, 3, f64::from(i), &mut out);
+            for refresh in &out {
+                assert!(told.refreshed_elsewhere(0, &refresh.block_hashes));
+            }
+            sent += out.len();
+        }
+        assert!(sent > 0, "4 prefixes of 10 blocks overflow 45 blocks");
+        let queue = |r: &Retention| format!("{:?}", r.workers[0].queue);
+        assert_eq!(queue(&told), queue(&owner));
+        assert_ne!(queue(&untold), queue(&owner));
+        assert_eq!(
+            told.stats().refreshes,
+            0,
+            "a peer's refreshes are not counted as sent"
+        );
+        assert!(!told.refreshed_elsewhere(0, &[1, 2, 3]));
     }
 
     #[test]

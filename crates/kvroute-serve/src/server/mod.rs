@@ -17,6 +17,7 @@
 mod accept;
 mod background;
 mod forward;
+mod mesh;
 pub mod pipeline;
 mod refresh;
 mod routes;

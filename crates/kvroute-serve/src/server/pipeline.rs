@@ -203,8 +203,12 @@ impl Pipeline {
             slot: choice.slot,
             ticket: choice.ticket,
             prefill_tokens: Some(choice.prefill_tokens),
+            decision: shared.mesh.as_ref().map(|m| m.routed(&choice, prompt, now)),
         };
         if !choice.refreshes.is_empty() {
+            if let Some(mesh) = &shared.mesh {
+                mesh.refreshed(&choice.url, &choice.refreshes, now);
+            }
             let waited = Instant::now();
             let (refreshes, tenants) = (&choice.refreshes, &choice.refresh_tenants);
             send_refreshes(shared, &choice.name, &choice.url, refreshes, tenants).await;
@@ -278,6 +282,9 @@ pub struct Load {
     slot: usize,
     ticket: Option<u64>,
     prefill_tokens: Option<usize>,
+    /// Its number in the replica mesh (None: no mesh), whose peers hear of its first byte
+    /// and end.
+    decision: Option<u64>,
 }
 
 impl Load {
@@ -285,6 +292,9 @@ impl Load {
     pub fn first_byte(&mut self) {
         if let Some(tokens) = self.prefill_tokens.take() {
             self.shared.fleet().first_token(self.slot, tokens);
+            if let (Some(mesh), Some(d)) = (&self.shared.mesh, self.decision) {
+                mesh.first_token(d, self.shared.now());
+            }
         }
     }
 }
@@ -301,6 +311,12 @@ impl Drop for Load {
         };
         // A draining router starts no new work upstream.
         let draining = self.shared.draining.load(Ordering::SeqCst);
+        if let (Some(mesh), Some(d)) = (&self.shared.mesh, self.decision) {
+            mesh.finished(d, now);
+            if let (Some(idle), false) = (&idle, draining) {
+                mesh.refreshed(&idle.url, &idle.refreshes, now);
+            }
+        }
         if let (Some(idle), false, Ok(runtime)) =
             (idle, draining, tokio::runtime::Handle::try_current())
         {

@@ -13,6 +13,7 @@ use kvroute_io::consumer::{Consumer, CounterSnapshot, Subscription};
 use tokio::sync::{Notify, watch};
 
 use super::background::{health_loop, kv_capacity_loop, notice_loop};
+use super::mesh::MeshLink;
 use super::pipeline::Pipeline;
 use super::{EVENTS_COALESCE, LARGE_BODIES};
 use crate::config::{ConfigError, ServeConfig, WorkerSpec};
@@ -34,6 +35,8 @@ pub(super) struct Shared {
     /// The request body bytes held at once ([`edge::BodyBudget`]).
     pub(super) body_budget: edge::BodyBudget,
     pub(super) fleet: Mutex<Fleet>,
+    /// How the fleet's lock is contended ([`crate::contention`]).
+    pub(super) fleet_lock: crate::contention::LockStats,
     pub(super) prompts: Prompts,
     pub(super) metrics: Metrics,
     pub(super) upstream: Upstream,
@@ -54,6 +57,8 @@ pub(super) struct Shared {
     pub(super) connections: Registry,
     /// Permits for bodies over `offload_bytes` in memory at once.
     pub(super) large_bodies: tokio::sync::Semaphore,
+    /// The replica mesh, when `config.mesh` asks for one.
+    pub(super) mesh: Option<MeshLink>,
 }
 
 impl Shared {
@@ -64,7 +69,7 @@ impl Shared {
     }
 
     pub(super) fn fleet(&self) -> MutexGuard<'_, Fleet> {
-        self.fleet.lock().unwrap_or_else(|p| p.into_inner())
+        self.fleet_lock.lock(&self.fleet)
     }
 
     /// Follow and stop following the event streams a membership change names.
@@ -128,7 +133,16 @@ impl Shared {
             body_budget_bytes: self.body_budget.bytes(),
         };
         let now = self.now();
-        self.metrics.render(&self.fleet(), now, &events, open)
+        let mut out = self.metrics.render(&self.fleet(), now, &events, open);
+        if let Some(mesh) = &self.mesh {
+            mesh.render(&mut out, now);
+        }
+        let fleet = self.fleet();
+        crate::contention::render(
+            &mut out,
+            &[("fleet", &self.fleet_lock), ("index", fleet.index_lock())],
+        );
+        out
     }
 }
 
@@ -204,12 +218,24 @@ impl Router {
                 config.max_buffered_body_bytes, body_limit.bytes, body_limit.source
             )));
         }
+        let (stop, stopped) = watch::channel(false);
+        let metrics = Metrics::default();
+        let mesh = match &config.mesh {
+            Some(settings) => Some(MeshLink::bind(
+                settings,
+                metrics.instance(),
+                &runtime,
+                stopped.clone(),
+            )?),
+            None => None,
+        };
         let shared = Arc::new(Shared {
             body_budget: edge::BodyBudget::new(config.max_buffered_body_bytes),
             body_limit,
             fleet: Mutex::new(fleet),
+            fleet_lock: crate::contention::LockStats::default(),
             prompts,
-            metrics: Metrics::default(),
+            metrics,
             upstream,
             refresh_upstream,
             refreshes_open: Mutex::new(std::collections::HashMap::new()),
@@ -221,10 +247,11 @@ impl Router {
             consumer: Mutex::new(None),
             connections: Registry::default(),
             large_bodies: tokio::sync::Semaphore::new(LARGE_BODIES),
+            mesh,
             config,
         });
         shared.apply(membership)?;
-        let (stop, stopped) = watch::channel(false);
+        super::mesh::start(&shared, &runtime, stopped.clone());
         if let Some(interval) = shared.config.health_interval {
             runtime.spawn(health_loop(shared.clone(), interval, stopped.clone()));
         }
@@ -270,6 +297,18 @@ impl Router {
     /// The text of `/metrics`.
     pub fn metrics_text(&self) -> String {
         self.shared.metrics_text()
+    }
+
+    /// Where the replica mesh's PUB socket listens (None: no mesh).
+    pub fn mesh_addr(&self) -> Option<std::net::SocketAddr> {
+        self.shared.mesh.as_ref().map(MeshLink::local_addr)
+    }
+
+    /// Replace the mesh's peers (`host:port` each; discovery's list). No mesh: nothing.
+    pub fn set_peers(&self, peers: Vec<String>) {
+        if let Some(mesh) = &self.shared.mesh {
+            mesh.set_peers(peers);
+        }
     }
 
     /// The index the routing step reads (shared with the KV-event consumer).

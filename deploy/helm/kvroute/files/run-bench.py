@@ -7,8 +7,13 @@ per ready pod, so the Job waits until all WORKERS of them resolve and the measur
 GET /v1/models (a router is ready a few seconds after its workers), passes each worker as
 --metrics-url, and ends its log with summary.json on one line (`kubectl logs job/... | tail -n 1`).
 
+Measuring the router replicas, the Job also waits for all ROUTERS of them to resolve as
+ROUTERS_HOST (the router mesh's headless Service) and passes each as --router-metrics-url, so
+that their retention refreshes are summed.
+
 Environment (set by the chart): BENCH_URL, BENCH_LABEL, WORKERS_HOST, WORKER_PORT, WORKERS,
-WAIT_SECONDS, RESULTS_DIR. Arguments: passed on to kvroute bench.
+WAIT_SECONDS, RESULTS_DIR; with the router target, ROUTERS_HOST, ROUTER_PORT, ROUTERS.
+Arguments: passed on to kvroute bench.
 """
 
 from __future__ import annotations
@@ -33,14 +38,14 @@ def worker_addresses(host: str, port: int) -> list[str]:
     return sorted({info[4][0] for info in infos})
 
 
-def wait_for_workers(host: str, port: int, expected: int, deadline: float) -> list[str]:
+def wait_for_workers(host: str, port: int, expected: int, deadline: float, what: str = "workers") -> list[str]:
     while True:
         addresses = worker_addresses(host, port)
         if len(addresses) >= expected:
             return addresses
         if time.monotonic() > deadline:
-            sys.exit(f"only {len(addresses)} of {expected} workers resolve as {host}")
-        print(f"waiting for workers: {len(addresses)}/{expected} ready", flush=True)
+            sys.exit(f"only {len(addresses)} of {expected} {what} resolve as {host}")
+        print(f"waiting for {what}: {len(addresses)}/{expected} ready", flush=True)
         time.sleep(5)
 
 
@@ -77,6 +82,10 @@ def main(bench_args: list[str]) -> int:
                "--workers", str(len(addresses)), "--out", str(out)]
     for address in addresses:
         command += ["--metrics-url", f"http://{url_host(address)}:{port}"]
+    if env.get("ROUTERS_HOST"):
+        router_port = int(env["ROUTER_PORT"])
+        for address in wait_for_workers(env["ROUTERS_HOST"], router_port, int(env["ROUTERS"]), deadline, "routers"):
+            command += ["--router-metrics-url", f"http://{url_host(address)}:{router_port}"]
     command += bench_args
     print("running:", " ".join(command), flush=True)
     code = subprocess.call(command)

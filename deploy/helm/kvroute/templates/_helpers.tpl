@@ -19,6 +19,7 @@
 {{- define "kvroute.router.name" -}}{{ include "kvroute.fullname" . }}-router{{- end -}}
 {{- define "kvroute.epp.name" -}}{{ include "kvroute.fullname" . }}-epp{{- end -}}
 {{- define "kvroute.pool.name" -}}{{ include "kvroute.fullname" . }}-pool{{- end -}}
+{{- define "kvroute.router.mesh.name" -}}{{ include "kvroute.fullname" . }}-router-mesh{{- end -}}
 {{- define "kvroute.headless.fqdn" -}}
 {{- printf "%s.%s.svc.%s" (include "kvroute.headless.name" .) .Release.Namespace .Values.clusterDomain -}}
 {{- end -}}
@@ -95,6 +96,12 @@ It listens on all addresses: the default, 127.0.0.1, is unreachable from outside
 - --port
 - {{ .Values.router.port | quote }}
 {{ include "kvroute.routingArgs" . }}
+{{- if .Values.router.mesh.enabled }}
+- --mesh-bind
+- {{ printf "0.0.0.0:%d" (int .Values.router.mesh.port) | quote }}
+- --peer
+- {{ printf "%s.%s.svc.%s:%d" (include "kvroute.router.mesh.name" .) .Release.Namespace .Values.clusterDomain (int .Values.router.mesh.port) | quote }}
+{{- end }}
 {{- range .Values.router.extraArgs }}
 - {{ . | quote }}
 {{- end }}
