@@ -40,8 +40,6 @@ use crate::config::{ConfigError, EventSource, ServeConfig, WorkerSpec, worker_ba
 use crate::models::{AdapterNames, ServedModels};
 use crate::prompt::Retained;
 
-pub use peers::PeerRouted;
-
 /// Longest ejection, whatever the number of ejections in a row.
 pub const MAX_EJECTION_S: f64 = 300.0;
 
@@ -128,6 +126,20 @@ pub struct RefreshTenant {
 /// Most prefixes whose tenant the fleet remembers for refreshes; past it the memory starts
 /// over (a refresh of a forgotten prefix names no model and no salt).
 const MAX_REFRESH_TENANTS: usize = 1 << 16;
+
+/// A peer's decision as the mesh received it.
+pub struct PeerRouted<'a> {
+    pub worker_url: &'a str,
+    pub block_hashes: &'a [u64],
+    pub prompt_tokens: usize,
+    pub output_tokens: usize,
+    pub overlap: usize,
+    /// Its token ids (empty: retention does not follow it).
+    pub prompt: &'a [u32],
+    /// Its `model` and `cache_salt` (empty: none), which refreshes of its prefix carry.
+    pub model: &'a str,
+    pub cache_salt: &'a str,
+}
 
 /// Whether a replica owning the retention of the worker URLs `owned` (None: all) sends
 /// `slot`'s refreshes (a free function, so the routing step can ask while it holds the

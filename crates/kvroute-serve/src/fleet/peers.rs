@@ -14,21 +14,7 @@ use kvroute_core::mesh::DecisionHandle;
 use kvroute_core::policies::{Choose, WorkerState};
 use kvroute_io::consumer::lock_index;
 
-use super::{Fleet, IdleRefreshes, RefreshTenant, remember_tenant};
-
-/// A peer's decision as the mesh received it.
-pub struct PeerRouted<'a> {
-    pub worker_url: &'a str,
-    pub block_hashes: &'a [u64],
-    pub prompt_tokens: usize,
-    pub output_tokens: usize,
-    pub overlap: usize,
-    /// Its token ids (empty: retention does not follow it).
-    pub prompt: &'a [u32],
-    /// Its `model` and `cache_salt` (empty: none), which refreshes of its prefix carry.
-    pub model: &'a str,
-    pub cache_salt: &'a str,
-}
+use super::{Fleet, IdleRefreshes, PeerRouted, RefreshTenant, remember_tenant};
 
 impl Fleet {
     /// Whether this replica sends `slot`'s refreshes (all of them while no mesh says

@@ -16,7 +16,7 @@ use tokio::net::{TcpListener, TcpStream};
 use tokio::sync::watch;
 
 use super::routes::handle;
-use super::state::Shared;
+use super::shared::Shared;
 use crate::connections::{self, ConnState, Expiry, WatchedIo};
 use crate::edge::{self, Body};
 

@@ -12,9 +12,8 @@ use hyper::header::AUTHORIZATION;
 use kvroute_io::consumer::{Consumer, Item};
 use tokio::sync::watch;
 
-use super::MAX_ANSWER_BYTES;
-use super::UNHEALTHY_CHECKS_PER_INTERVAL;
-use super::state::Shared;
+use super::limits::{MAX_ANSWER_BYTES, UNHEALTHY_CHECKS_PER_INTERVAL};
+use super::shared::Shared;
 use crate::models::ServedModels;
 
 /// How often the consumer's notices (each a worker reset) are logged.

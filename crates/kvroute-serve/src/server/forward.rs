@@ -10,10 +10,10 @@ use hyper::body::Incoming;
 use hyper::header::{AUTHORIZATION, CACHE_CONTROL, CONTENT_TYPE, HeaderValue};
 use hyper::{Request, Response, StatusCode};
 
-use super::BUFFERED_ANSWER_BYTES;
+use super::answers::{answered, draining, no_worker, with_worker};
+use super::limits::BUFFERED_ANSWER_BYTES;
 use super::pipeline::{Admitted, Decision, InFlight, Load, Pipeline};
-use super::routes::{answered, draining, no_worker, with_worker};
-use super::state::Shared;
+use super::shared::Shared;
 use crate::edge::{self, Body};
 use crate::prompt::Route;
 use crate::relay::{self, AnswerStart, Ending, RelayBody};

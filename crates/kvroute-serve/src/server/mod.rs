@@ -9,50 +9,42 @@
 //! is a 503. While draining (SIGTERM) new requests get 503 and `/health` fails; in-flight ones
 //! finish.
 //!
-//! One concept a module: [`state`] (the router without a front: its state, runtime and
-//! lifetime), [`pipeline`] (a request up to its decision, shared with the Endpoint Picker),
-//! [`forward`] (serve's relay of a decided request), [`routes`], [`accept`] (connections),
-//! [`background`] (health checks, KV capacity, notices), [`refresh`] (retention's refreshes).
+//! One concept a module, each using only those listed before it: [`limits`] (bounds and
+//! names), [`shared`] (what every connection and task shares), `mesh_link` (this replica's
+//! end of the replica mesh), `refresh` (retention's refreshes), [`pipeline`] (a request up to
+//! its decision, shared with the Endpoint Picker), `mesh` (peers' decisions applied),
+//! `background` (health checks, KV capacity, notices), [`router`] (the router without a
+//! front: its runtime and lifetime), `answers` (the responses serve's routes build),
+//! `forward` (serve's relay of a decided request), `routes`, `accept` (connections).
 
 mod accept;
+mod answers;
 mod background;
 mod forward;
+pub mod limits;
 mod mesh;
+mod mesh_link;
 pub mod pipeline;
 mod refresh;
+pub mod router;
 mod routes;
-pub mod state;
+pub mod shared;
 
 use std::net::SocketAddr;
 use std::time::Duration;
 
 use tokio::net::TcpListener;
 
+pub use limits::{
+    BUFFERED_ANSWER_BYTES, EVENTS_COALESCE, LARGE_BODIES, MAX_ANSWER_BYTES, MAX_REFRESHES_OPEN,
+    UNHEALTHY_CHECKS_PER_INTERVAL, WORKER_HEADER,
+};
 pub use pipeline::{Admitted, Decision, InFlight, Load, Pipeline};
-pub use state::{Router, WorkerView, monotonic_seconds};
+pub use router::Router;
+pub use shared::{WorkerView, monotonic_seconds};
 
 use crate::config::{ConfigError, ServeConfig, WorkerSpec};
 use crate::edge;
-
-/// Response header naming the worker that served the request.
-pub const WORKER_HEADER: &str = "x-kvroute-worker";
-/// The largest `/v1/models` answer relayed (read whole; vLLM's are a few hundred bytes a model).
-pub const MAX_ANSWER_BYTES: usize = 64 << 20;
-/// Whole answers up to this size are read before they are relayed, so that a worker breaking
-/// while it sends one gets the client a 502 (vLLM's are kilobytes); longer ones (logprobs of a
-/// long generation run to megabytes) are relayed as they come, so that clients that read them
-/// slowly each hold at most about this much of the router's memory, not the whole answer.
-pub const BUFFERED_ANSWER_BYTES: usize = 64 << 10;
-/// How many times as often as a healthy worker one out of the available set is checked.
-pub const UNHEALTHY_CHECKS_PER_INTERVAL: u32 = 4;
-/// How long the event consumer lets batches gather after taking some: one wake-up of its
-/// thread for several engine steps, beside engine steps of tens of milliseconds (the index
-/// learns of a batch at most this much later; `benchmarks/kv_events_consume.py`).
-pub const EVENTS_COALESCE: Duration = Duration::from_millis(2);
-/// Bodies over `--offload-bytes` parsed at once; the others wait once read.
-pub const LARGE_BODIES: usize = 2;
-/// Refreshes open at once per worker; more are dropped (counted), never queued.
-pub const MAX_REFRESHES_OPEN: usize = 4;
 
 /// `kvroute serve`: a [`Router`] behind the OpenAI-compatible HTTP front. Dropping it stops
 /// it (without a drain).

@@ -13,7 +13,7 @@ use bytes::Bytes;
 use hyper::{Request, Response, StatusCode};
 
 use super::refresh::send_refreshes;
-use super::state::Shared;
+use super::shared::Shared;
 use crate::edge::{self, Body, BodyReservation};
 use crate::fleet::{Choice, Fleet};
 use crate::metrics::Metrics;
@@ -99,7 +99,7 @@ impl Pipeline {
     }
 
     /// The prompt of a `route` body, or the 400 refusing it. Parsing a large body takes a
-    /// multiple of its size (its JSON tree, its tokens): at most [`super::LARGE_BODIES`] are
+    /// multiple of its size (its JSON tree, its tokens): at most [`super::limits::LARGE_BODIES`] are
     /// parsed at once, on blocking threads, the others wait, read (the body budget bounds
     /// those). Waiting for a slot only once the body is in, a client that sends slowly holds
     /// none.

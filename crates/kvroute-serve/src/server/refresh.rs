@@ -10,8 +10,8 @@ use http_body_util::BodyExt;
 use hyper::header::{AUTHORIZATION, CONTENT_TYPE};
 use hyper::{Request, StatusCode};
 
-use super::MAX_REFRESHES_OPEN;
-use super::state::Shared;
+use super::limits::MAX_REFRESHES_OPEN;
+use super::shared::Shared;
 use crate::fleet::RefreshTenant;
 use crate::relay::{self, SignalBody};
 

@@ -11,10 +11,11 @@ use hyper::body::Incoming;
 use hyper::header::{AUTHORIZATION, CONTENT_TYPE, HeaderValue};
 use hyper::{Method, Request, Response, StatusCode};
 
+use super::answers::{answered, draining, no_worker};
 use super::forward::generate;
+use super::limits::MAX_ANSWER_BYTES;
 use super::pipeline::unmet_expectation;
-use super::state::Shared;
-use super::{MAX_ANSWER_BYTES, WORKER_HEADER};
+use super::shared::Shared;
 use crate::edge::{self, Body};
 use crate::prompt::Route;
 use crate::relay;
@@ -127,24 +128,6 @@ async fn models(shared: &Arc<Shared>) -> Response<Body> {
     }
 }
 
-pub(super) fn draining() -> Response<Body> {
-    edge::error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "draining",
-        "ServiceUnavailable",
-        None,
-    )
-}
-
-pub(super) fn no_worker() -> Response<Body> {
-    edge::error(
-        StatusCode::SERVICE_UNAVAILABLE,
-        "no worker available",
-        "ServiceUnavailable",
-        None,
-    )
-}
-
 fn bad_gateway() -> Response<Body> {
     edge::error(
         StatusCode::BAD_GATEWAY,
@@ -152,26 +135,4 @@ fn bad_gateway() -> Response<Body> {
         "UpstreamError",
         None,
     )
-}
-
-/// A worker's answer as the client gets it: its status and relayed headers, the body, and
-/// the worker header.
-pub(super) fn answered(
-    status: StatusCode,
-    headers: &hyper::HeaderMap,
-    body: Body,
-    worker: &str,
-) -> Response<Body> {
-    let mut response = Response::new(body);
-    *response.status_mut() = status;
-    *response.headers_mut() = relay::relayed_headers(headers);
-    with_worker(response, worker)
-}
-
-/// `response` with the header naming the worker that served it.
-pub(super) fn with_worker(mut response: Response<Body>, worker: &str) -> Response<Body> {
-    if let Ok(v) = HeaderValue::from_str(worker) {
-        response.headers_mut().insert(WORKER_HEADER, v);
-    }
-    response
 }
