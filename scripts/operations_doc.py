@@ -20,7 +20,7 @@ from pathlib import Path
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "operations.md"
 #: The commands whose flags the reference lists, in its order.
-COMMANDS = ("serve", "emulate", "bench", "experiment", "sim")
+COMMANDS = ("serve", "epp", "emulate", "bench", "experiment", "sim")
 
 
 def _cell(text: str) -> str:
