@@ -4,10 +4,12 @@
 //!
 //! * [`blocks`]: chained per-block hashes of token ids (kvroute's own block identity).
 //! * [`engine`]: the vLLM v1 worker model: `BlockPool`, scheduler, cost model.
-//! * [`index`]: the router's index of which worker holds which block.
+//! * [`index`]: the router's index of which worker holds which block; [`hash_keyed`]: the
+//!   maps keyed by hashes it and the engine model share.
 //! * [`policies`] and [`routing`]: the balancing policies and the one routing step around
 //!   them, shared by the simulator and the live router.
 //! * [`kvevents`]: vLLM's KV events, their wire codec and the subscriber's sequence tracker.
+//! * [`mesh`]: router replicas telling each other their decisions and refreshes.
 //! * [`retention`]: the router managing what each worker's LRU keeps (refreshes).
 //! * [`sim`]: the simulator's event loop on virtual time, and its placements (the seam
 //!   between its engines and the routing step, with or without retention). The simulator
@@ -21,6 +23,7 @@
 pub mod admission;
 pub mod blocks;
 pub mod engine;
+pub mod hash_keyed;
 pub mod index;
 pub mod kvevents;
 pub mod mesh;

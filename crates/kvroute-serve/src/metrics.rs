@@ -151,7 +151,7 @@ pub struct RefreshUsage {
 
 /// What is open now, as the gauges show it (read from its owners when `/metrics` renders).
 #[derive(Clone, Copy, Debug, Default)]
-pub struct Open {
+pub struct OpenCounts {
     /// Client connections.
     pub connections: usize,
     /// Refreshes sent and not answered.
@@ -376,7 +376,7 @@ impl Metrics {
         fleet: &Fleet,
         now: f64,
         events: &[(String, CounterSnapshot)],
-        open: Open,
+        open: OpenCounts,
     ) -> String {
         let mut out = String::with_capacity(4096);
         let _ = writeln!(
@@ -625,7 +625,12 @@ mod tests {
             workers: vec![crate::config::WorkerSpec::url("http://a:1")],
             ..ServeConfig::default()
         };
-        let text = m.render(&Fleet::new(&config).unwrap().0, 0.0, &[], Open::default());
+        let text = m.render(
+            &Fleet::new(&config).unwrap().0,
+            0.0,
+            &[],
+            OpenCounts::default(),
+        );
         assert!(text.contains(
             "kvroute_router_requests_total{route=\"/v1/completions\",status=\"200\"} 2.0"
         ));

@@ -187,7 +187,7 @@ fn simulate(case: &Case) -> Simulated {
     }
 }
 
-/// One request's load on the fleet as the server's guard holds it (`server::Load`): its
+/// One request's load on the fleet as the server's guard holds it (`server::RequestLoad`): its
 /// prefill until the first byte, the request until it ends (its admission ticket, which
 /// numbers requests as the simulator's step does).
 struct Load {

@@ -29,7 +29,7 @@
 use std::collections::VecDeque;
 
 use crate::blocks::BlockKeys;
-use crate::index::HashKeyed;
+use crate::hash_keyed::HashKeyed;
 use crate::kvevents::codec::encode_text_extra_keys;
 use crate::kvevents::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
 

@@ -123,7 +123,7 @@ pub struct DecisionHandle {
     pub first_token: bool,
 }
 
-struct Open {
+struct OpenDecision {
     handle: DecisionHandle,
     expires: f64,
 }
@@ -133,7 +133,7 @@ pub struct Mesh {
     me: String,
     config: MeshConfig,
     peers: HashMap<String, PeerView>,
-    open: HashMap<(String, u64), Open>,
+    open: HashMap<(String, u64), OpenDecision>,
     seq: u64,
     next_decision: u64,
     last_sent: f64,
@@ -301,7 +301,8 @@ impl Mesh {
         match handle {
             Some(handle) => {
                 let expires = now + self.config.decision_ttl_s;
-                self.open.insert((peer, decision), Open { handle, expires });
+                self.open
+                    .insert((peer, decision), OpenDecision { handle, expires });
             }
             None => self.stats.refused += 1,
         }

@@ -12,7 +12,7 @@ use hyper::{Request, Response, StatusCode};
 
 use super::answers::{answered, draining, no_worker, with_worker};
 use super::limits::BUFFERED_ANSWER_BYTES;
-use super::pipeline::{Admitted, Decision, InFlight, Load, Pipeline};
+use super::pipeline::{Admitted, Decision, InFlight, Pipeline, RequestLoad};
 use super::shared::Shared;
 use crate::edge::{self, Body};
 use crate::prompt::Route;
@@ -187,7 +187,7 @@ struct Relayed {
     /// What broke when the worker does (`kvroute_router_upstream_errors_total{kind}`):
     /// `stream`, or `body` for a whole answer.
     kind: &'static str,
-    load: Load,
+    load: RequestLoad,
     _in_flight: InFlight,
 }
 

@@ -2,7 +2,7 @@
 //! as the edge bounds it, parsed into a prompt (large ones on a blocking thread), routed by
 //! the fleet's routing step with retention's refreshes sent first, and the load that
 //! decision puts on its worker, held until the request ends. What carries the request to the
-//! worker is the front's: serve relays it ([`super::forward`]), the Endpoint Picker names the
+//! worker is the front's: serve relays it (`super::forward`), the Endpoint Picker names the
 //! worker to a gateway.
 
 use std::sync::Arc;
@@ -48,7 +48,7 @@ pub struct Admitted {
 /// Where one attempt of a request goes, and the load it puts there until dropped.
 pub struct Decision {
     pub choice: Choice,
-    pub load: Load,
+    pub load: RequestLoad,
 }
 
 impl Pipeline {
@@ -198,7 +198,7 @@ impl Pipeline {
         shared
             .metrics
             .routed(choice.overlap_blocks, prompt.block_hashes.len());
-        let load = Load {
+        let load = RequestLoad {
             shared: shared.clone(),
             slot: choice.slot,
             ticket: choice.ticket,
@@ -240,7 +240,7 @@ impl Pipeline {
         }
     }
 
-    /// Worker `name`'s answer broke after its first byte ([`Shared::broke`]).
+    /// Worker `name`'s answer broke after its first byte (`Shared::broke`).
     pub fn broke(&self, name: &str, kind: &str, ending: Ending) {
         self.shared.broke(name, kind, ending);
     }
@@ -277,7 +277,7 @@ impl Drop for InFlight {
 /// One routed request's load on its worker: the prefill tokens until the first byte, the
 /// request until its answer ends, whatever path ends it (a dropped future included). The
 /// worker's last request ending sends it the refreshes retention kept back while it was idle.
-pub struct Load {
+pub struct RequestLoad {
     shared: Arc<Shared>,
     slot: usize,
     ticket: Option<u64>,
@@ -287,7 +287,7 @@ pub struct Load {
     decision: Option<u64>,
 }
 
-impl Load {
+impl RequestLoad {
     /// The worker sent its first byte: the prompt's prefill is done.
     pub fn first_byte(&mut self) {
         if let Some(tokens) = self.prefill_tokens.take() {
@@ -299,7 +299,7 @@ impl Load {
     }
 }
 
-impl Drop for Load {
+impl Drop for RequestLoad {
     fn drop(&mut self) {
         let now = self.shared.now();
         let idle = {

@@ -1,4 +1,4 @@
-//! The router's lifetime, without a front: [`Shared`] on one tokio runtime with its
+//! The router's lifetime, without a front: `Shared` on one tokio runtime with its
 //! background loops and the mesh. `kvroute serve`'s HTTP front ([`super::Server`]) and the
 //! Endpoint Picker's gRPC front drive it through its [`Pipeline`].
 

@@ -16,7 +16,7 @@ use crate::config::{ConfigError, ServeConfig};
 use crate::connections::Registry;
 use crate::edge;
 use crate::fleet::{Fleet, Membership};
-use crate::metrics::{Metrics, Open};
+use crate::metrics::{Metrics, OpenCounts};
 use crate::prompt::Prompts;
 use crate::relay::{Ending, RefreshUpstream, Upstream};
 
@@ -117,7 +117,7 @@ impl Shared {
 
     pub(super) fn metrics_text(&self) -> String {
         let events = self.event_counters();
-        let open = Open {
+        let open = OpenCounts {
             connections: self.connections.len(),
             refreshes: self
                 .refreshes_open
