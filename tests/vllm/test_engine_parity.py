@@ -86,7 +86,7 @@ def lora_server(vllm_fleet):
     import tempfile
     from pathlib import Path
 
-    from kvroute.fleet import VllmServeOptions, start_vllm_servers, terminate_servers, wait_healthy
+    from kvroute.workers import VllmServeOptions, start_vllm_servers, terminate_servers, wait_healthy
     from kvroute.tinymodel import build_tiny_lora
 
     install = vllm_fleet.install
