@@ -86,8 +86,8 @@ def lora_server(vllm_fleet):
     import tempfile
     from pathlib import Path
 
-    from kvroute.workers import VllmServeOptions, start_vllm_servers, terminate_servers, wait_healthy
     from kvroute.tinymodel import build_tiny_lora
+    from kvroute.workers import VllmServeOptions, start_vllm_servers, terminate_servers, wait_healthy
 
     install = vllm_fleet.install
     work = Path(tempfile.mkdtemp(prefix="kvroute-vllm-lora-"))
@@ -170,7 +170,7 @@ async def test_a_router_indexes_real_vllms_adapter_and_salt_blocks_under_their_k
 
     from kvroute.blocks import BlockHasher
     from kvroute.kvevents import EventsSettings, EventsSource
-    from kvroute.proxy import RouterConfig, start_router
+    from kvroute.router import RouterConfig, start_router
 
     server = lora_server
     config = RouterConfig(
