@@ -41,12 +41,17 @@ from kvroute.workload import RequestSpec, Workload, gc_paused
 
 @dataclass(frozen=True)
 class WorkerConfig:
-    """One simulated worker: KV blocks (null block included), block size and timing."""
+    """One simulated worker: KV blocks (null block included), block size and timing, and
+    its LoRA slots: ``max_loras`` (vLLM's ``--max-loras``; None: adapters are not modelled)
+    adapters a batch may hold, each taking ``lora_load_s`` to load into a slot, as the
+    emulator's ``--max-loras`` and ``--lora-load-time``."""
 
     num_blocks: int
     block_size: int
     cost: CostModel
     enable_caching: bool = True
+    max_loras: int | None = None
+    lora_load_s: float = 0.02
 
     def check_fits(self, workload: Workload) -> None:
         """A request whose prompt and output cannot fit in an empty cache would wait forever
@@ -125,6 +130,9 @@ class Simulation:
             )
             for _ in range(workers)
         ]
+        if config.max_loras is not None:
+            for engine in self.engines:
+                engine.set_lora_slots(config.max_loras, config.lora_load_s)
         #: The routing step (the live router's): its slots are the workers' indices. It keeps
         #: the KV-admission model (each worker's usable blocks) for a policy that reads it.
         self.routing = RoutingStep(policy, index, config.block_size, usable_blocks(config.num_blocks))
@@ -151,11 +159,13 @@ class Simulation:
         concurrency: int,
         output_token_ids,
         send_times: list[float] | None = None,
+        tenants: list[Tenant] | None = None,
     ) -> list[RequestRecord]:
         """Send ``requests`` from ``concurrency`` closed-loop clients (or each at its
         ``send_times`` entry, seconds on this simulation's clock: open loop); return their
         records in request order. Every request generates the first tokens of
-        ``output_token_ids``."""
+        ``output_token_ids``; a request of prefix ``p`` runs under ``tenants[p]`` (see
+        :func:`workload_tenants`; None: every request plain)."""
         if not requests:
             return []
         prefixes: dict[int, np.ndarray] = {}
@@ -176,6 +186,7 @@ class Simulation:
                 concurrency=None if send_times is not None else concurrency,
                 send_times=send_times,
                 retention=self.retention,
+                tenants=tenants,
             ),
             [r.index for r in requests], [r.prefix_id for r in requests],
         )
@@ -224,6 +235,26 @@ class Simulation:
 
 _EMPTY = np.zeros(0, dtype=np.uint32)
 
+#: A prefix's tenant as the native simulator takes it: ``(lora_name, lora_id, cache_salt)``.
+Tenant = tuple[str | None, int | None, str | None]
+
+
+def workload_tenants(workload: Workload) -> list[Tenant] | None:
+    """Each prefix's tenant in ``workload`` (by prefix id), as bench sends its requests
+    (``WorkloadSpec.tenant_of``): the adapter named as the model, its id as the emulator and
+    vLLM number ``--lora-modules adapter-0 adapter-1 ...`` (position + 1), and the salt. None
+    when the workload has neither adapters nor salts."""
+    spec = workload.spec
+    if not spec.adapters and not spec.salted:
+        return None
+    adapters = spec.adapter_of_prefix()
+    tenants: list[Tenant] = []
+    for prefix_id in range(spec.prefixes):
+        model, salt = spec.tenant_of(prefix_id, adapters)
+        adapter = adapters[prefix_id]
+        tenants.append((model, None if adapter is None else adapter + 1, salt))
+    return tenants
+
 
 def run_trial(
     workload: Workload,
@@ -239,11 +270,12 @@ def run_trial(
     config.check_fits(workload)
     sim = Simulation(workers, config, policy, index, retention)
     output = workload.vocab[: workload.spec.output_tokens]
-    sim.run(workload.warmup, 1, output)
+    tenants = workload_tenants(workload)
+    sim.run(workload.warmup, 1, output, tenants=tenants)
     before = [_copy_stats(e.stats) for e in sim.engines]
     refreshes = dict(sim.refresh_stats)
     t0 = sim.now
-    records = sim.run(workload.requests, concurrency, output)
+    records = sim.run(workload.requests, concurrency, output, tenants=tenants)
     window = [_delta(e.stats, b) for e, b in zip(sim.engines, before)]
     return TrialResult(
         records, sim.now - t0, window,

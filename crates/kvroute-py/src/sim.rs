@@ -8,10 +8,11 @@
 use kvroute_io::lock_index;
 use std::sync::Arc;
 
+use kvroute_core::blocks::BlockKeys;
 use kvroute_core::engine::scheduler;
 use kvroute_core::policies::Choose;
 use kvroute_core::sim::placement::{Placement, RetainingPlacement, StepPlacement};
-use kvroute_core::sim::{RequestSet, SimError, Simulation, WorkerConfig};
+use kvroute_core::sim::{RequestSet, SimError, Simulation, Tenant, WorkerConfig};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -52,6 +53,9 @@ fn concat_suffixes(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>>
     Ok(out)
 }
 
+/// A prefix's tenant from Python: `(lora_name, lora_id, cache_salt)`.
+type TenantTuple = (Option<String>, Option<i64>, Option<String>);
+
 /// Run one request set through the native simulator.
 ///
 /// Args:
@@ -68,13 +72,16 @@ fn concat_suffixes(py: Python<'_>, obj: &Bound<'_, PyAny>) -> PyResult<Vec<u32>>
 ///     send_times: each request's send time (open loop).
 ///     retention: a ``Retention`` fed the routing step's decisions; its refreshes are sent to
 ///         the engines as requests (not recorded, counted in ``refreshes``).
+///     tenants: per prefix id, ``(lora_name, lora_id, cache_salt)`` (each may be None): the
+///         adapter and salt its requests' blocks hash under and the adapter that takes a LoRA
+///         slot on its worker; None (or a prefix past the end): plain requests.
 ///
 /// Returns:
 ///     A dict: ``now`` (the clock after the run) and one list per record field (``worker``,
 ///     ``cached_tokens``, ``prompt_tokens``, ``send_time``, ``ttft_s``, ``e2e_s``,
 ///     ``output_tokens``), in request order.
 #[pyfunction]
-#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None, retention = None))]
+#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None, retention = None, tenants = None))]
 #[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
     py: Python<'py>,
@@ -90,7 +97,16 @@ fn simulate<'py>(
     concurrency: Option<usize>,
     send_times: Option<Vec<f64>>,
     retention: Option<Bound<'py, PyRetention>>,
+    tenants: Option<Vec<TenantTuple>>,
 ) -> PyResult<Bound<'py, PyDict>> {
+    let tenants: Vec<Tenant> = tenants
+        .unwrap_or_default()
+        .into_iter()
+        .map(|(lora_name, lora_id, salt)| Tenant {
+            keys: BlockKeys::new(lora_name.as_deref(), salt.as_deref()),
+            lora_id,
+        })
+        .collect();
     let Some(first) = engines.first() else {
         return Err(PyValueError::new_err("no engines"));
     };
@@ -170,6 +186,7 @@ fn simulate<'py>(
         };
         let mut sim =
             Simulation::with_engines(taken, now, config, placement.as_mut(), prefixes, output);
+        sim.set_tenants(tenants);
         let result = match (concurrency, &send_times) {
             (Some(c), None) => sim.run_closed_loop(&requests, c),
             (None, Some(times)) => sim.run_open_loop(&requests, times),

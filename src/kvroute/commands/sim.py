@@ -43,6 +43,7 @@ examples:
   kvroute sim -W 6 -K 24 -c 8,16 --policy random,kv-aware   # the KV-aware router vs a Service
   kvroute sim -W 6 -K 2 -c 8 --policy kv-aware --policy-option share_factor=0.5   # tune its guard
   kvroute sim --prefixes 64 --zipf 1.2 --json zipf.json
+  kvroute sim -W 6 -K 24 -c 8 --policy kv-aware --adapters 8 --adapter-zipf 1 --salted --max-loras 4   # tenants
   kvroute sim --kv-cache-memory-bytes 2GiB --prefix-tokens 1000:3600
   kvroute sim --trace conversation_trace.jsonl -W 8 --policy random,kv-aware --kv-capacity-tokens 3M --max-model-len 200000
   kvroute sim --trace synthetic_trace.jsonl --duration 300 --max-model-len 200000   # a 5-minute window
@@ -87,6 +88,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_workload_arguments(parser, prefixes_default=None, prefixes_preset="reference: 2,7,12,24")
     add_worker_arguments(parser)
     trace_sim.add_arguments(parser)
+    parser.add_argument("--max-loras", type=int, default=1, metavar="N",
+                        help="with --adapters: adapters one batch of a worker may hold, as vLLM's "
+                             "flag; a request of another waits (default %(default)s, vLLM's)")
+    parser.add_argument("--lora-load-time", type=float, default=0.02, metavar="SECONDS",
+                        help="with --adapters: how much longer a step takes for each adapter it "
+                             "loads into one of --max-loras slots, as the emulator's flag "
+                             "(default %(default)s)")
     parser.add_argument("--max-model-len", type=int, default=DEFAULT_MAX_MODEL_LEN, metavar="TOKENS",
                         help="context length of a worker, as vLLM's flag: every prompt plus its "
                              "output must fit, or the engine refuses it (default %(default)s)")
@@ -108,11 +116,12 @@ def run(args: argparse.Namespace) -> int:
     if args.trace is not None:
         return trace_sim.run(args, policies, options, kv_geometry, retention)
     num_blocks, block_size, _ = kv_geometry(args)
-    config = WorkerConfig(num_blocks, block_size, get_preset(args.timing))
+    if args.max_loras < 1 or not args.lora_load_time >= 0:
+        raise UserError("--max-loras must be >= 1 and --lora-load-time >= 0")
+    config = WorkerConfig(num_blocks, block_size, get_preset(args.timing),
+                          max_loras=args.max_loras if args.adapters else None,
+                          lora_load_s=args.lora_load_time)
 
-    if args.adapters or args.salted:
-        raise UserError("kvroute sim does not model LoRA adapters or cache salts; drop --adapters and "
-                        "--salted (a tenant per prefix caches as the same workload without them)")
     workloads = {k: generate(workload_spec(args, k)) for k in prefixes}
     for wl in workloads.values():
         check_max_model_len(wl, args.max_model_len)

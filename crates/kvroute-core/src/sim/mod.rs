@@ -81,6 +81,17 @@ impl RequestSet {
     }
 }
 
+/// The tenant a prefix's requests run under: the adapter and salt that key their block
+/// hashes (vLLM's extra keys, see [`BlockKeys`]) and the adapter's id, which takes one of the
+/// engine's LoRA slots (`crate::engine::scheduler::LoraSlots`).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Tenant {
+    /// The adapter's name and the salt, hashed into the request's blocks.
+    pub keys: BlockKeys,
+    /// The adapter's id (vLLM's `lora_int_id`); None without an adapter.
+    pub lora_id: Option<i64>,
+}
+
 /// One measured request, as `kvroute.records.RequestRecord` holds it.
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub struct RequestRecord {
@@ -232,6 +243,8 @@ pub struct Simulation<'p> {
     /// The engines emit their events as hash events (see `Placement::wants_hash_events`).
     hash_events: bool,
     prefixes: Vec<Arc<[u32]>>,
+    /// Per prefix id, the tenant its requests run under (none listed: plain).
+    tenants: Vec<Tenant>,
     prefix_hashes: Vec<Option<Vec<u64>>>,
     output: Arc<[u32]>,
     now: f64,
@@ -307,6 +320,7 @@ impl<'p> Simulation<'p> {
             wants_events,
             hash_events,
             prefixes,
+            tenants: Vec::new(),
             prefix_hashes: vec![None; n],
             output,
             now,
@@ -322,6 +336,14 @@ impl<'p> Simulation<'p> {
             refreshes_open: 0,
             refresh_stats: RefreshStats::default(),
         }
+    }
+
+    /// Run each prefix's requests under its tenant (by prefix id; a prefix past the end of
+    /// `tenants` runs plain): their blocks hash under its keys for the placement and the
+    /// engine alike, as the live router and vLLM hash them, and its adapter takes a LoRA slot.
+    pub fn set_tenants(&mut self, tenants: Vec<Tenant>) {
+        self.tenants = tenants;
+        self.prefix_hashes.iter_mut().for_each(|h| *h = None);
     }
 
     /// The engines back, and the clock, once the runs are over.
@@ -449,8 +471,11 @@ impl<'p> Simulation<'p> {
         let prefix = Arc::clone(&self.prefixes[pid]);
         let suffix = requests.suffix(pos);
         let hasher = self.config.hasher;
+        let tenant = self.tenants.get(pid);
+        let keys = tenant.map_or(&BlockKeys::PLAIN, |t| &t.keys);
         let shared = self.prefix_hashes[pid].get_or_insert_with(|| {
-            hasher.hash_blocks(&prefix, None, 0, Some(prefix.len() / hasher.block_size()))
+            let full = Some(prefix.len() / hasher.block_size());
+            hasher.hash_blocks_keyed(&prefix, None, 0, full, keys)
         });
         let bs = hasher.block_size();
         let prompt_len = prefix.len() + suffix.len();
@@ -461,15 +486,18 @@ impl<'p> Simulation<'p> {
         hashes.extend_from_slice(shared);
         // The prompt's blocks after the prefix's full ones: the prefix's partial tail, then
         // the suffix (the prefix itself is shared with the engine, never copied).
-        let tail = &prefix[shared.len() * bs..];
+        let (first, parent) = (shared.len(), hashes.last().copied());
+        let tail = &prefix[first * bs..];
         if tail.is_empty() {
-            hasher.extend_chain(suffix, hashes.last().copied(), &mut hashes);
+            hasher.extend_chain_keyed(suffix, parent, first, keys, &mut hashes);
         } else if tail.len() + suffix.len() >= bs {
             let mut window = Vec::with_capacity(tail.len() + suffix.len());
             window.extend_from_slice(tail);
             window.extend_from_slice(suffix);
-            hasher.extend_chain(&window, hashes.last().copied(), &mut hashes);
+            hasher.extend_chain_keyed(&window, parent, first, keys, &mut hashes);
         }
+        let (keys, lora_id) =
+            tenant.map_or((BlockKeys::PLAIN, None), |t| (t.keys.clone(), t.lora_id));
         let placed = self
             .placement
             .place_request(&hashes, &prefix, suffix, out, self.now);
@@ -483,8 +511,8 @@ impl<'p> Simulation<'p> {
             max_tokens: out,
             arrival_time: arrival,
             block_hashes: hashes,
-            keys: BlockKeys::default(),
-            lora_id: None,
+            keys,
+            lora_id,
         };
         let sent = Sent {
             pos,
@@ -1048,5 +1076,54 @@ mod tests {
             sim.run_closed_loop(&g.measured, 1),
             Err(SimError::DoesNotFit { .. })
         ));
+    }
+
+    #[test]
+    fn a_prefix_under_another_tenant_is_another_block_chain() {
+        let g = &parse()[0];
+        let prefix: Arc<[u32]> = tokens(7, 64).into();
+        // Prefixes 0, 1, 2: the same tokens under salt "a", salt "b", adapter "x" with "a".
+        let tenants = vec![
+            Tenant {
+                keys: BlockKeys::new(None, Some("a")),
+                lora_id: None,
+            },
+            Tenant {
+                keys: BlockKeys::new(None, Some("b")),
+                lora_id: None,
+            },
+            Tenant {
+                keys: BlockKeys::new(Some("x"), Some("a")),
+                lora_id: Some(1),
+            },
+        ];
+        let cached = |order: &[u32]| {
+            let mut rr = RoundRobin {
+                workers: 1,
+                next: 0,
+                in_flight: vec![0],
+                events_seen: 0,
+                wants_events: false,
+            };
+            let output: Arc<[u32]> = (1000..1004).collect();
+            let prefixes = vec![Arc::clone(&prefix); 3];
+            let mut sim = Simulation::new(1, g.config.clone(), &mut rr, prefixes, output);
+            sim.set_tenants(tenants.clone());
+            let set = RequestSet {
+                prefix_ids: order.to_vec(),
+                suffix_tokens: tokens(8, 5 * order.len()),
+                suffix_offsets: (0..=order.len()).map(|i| 5 * i).collect(),
+                output_tokens: vec![4; order.len()],
+            };
+            let records = sim.run_closed_loop(&set, 1).unwrap();
+            records.iter().map(|r| r.cached_tokens).collect::<Vec<_>>()
+        };
+        let bs = g.config.hasher.block_size();
+        let full = 64 / bs * bs;
+        assert!(full > 0);
+        assert_eq!(cached(&[0, 0]), [0, full]);
+        assert_eq!(cached(&[0, 1]), [0, 0]);
+        assert_eq!(cached(&[0, 2]), [0, 0]);
+        assert_eq!(cached(&[2, 2]), [0, full]);
     }
 }
