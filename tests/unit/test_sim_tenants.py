@@ -86,3 +86,10 @@ def test_sim_cli_runs_tenants(capsys):
 def test_sim_cli_bad_lora_slots_is_one_line(capsys):
     assert main(["sim", "-W", "2", "-K", "2", "-c", "1", "--adapters", "2", "--max-loras", "0"]) != 0
     assert "--max-loras" in capsys.readouterr().err
+
+
+def test_sim_cli_tenants_with_a_trace_is_one_line(tmp_path, capsys):
+    trace = tmp_path / "t.jsonl"
+    trace.write_text("")
+    assert main(["sim", "--trace", str(trace), "--adapters", "2"]) != 0
+    assert "drop --trace" in capsys.readouterr().err

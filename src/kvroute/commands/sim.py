@@ -114,6 +114,8 @@ def run(args: argparse.Namespace) -> int:
     options = sweep_policy_options(args, policies)
     retention = None if args.retention is None else name_list(args.retention, list(RETENTION_MODES), "--retention")
     if args.trace is not None:
+        if args.adapters or args.salted:
+            raise UserError("--adapters and --salted shape the reference workload; drop --trace")
         return trace_sim.run(args, policies, options, kv_geometry, retention)
     num_blocks, block_size, _ = kv_geometry(args)
     if args.max_loras < 1 or not args.lora_load_time >= 0:
