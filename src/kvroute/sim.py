@@ -107,6 +107,13 @@ class Simulation:
         retention: ``off``, ``on`` or ``auto`` (see ``kvroute_core::retention``): the router
             refreshes the prefixes each worker's LRU would evict; the refreshes run on the
             engines as requests and are counted in ``refresh_stats``, not in the records.
+        replica_policies: the policies of router replicas 2..N (``kvroute_core::sim::replicas``):
+            ``policy`` is replica 1's; each replica gets its own routing step, index and
+            retention model, and a balancer draws a replica per request (seeded with
+            ``balancer_seed``), as the Service in front of live replicas does. Empty: one router.
+        mesh_lag: with replicas, the replica mesh's delivery lag in seconds (None: no mesh, each
+            replica knows only its own decisions).
+        balancer_seed: the seed of the balancer's draws.
     """
 
     def __init__(
@@ -116,10 +123,18 @@ class Simulation:
         policy: Policy,
         index: KvIndex | None = None,
         retention: str = "off",
+        replica_policies: list[Policy] | None = None,
+        mesh_lag: float | None = None,
+        balancer_seed: int = 0,
     ) -> None:
         self.config = config
         self.policy = policy
         self.hasher = BlockHasher(config.block_size)
+        replica_policies = list(replica_policies or [])
+        if replica_policies and index is not None:
+            raise ValueError("router replicas each keep their own index: pass none")
+        if mesh_lag is not None and mesh_lag < 0:
+            raise ValueError("the mesh lag must be >= 0 seconds")
         if index is None and (policy.needs_overlap or retention != "off"):
             index = KvIndex(self.hasher)
         self.index = index
@@ -145,8 +160,33 @@ class Simulation:
             None if retention == "off"
             else _native.Retention(retention, config.block_size, usable_blocks(config.num_blocks))
         )
+        #: Router replicas 2..N: their routing steps (each with its own index) and retention.
+        self.replicas = [self._replica(p, retention) for p in replica_policies]
+        self.mesh_lag = mesh_lag
+        self.balancer_seed = balancer_seed
         #: Refreshes sent so far: requests, prompt tokens computed, engine seconds added.
         self.refresh_stats = {"requests": 0, "computed_tokens": 0, "engine_s": 0.0}
+
+    def _replica(self, policy: Policy, retention: str) -> tuple[RoutingStep, _native.Retention | None]:
+        """One more router replica: its own routing step and index over the same workers, and
+        its own retention model."""
+        index = KvIndex(self.hasher) if policy.needs_overlap or retention != "off" else None
+        step = RoutingStep(policy, index, self.config.block_size, usable_blocks(self.config.num_blocks))
+        for name in self.names:
+            step.add_worker(name)
+        capacity = usable_blocks(self.config.num_blocks)
+        return step, None if retention == "off" else _native.Retention(retention, self.config.block_size, capacity)
+
+    def _routing_arguments(self) -> dict:
+        """How ``_native.simulate`` is told the routers: one step, or every replica's."""
+        if not self.replicas:
+            return {"retention": self.retention}
+        return {
+            "replicas": [self.routing] + [step for step, _ in self.replicas],
+            "replica_retention": None if self.retention is None else [self.retention] + [r for _, r in self.replicas],
+            "mesh_lag": self.mesh_lag,
+            "balancer_seed": self.balancer_seed,
+        }
 
     @property
     def states(self) -> list[WorkerState]:
@@ -185,8 +225,8 @@ class Simulation:
                 as_token_array(output_token_ids),
                 concurrency=None if send_times is not None else concurrency,
                 send_times=send_times,
-                retention=self.retention,
                 tenants=tenants,
+                **self._routing_arguments(),
             ),
             [r.index for r in requests], [r.prefix_id for r in requests],
         )
@@ -209,7 +249,8 @@ class Simulation:
         out = _native.simulate(
             self.engines, self.routing, self.now, prompts, np.arange(n, dtype=np.uint32),
             _EMPTY, np.zeros(n + 1, dtype=np.uint64), np.asarray(output_tokens, dtype=np.uint32),
-            as_token_array(output_token_ids), send_times=send_times, retention=self.retention,
+            as_token_array(output_token_ids), send_times=send_times,
+            **self._routing_arguments(),
         )
         return self._records(out, indices, [0] * n)
 
@@ -264,11 +305,14 @@ def run_trial(
     policy: Policy,
     index: KvIndex | None = None,
     retention: str = "off",
+    replica_policies: list[Policy] | None = None,
+    mesh_lag: float | None = None,
+    balancer_seed: int = 0,
 ) -> TrialResult:
     """One trial: fresh workers, warmup one at a time, then the measured requests
-    (``index``, ``retention``: see ``Simulation``)."""
+    (``index``, ``retention``, the replicas: see ``Simulation``)."""
     config.check_fits(workload)
-    sim = Simulation(workers, config, policy, index, retention)
+    sim = Simulation(workers, config, policy, index, retention, replica_policies, mesh_lag, balancer_seed)
     output = workload.vocab[: workload.spec.output_tokens]
     tenants = workload_tenants(workload)
     sim.run(workload.warmup, 1, output, tenants=tenants)
@@ -299,6 +343,12 @@ def _delta(after: PrefixCacheStats, before: PrefixCacheStats) -> PrefixCacheStat
     )
 
 
+#: The replica mesh's delivery lag the simulator assumes unless told (``kvroute sim
+#: --mesh-lag``): a message published on one replica's PUB socket is applied on a peer's within
+#: a millisecond on loopback or a cluster network (one ZMTP frame, no queueing at these rates).
+DEFAULT_MESH_LAG_S = 0.001
+
+
 @dataclass(frozen=True)
 class SweepPoint:
     workers: int
@@ -307,11 +357,19 @@ class SweepPoint:
     policy: str
     #: Retention mode (``off``, ``on``, ``auto``).
     retention: str = "off"
+    #: Router replicas behind the balancer, and the mesh's lag between them (None: no mesh).
+    router_replicas: int = 1
+    mesh_lag: float | None = None
 
     @property
     def label(self) -> str:
-        """The topology's name in tables: the policy, and the retention mode unless off."""
-        return self.policy if self.retention == "off" else f"{self.policy}+retain-{self.retention}"
+        """The topology's name in tables: the policy, the retention mode unless off, and the
+        router replicas unless one (with or without the mesh)."""
+        label = self.policy if self.retention == "off" else f"{self.policy}+retain-{self.retention}"
+        if self.router_replicas > 1:
+            mesh = "no mesh" if self.mesh_lag is None else f"mesh {self.mesh_lag * 1000:g} ms"
+            label += f" ×{self.router_replicas} replicas, {mesh}"
+        return label
 
 
 def trial_seed(seed: int, trial: int) -> int:
@@ -341,8 +399,16 @@ def run_point(
     for trial in range(trials):
         rng = random.Random(trial_seed(seed, trial))
         policy = make_policy(point.policy, rng=rng, **options)
+        # Each further replica's policy draws its own choices (replica 1's are one router's).
+        replicas = [
+            make_policy(point.policy, rng=random.Random(f"{trial_seed(seed, trial)}/{r}"), **options)
+            for r in range(1, point.router_replicas)
+        ]
         result.trials.append(
-            run_trial(workload, point.workers, point.concurrency, config, policy, retention=point.retention).stats()
+            run_trial(
+                workload, point.workers, point.concurrency, config, policy, retention=point.retention,
+                replica_policies=replicas, mesh_lag=point.mesh_lag, balancer_seed=trial_seed(seed, trial),
+            ).stats()
         )
         if on_trial:
             on_trial()
@@ -359,15 +425,19 @@ def retention_modes(policy: str, retention: Iterable[str] | None) -> list[str]:
 def sweep_points(
     workers: Iterable[int], prefixes: Iterable[int], concurrency: Iterable[int], policies: Iterable[str],
     retention: Iterable[str] | None = ("off",),
+    router_replicas: Iterable[int] = (1,),
+    mesh_lag: float | None = None,
 ) -> list[SweepPoint]:
-    """Every (policy, retention, workers, prefixes, concurrency) point; ``retention`` None
-    gives each policy ``kvroute serve``'s mode for it (see :func:`retention_modes`), as
-    ``kvroute sim`` does without ``--retention``."""
+    """Every (policy, retention, router replicas, workers, prefixes, concurrency) point;
+    ``retention`` None gives each policy ``kvroute serve``'s mode for it (see
+    :func:`retention_modes`), as ``kvroute sim`` does without ``--retention``; ``mesh_lag``
+    (None: no mesh) applies to the points of more than one replica."""
     retention = None if retention is None else list(retention)
     return [
-        SweepPoint(w, k, c, p, r)
+        SweepPoint(w, k, c, p, r, n, mesh_lag if n > 1 else None)
         for p in policies
         for r in retention_modes(p, retention)
+        for n in router_replicas
         for w in workers
         for k in prefixes
         for c in concurrency

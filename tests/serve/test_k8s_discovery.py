@@ -473,3 +473,48 @@ def test_bad_k8s_service_flag(spec):
     config = KubeConfig.from_server("http://127.0.0.1:1", namespace="default-ns")
     with pytest.raises(UserError, match=r"bad --k8s-service .*\[NAMESPACE/\]SERVICE\[:PORT\]"):
         EndpointSliceDiscovery.from_spec(spec, config=config)
+
+
+async def test_peer_replicas_from_endpointslices_are_followed_and_let_go(api):
+    """``--peer-k8s-service``: a router follows the routers' EndpointSlices as it follows workers'
+    and subscribes to each ready pod's mesh port; a pod gone from the slice is let go."""
+    from kvroute.router import RouterConfig, start_router
+
+    def config(**kwargs) -> RouterConfig:
+        return RouterConfig(workers=["http://127.0.0.1:9"], policy="kv-aware", retention="off",
+                            health_interval_s=0, mesh_bind="127.0.0.1:0", **kwargs)
+
+    def peers_live(router) -> float:
+        return sum(float(line.split()[-1]) for line in router.metrics_text().splitlines()
+                   if line.startswith("kvroute_mesh_peers_live"))
+
+    async def until(check, limit_s: float) -> None:
+        for _ in range(int(limit_s / 0.05)):
+            if check():
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("not within the limit")
+
+    async with start_router(config()) as a:
+        port = int(a.mesh_address.rpartition(":")[2])
+        peer = make_slice("routers-1", 10, [pod(0, address="127.0.0.1")],
+                          ports=[{"name": "mesh", "protocol": "TCP", "port": port}])
+        api.lists.append(slice_list(10))
+        async with start_router(config(peer_discovery=discovery_for(api, port="mesh"))) as b:
+            stream = await api.watch_stream(0)
+            await stream.put(event("ADDED", peer))
+            await until(lambda: peers_live(b) == 1, 5.0)
+            await stream.put(event("DELETED", peer))
+            # Let go: no more heartbeats heard, gone after the liveness window (3 s).
+            await until(lambda: peers_live(b) == 0, 8.0)
+
+
+def test_peer_k8s_service_needs_mesh_bind_and_a_good_spec(capsys):
+    from kvroute.cli import main
+
+    assert main(["serve", "--worker", "http://127.0.0.1:9", "--peer-k8s-service", "llm/routers"]) == 2
+    assert "need --mesh-bind" in capsys.readouterr().err
+    assert main(["serve", "--worker", "http://127.0.0.1:9", "--mesh-bind", "127.0.0.1:0",
+                 "--peer-k8s-service", "Bad_Name"]) == 2
+    err = capsys.readouterr().err
+    assert "bad --peer-k8s-service" in err and "Traceback" not in err

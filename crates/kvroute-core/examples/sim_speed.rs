@@ -31,6 +31,7 @@ impl Placement for RoundRobin {
             worker,
             prefill_tokens: prompt_tokens.max(1),
             ticket: None,
+            decision: 0,
         }
     }
     fn first_token(&mut self, _placed: Placed) {}

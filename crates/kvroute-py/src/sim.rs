@@ -12,7 +12,10 @@ use kvroute_core::blocks::BlockKeys;
 use kvroute_core::engine::scheduler;
 use kvroute_core::policies::Choose;
 use kvroute_core::sim::placement::{Placement, RetainingPlacement, StepPlacement};
-use kvroute_core::sim::{RequestSet, SimError, Simulation, Tenant, WorkerConfig};
+use kvroute_core::sim::replicas::{Replica, ReplicaPlacement};
+use kvroute_core::sim::{
+    RefreshStats, RequestRecord, RequestSet, SimError, Simulation, Tenant, WorkerConfig,
+};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -75,13 +78,19 @@ type TenantTuple = (Option<String>, Option<i64>, Option<String>);
 ///     tenants: per prefix id, ``(lora_name, lora_id, cache_salt)`` (each may be None): the
 ///         adapter and salt its requests' blocks hash under and the adapter that takes a LoRA
 ///         slot on its worker; None (or a prefix past the end): plain requests.
+///     replicas: N router replicas instead of ``routing`` (``kvroute_core::sim::replicas``):
+///         one ``RoutingStep`` per replica (each its own index and native policy), behind a
+///         balancer that draws a replica per request (seeded with ``balancer_seed``).
+///     replica_retention: with ``replicas``, one ``Retention`` per replica (or None: off).
+///     mesh_lag: with ``replicas``, the replica mesh's delivery lag in seconds (None: no mesh).
+///     balancer_seed: the seed of the balancer's draws.
 ///
 /// Returns:
 ///     A dict: ``now`` (the clock after the run) and one list per record field (``worker``,
 ///     ``cached_tokens``, ``prompt_tokens``, ``send_time``, ``ttft_s``, ``e2e_s``,
 ///     ``output_tokens``), in request order.
 #[pyfunction]
-#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None, retention = None, tenants = None))]
+#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None, retention = None, tenants = None, replicas = None, replica_retention = None, mesh_lag = None, balancer_seed = 0))]
 #[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
     py: Python<'py>,
@@ -98,6 +107,10 @@ fn simulate<'py>(
     send_times: Option<Vec<f64>>,
     retention: Option<Bound<'py, PyRetention>>,
     tenants: Option<Vec<TenantTuple>>,
+    replicas: Option<Vec<Bound<'py, RoutingStep>>>,
+    replica_retention: Option<Vec<Bound<'py, PyRetention>>>,
+    mesh_lag: Option<f64>,
+    balancer_seed: u64,
 ) -> PyResult<Bound<'py, PyDict>> {
     let tenants: Vec<Tenant> = tenants
         .unwrap_or_default()
@@ -133,6 +146,24 @@ fn simulate<'py>(
             enable_caching: e.core.pool().enable_caching(),
         }
     };
+    if let Some(replicas) = replicas {
+        let (now, result, refreshes) = run_replicas(
+            py,
+            &replicas,
+            replica_retention.as_deref(),
+            mesh_lag,
+            balancer_seed,
+            &engines,
+            now,
+            config,
+            prefixes,
+            output,
+            &requests,
+            tenants,
+            (concurrency, send_times.as_deref()),
+        )?;
+        return records_dict(py, now, result, refreshes);
+    }
     let mut step = routing.borrow_mut();
     if step.inner.slot_count() != engines.len() {
         return Err(PyValueError::new_err(
@@ -153,17 +184,7 @@ fn simulate<'py>(
         needs_overlap: native.is_none() && foreign_bound.getattr("needs_overlap")?.is_truthy()?,
         error: None,
     };
-    // The engines leave their Python handles for the run (a placeholder stands in).
-    let mut taken = Vec::with_capacity(engines.len());
-    for e in &engines {
-        let mut e = e.borrow_mut();
-        if e.core.has_work() {
-            return Err(PyValueError::new_err("the engines must be idle"));
-        }
-        let placeholder =
-            scheduler::Engine::new(2, e.core.cost().clone(), *e.core.hasher(), true, false);
-        taken.push(std::mem::replace(&mut e.core, placeholder));
-    }
+    let taken = take_engines(&engines)?;
     let mut index = index.as_deref_mut();
     if let Some(ix) = index.as_deref_mut()
         && ix.hasher() == config.hasher
@@ -187,13 +208,7 @@ fn simulate<'py>(
         let mut sim =
             Simulation::with_engines(taken, now, config, placement.as_mut(), prefixes, output);
         sim.set_tenants(tenants);
-        let result = match (concurrency, &send_times) {
-            (Some(c), None) => sim.run_closed_loop(&requests, c),
-            (None, Some(times)) => sim.run_open_loop(&requests, times),
-            _ => Err(SimError::BadInput(
-                "give either concurrency or send_times".into(),
-            )),
-        };
+        let result = run_requests(&mut sim, &requests, (concurrency, send_times.as_deref()));
         let refreshes = sim.refresh_stats();
         (sim.into_engines(), result, refreshes)
     };
@@ -212,6 +227,154 @@ fn simulate<'py>(
     if let Some(e) = foreign.error.take() {
         return Err(e);
     }
+    records_dict(py, now, result, refreshes)
+}
+
+/// The engines out of their Python handles for a run (a placeholder stands in); they must be
+/// idle.
+fn take_engines(engines: &[Bound<'_, Engine>]) -> PyResult<Vec<scheduler::Engine>> {
+    let mut taken = Vec::with_capacity(engines.len());
+    for e in engines {
+        let mut e = e.borrow_mut();
+        if e.core.has_work() {
+            return Err(PyValueError::new_err("the engines must be idle"));
+        }
+        let placeholder =
+            scheduler::Engine::new(2, e.core.cost().clone(), *e.core.hasher(), true, false);
+        taken.push(std::mem::replace(&mut e.core, placeholder));
+    }
+    Ok(taken)
+}
+
+/// Closed-loop clients or send times: how `simulate` sends its requests.
+type Clients<'a> = (Option<usize>, Option<&'a [f64]>);
+
+fn run_requests(
+    sim: &mut Simulation<'_>,
+    requests: &RequestSet,
+    clients: Clients<'_>,
+) -> Result<Vec<RequestRecord>, SimError> {
+    match clients {
+        (Some(c), None) => sim.run_closed_loop(requests, c),
+        (None, Some(times)) => sim.run_open_loop(requests, times),
+        _ => Err(SimError::BadInput(
+            "give either concurrency or send_times".into(),
+        )),
+    }
+}
+
+/// One run through N replicas (see `simulate`'s ``replicas``) on `engines` (put back after
+/// it): the clock, the records and the refreshes.
+#[allow(clippy::too_many_arguments, clippy::type_complexity)]
+fn run_replicas(
+    py: Python<'_>,
+    replicas: &[Bound<'_, RoutingStep>],
+    retention: Option<&[Bound<'_, PyRetention>]>,
+    mesh_lag: Option<f64>,
+    seed: u64,
+    engines: &[Bound<'_, Engine>],
+    now: f64,
+    config: WorkerConfig,
+    prefixes: Vec<Arc<[u32]>>,
+    output: Arc<[u32]>,
+    requests: &RequestSet,
+    tenants: Vec<Tenant>,
+    clients: Clients<'_>,
+) -> PyResult<(f64, Result<Vec<RequestRecord>, SimError>, RefreshStats)> {
+    let fail = |msg: &str| Err(PyValueError::new_err(msg.to_owned()));
+    if replicas.is_empty() || retention.is_some_and(|r| r.len() != replicas.len()) {
+        return fail("one routing step (and one retention, if any) per replica");
+    }
+    if mesh_lag.is_some_and(|lag| !(lag >= 0.0 && lag.is_finite())) {
+        return fail("the mesh lag must be a non-negative number of seconds");
+    }
+    let mut steps: Vec<PyRefMut<'_, RoutingStep>> =
+        replicas.iter().map(|r| r.borrow_mut()).collect();
+    if steps.iter().any(|s| s.inner.slot_count() != engines.len()) {
+        return fail("each routing step must have one slot per engine");
+    }
+    let natives: Vec<Py<crate::policies::PyPolicy>> = steps
+        .iter()
+        .map(|s| s.native.as_ref().map(|p| p.clone_ref(py)))
+        .collect::<Option<_>>()
+        .ok_or_else(|| PyValueError::new_err("router replicas need native policies"))?;
+    let mut policies: Vec<PyRefMut<'_, crate::policies::PyPolicy>> =
+        natives.iter().map(|p| p.borrow_mut(py)).collect();
+    let index_objs: Vec<Option<Py<crate::index::PyKvIndex>>> = steps
+        .iter()
+        .map(|s| s.index.as_ref().map(|i| i.clone_ref(py)))
+        .collect();
+    let index_refs: Vec<Option<PyRef<'_, crate::index::PyKvIndex>>> = index_objs
+        .iter()
+        .map(|i| i.as_ref().map(|i| i.borrow(py)))
+        .collect();
+    let mut guards: Vec<_> = index_refs
+        .iter()
+        .map(|i| i.as_ref().map(|i| lock_index(&i.inner)))
+        .collect();
+    let mut retentions: Vec<Option<PyRefMut<'_, PyRetention>>> = match retention {
+        Some(r) => r.iter().map(|r| Some(r.borrow_mut())).collect(),
+        None => replicas.iter().map(|_| None).collect(),
+    };
+    let mut parts = Vec::with_capacity(replicas.len());
+    for (((step, policy), guard), retention) in steps
+        .iter_mut()
+        .zip(&mut policies)
+        .zip(&mut guards)
+        .zip(&mut retentions)
+    {
+        let mut index = guard.as_deref_mut();
+        if let Some(ix) = index.as_deref_mut() {
+            if ix.hasher() != config.hasher {
+                return fail("each replica's index must hash blocks as the workers do");
+            }
+            // The engine model hashes blocks with the index's own hasher (as in one router's run).
+            ix.trust_engine_hashes();
+        }
+        parts.push((
+            &mut step.inner,
+            index,
+            &mut policy.inner,
+            retention.as_deref_mut().map(|r| &mut r.inner),
+        ));
+    }
+    let taken = take_engines(engines)?;
+    let run = move || {
+        let replicas = parts
+            .into_iter()
+            .map(|(step, index, policy, retention)| Replica {
+                placement: StepPlacement {
+                    step,
+                    index,
+                    policy,
+                },
+                retention,
+            })
+            .collect();
+        let mut placement = ReplicaPlacement::new(replicas, mesh_lag, seed);
+        let mut sim =
+            Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);
+        sim.set_tenants(tenants);
+        let result = run_requests(&mut sim, requests, clients);
+        let refreshes = sim.refresh_stats();
+        let (back, now) = sim.into_engines();
+        placement.settle();
+        (back, now, result, refreshes)
+    };
+    let (back, now, result, refreshes) = py.detach(run);
+    for (e, core) in engines.iter().zip(back) {
+        e.borrow_mut().core = core;
+    }
+    Ok((now, result, refreshes))
+}
+
+/// A run's records as `simulate` returns them.
+fn records_dict<'py>(
+    py: Python<'py>,
+    now: f64,
+    result: Result<Vec<RequestRecord>, SimError>,
+    refreshes: RefreshStats,
+) -> PyResult<Bound<'py, PyDict>> {
     let records = result.map_err(|e| match e {
         SimError::Unfinished(_) => PyRuntimeError::new_err(e.to_string()),
         _ => PyValueError::new_err(e.to_string()),

@@ -177,6 +177,11 @@ def add_arguments(parser: argparse.ArgumentParser, *, epp: bool = False) -> None
                           help="a peer replica's --mesh-bind address; repeat per peer, or give a name "
                                "resolving to every replica (a headless Service: router-mesh:5600), "
                                "re-resolved every 5 s; this replica's own address is skipped")
+    replicas.add_argument("--peer-k8s-service", metavar="[NAMESPACE/]SERVICE[:PORT]",
+                          help="the peer replicas from a Kubernetes Service's EndpointSlices (list, "
+                               "then watch), as --k8s-service finds workers: each ready pod's address "
+                               "on PORT (the mesh port's number or name, default mesh) is a peer; "
+                               "needs get/list/watch on endpointslices")
 
     routing = parser.add_argument_group("routing")
     routing.add_argument("--policy", default="kv-aware", choices=sorted(POLICIES),
@@ -378,8 +383,16 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise UserError(f"--max-attempts must be >= 1, got {args.max_attempts}")
     if args.kv_capacity_blocks is not None and args.kv_capacity_blocks < 1:
         raise UserError(f"--kv-capacity-blocks must be >= 1, got {args.kv_capacity_blocks}")
-    if args.peer and not args.mesh_bind:
-        raise UserError("--peer needs --mesh-bind: peers subscribe to this replica's decisions there")
+    if (args.peer or args.peer_k8s_service) and not args.mesh_bind:
+        raise UserError("--peer and --peer-k8s-service need --mesh-bind: peers subscribe to this "
+                        "replica's decisions there")
+    peer_discovery = None
+    if args.peer_k8s_service:
+        from kvroute.router.k8s import EndpointSliceDiscovery
+
+        spec = args.peer_k8s_service
+        spec = spec if ":" in spec else f"{spec}:mesh"
+        peer_discovery = EndpointSliceDiscovery.from_spec(spec, flag="--peer-k8s-service")
     for address in ([args.mesh_bind] if args.mesh_bind else []) + args.peer:
         parse_hostport(address)  # one clear line for a malformed address
     for flag, value in (("--first-byte-timeout", args.first_byte_timeout),
@@ -440,6 +453,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         grpc_port=getattr(args, "grpc_port", None),
         mesh_bind=args.mesh_bind,
         peers=tuple(args.peer),
+        peer_discovery=peer_discovery,
     )
 
 

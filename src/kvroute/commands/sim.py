@@ -23,7 +23,7 @@ from kvroute.records import Point, write_points_json
 from kvroute.report import output_console, print_tables
 from kvroute.router.config import RETENTION_MODES
 from kvroute.routing.policies import POLICIES, policy_parameters
-from kvroute.sim import WorkerConfig, run_point, sweep_points
+from kvroute.sim import DEFAULT_MESH_LAG_S, WorkerConfig, run_point, sweep_points
 from kvroute.workload import Workload, generate, parse_int_list
 
 NAME = "sim"
@@ -42,6 +42,8 @@ examples:
   kvroute sim --workers 6 --prefixes 24 --concurrency 8 --policy random,prefix-hash
   kvroute sim -W 6 -K 24 -c 8,16 --policy random,kv-aware   # the KV-aware router vs a Service
   kvroute sim -W 6 -K 2 -c 8 --policy kv-aware --policy-option share_factor=0.5   # tune its guard
+  kvroute sim -W 6 -K 24 -c 8,16 --policy kv-aware --router-replicas 1,2,3             # with the mesh
+  kvroute sim -W 6 -K 24 -c 8,16 --policy kv-aware --router-replicas 2,3 --no-mesh     # each alone
   kvroute sim --prefixes 64 --zipf 1.2 --json zipf.json
   kvroute sim -W 6 -K 24 -c 8 --policy kv-aware --adapters 8 --adapter-zipf 1 --salted --max-loras 4   # tenants
   kvroute sim --kv-cache-memory-bytes 2GiB --prefix-tokens 1000:3600
@@ -81,6 +83,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "serve runs with each policy, so the simulation predicts the router as "
                              "shipped: auto with kv-aware, off with the others; --retention off "
                              "simulates placement alone")
+    parser.add_argument("--router-replicas", default="1", metavar="N[,N...]",
+                        help="router replicas behind a Service-like balancer (a random replica per "
+                             "request), each with its own index, load accounting, policy state and "
+                             "retention model; a comma list sweeps (default %(default)s)")
+    mesh = parser.add_mutually_exclusive_group()
+    mesh.add_argument("--mesh-lag", type=float, default=None, metavar="SECONDS",
+                      help="with several replicas: the replica mesh delivers each decision, first "
+                           "token, end and refresh to the other replicas this long after it "
+                           f"(default {DEFAULT_MESH_LAG_S * 1000:g} ms), and one replica per worker "
+                           "sends its refreshes, as kvroute serve --peer does")
+    mesh.add_argument("--no-mesh", action="store_true",
+                      help="with several replicas: no mesh, each replica knows only its own "
+                           "decisions and refreshes (replicas run without --peer)")
     parser.add_argument("--timing", default="reference-gpu", choices=sorted(PRESETS),
                         help="cost-model preset for step times (default %(default)s)")
     parser.add_argument("--json", type=Path, default=None, metavar="PATH",
@@ -113,9 +128,15 @@ def run(args: argparse.Namespace) -> int:
         raise UserError("--load-factor must be >= 0")
     options = sweep_policy_options(args, policies)
     retention = None if args.retention is None else name_list(args.retention, list(RETENTION_MODES), "--retention")
+    replicas = parse_int_list(args.router_replicas, "--router-replicas")
+    if args.mesh_lag is not None and not 0 <= args.mesh_lag < 60:
+        raise UserError(f"--mesh-lag must be between 0 and 60 seconds, got {args.mesh_lag}")
+    mesh_lag = None if args.no_mesh else (DEFAULT_MESH_LAG_S if args.mesh_lag is None else args.mesh_lag)
     if args.trace is not None:
         if args.adapters or args.salted:
             raise UserError("--adapters and --salted shape the reference workload; drop --trace")
+        if replicas != [1]:
+            raise UserError("--router-replicas simulates the reference workload; drop it with --trace")
         return trace_sim.run(args, policies, options, kv_geometry, retention)
     num_blocks, block_size, _ = kv_geometry(args)
     if args.max_loras < 1 or not args.lora_load_time >= 0:
@@ -128,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     for wl in workloads.values():
         check_max_model_len(wl, args.max_model_len)
         config.check_fits(wl)
-    points = sweep_points(workers, prefixes, concurrency, policies, retention)
+    points = sweep_points(workers, prefixes, concurrency, policies, retention, replicas, mesh_lag)
     console = output_console()
     results: list[Point] = []
     with sweep_progress(console, "sim") as progress:

@@ -144,6 +144,9 @@ class RouterConfig:
             replicas (port 0: an ephemeral one, see ``Router.mesh_address``); None: no mesh.
         peers: the peer replicas' mesh addresses (``host:port``; a host name resolving to
             several addresses, such as a headless Service's, is that many peers).
+        peer_discovery: a source of the peer replicas followed as workers are (the routers'
+            EndpointSlices: ``--peer-k8s-service``); each ready endpoint's ``host:port`` is a
+            peer, beside ``peers``.
     """
 
     workers: Sequence[str] = ()
@@ -189,6 +192,7 @@ class RouterConfig:
     grpc_port: int | None = None
     mesh_bind: str | None = None
     peers: tuple[str, ...] = ()
+    peer_discovery: Discovery | None = None
 
     def retention_mode(self) -> str:
         """The retention mode the router runs: ``retention``, or the policy's default."""

@@ -164,11 +164,11 @@ class EndpointSliceDiscovery:
         self.scheme = scheme
 
     @classmethod
-    def from_spec(cls, spec: str, **options) -> EndpointSliceDiscovery:
+    def from_spec(cls, spec: str, flag: str = "--k8s-service", **options) -> EndpointSliceDiscovery:
         """From ``[NAMESPACE/]SERVICE[:PORT]`` (the ``--k8s-service`` flag), e.g.
         ``llm/kv-kvroute-workers-headless:http``. PORT is the workers' port number or the
         Service port's name (default ``http``); NAMESPACE defaults to the credentials' (in a pod,
-        its own). ``options`` go to the constructor.
+        its own). ``flag`` names the flag in the error; ``options`` go to the constructor.
 
         Raises:
             UserError: on a malformed spec, or when no credentials are found.
@@ -186,7 +186,7 @@ class EndpointSliceDiscovery:
             or (isinstance(port, str) and not _PORT_NAME.fullmatch(port))
         ):
             raise UserError(
-                f"bad --k8s-service {spec!r}: expected [NAMESPACE/]SERVICE[:PORT], "
+                f"bad {flag} {spec!r}: expected [NAMESPACE/]SERVICE[:PORT], "
                 "e.g. llm/kv-kvroute-workers-headless:http"
             )
         return cls(service, namespace or None, port=port, **options)

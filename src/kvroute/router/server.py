@@ -24,12 +24,13 @@ import contextlib
 import logging
 from collections.abc import Sequence
 from typing import Any
+from urllib.parse import urlsplit
 
 from kvroute._native import NativeRouter
 from kvroute.errors import UserError
 from kvroute.kvevents import EventsSettings
 from kvroute.router.config import RouterConfig, predicted_settings, retention_capacity
-from kvroute.router.discovery import Endpoint, StaticDiscovery
+from kvroute.router.discovery import Discovery, Endpoint, StaticDiscovery
 from kvroute.router.resources import default_max_connections
 from kvroute.router.status import WorkerStatus, metric_value
 from kvroute.routing.index import KvIndex
@@ -110,6 +111,7 @@ class Router:
         except ValueError as exc:
             raise UserError(str(exc)) from None
         self._follow_task: asyncio.Task | None = None
+        self._peers_task: asyncio.Task | None = None
         host = f"[{config.host}]" if ":" in config.host else config.host
         self.url = f"http://{host}:{self.native.port}"
         grpc = self.native.grpc_port
@@ -119,7 +121,10 @@ class Router:
         self.max_connections = arguments["max_connections"]
 
     async def start(self) -> None:
-        """Follow the discovery source (if any) until its first list is in."""
+        """Follow the peer discovery (if any), and the worker discovery (if any) until its
+        first list is in."""
+        if self.config.peer_discovery is not None:
+            self._peers_task = asyncio.ensure_future(self._follow_peers(self.config.peer_discovery))
         if self._discovery is None:
             return
         first = asyncio.Event()
@@ -137,6 +142,18 @@ class Router:
             logger.exception("worker discovery stopped; keeping the last worker list")
         finally:
             first.set()
+
+    async def _follow_peers(self, discovery: Discovery) -> None:
+        """Make every ready endpoint ``discovery`` yields a peer (its ``host:port``), beside
+        the configured ``peers``, as the list changes."""
+        try:
+            async for endpoints in discovery.watch():
+                found = {urlsplit(e.url).netloc for e in endpoints if e.ready}
+                self.set_peers(sorted(found | set(self.config.peers)))
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            logger.exception("peer discovery stopped; keeping the last peer list")
 
     @property
     def in_flight(self) -> int:
@@ -191,11 +208,12 @@ class Router:
         return finished
 
     async def close(self) -> None:
-        if self._follow_task is not None:
-            self._follow_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._follow_task
-            self._follow_task = None
+        for task in (self._follow_task, self._peers_task):
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await task
+        self._follow_task = self._peers_task = None
         await asyncio.to_thread(self.native.close)
 
     async def __aenter__(self) -> Router:

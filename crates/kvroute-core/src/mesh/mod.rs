@@ -20,6 +20,7 @@
 //! so that one replica refreshes a worker's prefixes and a replica that leaves hands its
 //! workers over when its peers stop hearing it.
 
+pub mod apply;
 pub mod message;
 
 use std::collections::HashMap;
@@ -343,9 +344,7 @@ impl Mesh {
             .values()
             .filter(|p| now - p.last_heard <= self.config.liveness_s)
             .map(|p| p.instance.as_str());
-        std::iter::once(self.me.as_str())
-            .chain(live)
-            .max_by_key(|r| (rendezvous(r, worker), *r))
+        retention_owner(worker, std::iter::once(self.me.as_str()).chain(live))
             .expect("this replica is always a candidate")
     }
 
@@ -353,6 +352,17 @@ impl Mesh {
     pub fn owns(&self, worker: &str, now: f64) -> bool {
         self.owner(worker, now) == self.me
     }
+}
+
+/// Of `replicas` (instances), the one that owns `worker`'s retention: the highest rendezvous
+/// hash with the worker (ties by name). None when there is no replica.
+pub fn retention_owner<'a>(
+    worker: &str,
+    replicas: impl IntoIterator<Item = &'a str>,
+) -> Option<&'a str> {
+    replicas
+        .into_iter()
+        .max_by_key(|r| (rendezvous(r, worker), *r))
 }
 
 /// Replica `replica`'s weight for `worker`.

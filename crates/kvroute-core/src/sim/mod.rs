@@ -36,6 +36,7 @@ use crate::engine::scheduler::{Engine, NewRequest, PrefixCacheStats, StepResult}
 use crate::retention::Refresh;
 
 pub mod placement;
+pub mod replicas;
 
 use placement::{Placed, Placement};
 
@@ -557,6 +558,7 @@ impl<'p> Simulation<'p> {
                     worker: r.worker,
                     prefill_tokens: 1,
                     ticket: None,
+                    decision: 0,
                 },
             };
             self.arrivals.push(Some((sent, request)));
@@ -835,6 +837,7 @@ mod tests {
                 worker,
                 prefill_tokens: prompt_tokens.max(1),
                 ticket: None,
+                decision: 0,
             }
         }
         fn first_token(&mut self, _placed: Placed) {}

@@ -6,7 +6,7 @@ use crate::index::KvIndex;
 use crate::kvevents::events::{HashEvents, KvCacheEvent};
 use crate::policies::Choose;
 use crate::retention::{Refresh, Retention};
-use crate::routing::RoutingStep;
+use crate::routing::{Routed, RoutingStep};
 
 /// Where a request was placed, and what the placement charged to that worker's load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -18,6 +18,9 @@ pub struct Placed {
     pub prefill_tokens: usize,
     /// Its ticket in the routing step's KV-admission model, if it keeps one.
     pub ticket: Option<u64>,
+    /// The placement's own number for the decision, to find it again at its first token and
+    /// end (0 for a placement that needs none; see `super::replicas`).
+    pub decision: u64,
 }
 
 /// Decides where requests go and keeps the load accounting that decision needs.
@@ -91,6 +94,7 @@ impl Placement for StepPlacement<'_> {
             worker: r.worker,
             prefill_tokens: r.prefill_tokens,
             ticket: r.ticket,
+            decision: 0,
         }
     }
 
@@ -171,54 +175,21 @@ impl Placement for RetainingPlacement<'_> {
         // The model keeps prefix tokens for refresh prompts: the whole prompt, joined here
         // (only with retention on; the simulator otherwise never copies a shared prefix).
         let prompt = [prompt_head, prompt_tail].concat();
-        let prompt = prompt.as_slice();
-        let p = &mut self.placement;
-        let bs = self.retention.config().block_size;
-        let live = p.step.live_slots();
-        let r =
-            match self
-                .retention
-                .room_for(p.step, p.index.as_deref_mut(), live, block_hashes, now)
-            {
-                Some(worker) => p.step.route_to(
-                    p.index.as_deref_mut(),
-                    worker,
-                    block_hashes,
-                    prompt.len(),
-                    now,
-                ),
-                None => p.step.route(
-                    p.index.as_deref_mut(),
-                    p.policy,
-                    block_hashes,
-                    prompt.len(),
-                    None,
-                    now,
-                ),
-            };
-        let incoming = (prompt.len() + output_tokens)
-            .div_ceil(bs)
-            .saturating_sub(r.overlap);
-        self.retention.poll_step(
-            p.step,
-            p.index.as_deref_mut(),
-            r.worker,
-            incoming,
-            now,
-            &mut self.pending,
-        );
-        self.retention.routed(
-            r.worker,
+        let r = route_retaining(
+            &mut self.placement,
+            self.retention,
+            |_| true,
             block_hashes,
-            prompt,
-            r.overlap,
+            &prompt,
             output_tokens,
             now,
+            &mut self.pending,
         );
         Placed {
             worker: r.worker,
             prefill_tokens: r.prefill_tokens,
             ticket: r.ticket,
+            decision: 0,
         }
     }
 
@@ -253,6 +224,65 @@ impl Placement for RetainingPlacement<'_> {
     fn refreshes(&mut self, _now: f64, out: &mut Vec<Refresh>) {
         out.append(&mut self.pending);
     }
+}
+
+/// Route one request with retention beside the step: a prompt cached nowhere goes where
+/// retention makes room for it (`Retention::room_for`), any other as the policy chooses; then,
+/// when this router sends the chosen worker's refreshes, the refreshes the request's
+/// new blocks call for are appended to `refreshes`, and the retention model learns of it.
+/// `owns` says whether this router sends a worker's (slot's) refreshes.
+#[allow(clippy::too_many_arguments)]
+pub(crate) fn route_retaining(
+    p: &mut StepPlacement<'_>,
+    retention: &mut Retention,
+    owns: impl Fn(usize) -> bool,
+    block_hashes: &[u64],
+    prompt: &[u32],
+    output_tokens: usize,
+    now: f64,
+    refreshes: &mut Vec<Refresh>,
+) -> Routed {
+    let bs = retention.config().block_size;
+    let live = p.step.live_slots();
+    let r = match retention.room_for(p.step, p.index.as_deref_mut(), live, block_hashes, now) {
+        Some(worker) => p.step.route_to(
+            p.index.as_deref_mut(),
+            worker,
+            block_hashes,
+            prompt.len(),
+            now,
+        ),
+        None => p.step.route(
+            p.index.as_deref_mut(),
+            p.policy,
+            block_hashes,
+            prompt.len(),
+            None,
+            now,
+        ),
+    };
+    if owns(r.worker) {
+        let incoming = (prompt.len() + output_tokens)
+            .div_ceil(bs)
+            .saturating_sub(r.overlap);
+        retention.poll_step(
+            p.step,
+            p.index.as_deref_mut(),
+            r.worker,
+            incoming,
+            now,
+            refreshes,
+        );
+    }
+    retention.routed(
+        r.worker,
+        block_hashes,
+        prompt,
+        r.overlap,
+        output_tokens,
+        now,
+    );
+    r
 }
 
 #[cfg(test)]
@@ -292,6 +322,7 @@ mod tests {
                 worker: first.worker,
                 prefill_tokens: 4,
                 ticket: None,
+                decision: 0,
             }
         );
         assert_eq!(p.step.state(first.worker).in_flight_tokens, 4);

@@ -2,16 +2,16 @@
 //! and refreshes applied to this replica's routing step, index and retention model as if it
 //! had made them, and which workers' retention this replica owns.
 //!
-//! A peer's decision goes through [`RoutingStep::route_to`](kvroute_core::routing::RoutingStep::route_to)
-//! (the same accounting as this replica's own: the prediction in the index, the load, the
-//! admission ticket) and, with retention on, `Retention::routed` with the peer's overlap (the
-//! credit its decision saw). Workers are named by URL between replicas: every replica reaches
+//! A peer's decision is applied by `kvroute_core::mesh::apply`'s rule (the simulator's
+//! replicas follow it too), with the tenant its refreshes will carry remembered here. Workers are named by URL between replicas: every replica reaches
 //! a worker at the same address, whatever name its discovery gives it.
 
 use std::collections::HashSet;
 
 use kvroute_core::mesh::DecisionHandle;
-use kvroute_core::policies::{Choose, WorkerState};
+use kvroute_core::mesh::apply::{
+    PeerDecision, apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
+};
 use kvroute_io::consumer::lock_index;
 
 use super::{Fleet, IdleRefreshes, PeerRouted, RefreshTenant, remember_tenant};
@@ -46,31 +46,7 @@ impl Fleet {
         };
         let (slot, name, url) = (member.slot, member.name.clone(), member.url.clone());
         let owned = self.owns_retention(slot);
-        let mut index = lock_index(&self.index);
-        let routed = self.routing.route_to(
-            Some(&mut index),
-            slot,
-            peer.block_hashes,
-            peer.prompt_tokens,
-            now,
-        );
-        // The policy counts the peer's choice among the workers it would have chosen from.
-        let candidates: Vec<usize> = self
-            .members
-            .iter()
-            .filter(|m| m.available(now))
-            .map(|m| m.slot)
-            .collect();
-        if let Some(chosen) = candidates.iter().position(|&s| s == slot) {
-            let states: Vec<&WorkerState> =
-                candidates.iter().map(|&s| self.routing.state(s)).collect();
-            self.policy.observe(&states, chosen);
-        }
-        let mut refreshes = Vec::new();
-        if let Some(r) = self.retention.as_mut()
-            && !peer.prompt.is_empty()
-            && !peer.block_hashes.is_empty()
-        {
+        if self.retention.is_some() && !peer.prompt.is_empty() && !peer.block_hashes.is_empty() {
             let tenant = RefreshTenant {
                 model: Some(peer.model)
                     .filter(|m| !m.is_empty())
@@ -80,35 +56,35 @@ impl Fleet {
                     .map(str::to_owned),
             };
             remember_tenant(&mut self.tenants, peer.block_hashes[0], tenant);
-            if owned {
-                let incoming = (peer.prompt.len() + peer.output_tokens)
-                    .div_ceil(self.routing.block_size())
-                    .saturating_sub(peer.overlap);
-                r.poll_step(
-                    &self.routing,
-                    Some(&mut index),
-                    slot,
-                    incoming,
-                    now,
-                    &mut refreshes,
-                );
-            }
-            r.routed(
-                slot,
-                peer.block_hashes,
-                peer.prompt,
-                peer.overlap,
-                peer.output_tokens,
-                now,
-            );
         }
-        drop(index);
-        let handle = DecisionHandle {
+        // The policy counts the peer's choice among the workers it would have chosen from.
+        let candidates: Vec<usize> = self
+            .members
+            .iter()
+            .filter(|m| m.available(now))
+            .map(|m| m.slot)
+            .collect();
+        let mut refreshes = Vec::new();
+        let mut index = lock_index(&self.index);
+        let handle = apply_peer_decision(
+            &mut self.routing,
+            Some(&mut index),
+            &mut self.policy,
+            self.retention.as_mut(),
             slot,
-            prefill_tokens: routed.prefill_tokens,
-            ticket: routed.ticket,
-            first_token: false,
-        };
+            &candidates,
+            owned,
+            &PeerDecision {
+                block_hashes: peer.block_hashes,
+                prompt: peer.prompt,
+                prompt_tokens: peer.prompt_tokens,
+                output_tokens: peer.output_tokens,
+                overlap: peer.overlap,
+            },
+            now,
+            &mut refreshes,
+        );
+        drop(index);
         let refreshes = (!refreshes.is_empty()).then(|| IdleRefreshes {
             name,
             url,
@@ -120,15 +96,12 @@ impl Fleet {
 
     /// A peer's decision got its first token: its prefill leaves the worker's load.
     pub fn peer_first_token(&mut self, handle: &DecisionHandle) {
-        self.routing.first_token(handle.slot, handle.prefill_tokens);
+        peer_first_token(&mut self.routing, handle);
     }
 
     /// A peer's decision ended (or expired) at `now`: release what it charged.
     pub fn peer_finished(&mut self, handle: DecisionHandle, now: f64) {
-        if !handle.first_token {
-            self.routing.first_token(handle.slot, handle.prefill_tokens);
-        }
-        self.routing.finished(handle.slot, handle.ticket, now);
+        peer_finished(&mut self.routing, handle, now);
     }
 
     /// The owner of `worker_url`'s retention refreshed this prefix there at `now`: the
@@ -139,11 +112,13 @@ impl Fleet {
         };
         let (slot, name) = (member.slot, member.name.clone());
         let mut index = lock_index(&self.index);
-        let id = index.ensure_worker(&name);
-        index.record_routed_to(id, block_hashes, now);
-        drop(index);
-        if let Some(r) = self.retention.as_mut() {
-            r.refreshed_elsewhere(slot, block_hashes);
-        }
+        apply_peer_refresh(
+            Some(&mut index),
+            self.retention.as_mut(),
+            slot,
+            &name,
+            block_hashes,
+            now,
+        );
     }
 }

@@ -1,0 +1,566 @@
+//! N router replicas behind a Service-like balancer, as the simulator's [`Placement`]: what
+//! each replica's own view (and the replica mesh's lag) does to the fleet's cache hits.
+//!
+//! Each replica has its own routing step, index, policy and retention model. The balancer
+//! sends each request to a replica drawn at random (seeded), as the Service in front of the
+//! live replicas does. All replicas read the same KV events (the engines'). Without the mesh a
+//! replica knows only its own decisions and refreshes; with it (`mesh_lag` given), every
+//! decision, its first token and end, and every refresh reach the other replicas `mesh_lag`
+//! seconds later and are applied there by the rule the live router follows
+//! (`crate::mesh::apply`), and each worker's retention is sent by one replica only: its owner
+//! by rendezvous hashing over the replicas (`crate::mesh::retention_owner`).
+//!
+//! Deliveries due by a callback's time are applied at its start (a callback without a time,
+//! the first token, uses the last time seen, which is at most one engine step old).
+
+use std::collections::{HashMap, VecDeque};
+use std::sync::Arc;
+
+use crate::kvevents::events::{HashEvents, KvCacheEvent};
+use crate::mesh::DecisionHandle;
+use crate::mesh::apply::{
+    PeerDecision, apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
+};
+use crate::mesh::retention_owner;
+use crate::pyrandom::PyRandom;
+use crate::retention::{Refresh, Retention};
+
+use super::placement::{Placed, Placement, StepPlacement, route_retaining};
+
+/// One replica's state: its routing step, index and policy, and its retention model.
+pub struct Replica<'a> {
+    /// Its routing step, index and policy.
+    pub placement: StepPlacement<'a>,
+    /// Its retention model (None: retention off).
+    pub retention: Option<&'a mut Retention>,
+}
+
+/// A message on its way between replicas.
+enum Delivery {
+    Routed {
+        decision: u64,
+        worker: usize,
+        block_hashes: Vec<u64>,
+        prompt: Vec<u32>,
+        output_tokens: usize,
+        overlap: usize,
+    },
+    FirstToken {
+        decision: u64,
+    },
+    Finished {
+        decision: u64,
+    },
+    Refreshed {
+        worker: usize,
+        block_hashes: Arc<[u64]>,
+    },
+}
+
+/// N replicas behind a random balancer (see the module docs).
+pub struct ReplicaPlacement<'a> {
+    replicas: Vec<Replica<'a>>,
+    /// The mesh's delivery lag (None: no mesh).
+    mesh_lag: Option<f64>,
+    balancer: PyRandom,
+    /// Each worker's retention owner (with the mesh), by slot.
+    owners: Vec<usize>,
+    /// Messages in flight: when due, from which replica, what.
+    queue: VecDeque<(f64, usize, Delivery)>,
+    /// Per open decision: the replica that made it.
+    origin: HashMap<u64, usize>,
+    /// Per (replica, decision): the peer decision as that replica applied it.
+    applied: HashMap<(usize, u64), DecisionHandle>,
+    next_decision: u64,
+    clock: f64,
+    pending: Vec<Refresh>,
+}
+
+impl<'a> ReplicaPlacement<'a> {
+    /// `replicas` (at least one, each with slots for the same `workers`, named alike) behind a
+    /// balancer seeded with `seed`; `mesh_lag` the mesh's delivery lag in seconds (None: no
+    /// mesh, each replica alone).
+    pub fn new(replicas: Vec<Replica<'a>>, mesh_lag: Option<f64>, seed: u64) -> Self {
+        assert!(!replicas.is_empty(), "at least one replica");
+        let names: Vec<String> = (0..replicas.len())
+            .map(|i| format!("replica-{i}"))
+            .collect();
+        let step = &replicas[0].placement.step;
+        let owners = (0..step.slot_count())
+            .map(|slot| {
+                let worker = &step.state(slot).name;
+                let owner =
+                    retention_owner(worker, names.iter().map(String::as_str)).expect("a replica");
+                names.iter().position(|n| n == owner).expect("one of them")
+            })
+            .collect();
+        Self {
+            replicas,
+            mesh_lag,
+            balancer: PyRandom::from_seed(i128::from(seed)),
+            owners,
+            queue: VecDeque::new(),
+            origin: HashMap::new(),
+            applied: HashMap::new(),
+            next_decision: 0,
+            clock: 0.0,
+            pending: Vec::new(),
+        }
+    }
+
+    /// Apply every message still in flight, as if the lag had passed: after a run, so that
+    /// each replica's accounting is whole for the next run over the same replicas (a driver
+    /// that runs a warmup, then the measured requests, with a fresh placement each time).
+    pub fn settle(&mut self) {
+        let clock = self.clock;
+        self.deliver(f64::INFINITY);
+        self.clock = clock;
+    }
+
+    /// Whether replica `r` sends worker `slot`'s refreshes: all do without the mesh (each
+    /// alone, as live replicas without one), the owner only with it.
+    fn owns(&self, r: usize, slot: usize) -> bool {
+        self.mesh_lag.is_none() || self.owners.get(slot) == Some(&r)
+    }
+
+    /// Publish `delivery` from replica `from` at `now` (nothing without the mesh).
+    fn publish(&mut self, from: usize, delivery: Delivery, now: f64) {
+        if let Some(lag) = self.mesh_lag
+            && self.replicas.len() > 1
+        {
+            self.queue.push_back((now + lag, from, delivery));
+        }
+    }
+
+    /// Publish the refreshes replica `from` added to `pending` since `start`.
+    fn publish_refreshes(&mut self, from: usize, start: usize, now: f64) {
+        for i in start..self.pending.len() {
+            let (worker, block_hashes) =
+                (self.pending[i].worker, self.pending[i].block_hashes.clone());
+            self.publish(
+                from,
+                Delivery::Refreshed {
+                    worker,
+                    block_hashes,
+                },
+                now,
+            );
+        }
+    }
+
+    /// Apply every delivery due by `now` to every replica but its sender.
+    fn deliver(&mut self, now: f64) {
+        self.clock = self.clock.max(now);
+        while self.queue.front().is_some_and(|(due, _, _)| *due <= now) {
+            let (due, from, delivery) = self.queue.pop_front().expect("checked");
+            for to in (0..self.replicas.len()).filter(|&r| r != from) {
+                self.apply(to, &delivery, due);
+            }
+        }
+    }
+
+    fn apply(&mut self, to: usize, delivery: &Delivery, now: f64) {
+        let owned = self.owns(to, delivery_worker(delivery).unwrap_or(usize::MAX));
+        let start = self.pending.len();
+        let r = &mut self.replicas[to];
+        let p = &mut r.placement;
+        match delivery {
+            Delivery::Routed {
+                decision,
+                worker,
+                block_hashes,
+                prompt,
+                output_tokens,
+                overlap,
+            } => {
+                let candidates = p.step.live_slots().to_vec();
+                let handle = apply_peer_decision(
+                    p.step,
+                    p.index.as_deref_mut(),
+                    p.policy,
+                    r.retention.as_deref_mut(),
+                    *worker,
+                    &candidates,
+                    owned,
+                    &PeerDecision {
+                        block_hashes,
+                        prompt,
+                        prompt_tokens: prompt.len(),
+                        output_tokens: *output_tokens,
+                        overlap: *overlap,
+                    },
+                    now,
+                    &mut self.pending,
+                );
+                self.applied.insert((to, *decision), handle);
+            }
+            Delivery::FirstToken { decision } => {
+                if let Some(h) = self.applied.get_mut(&(to, *decision)) {
+                    peer_first_token(p.step, h);
+                    h.first_token = true;
+                }
+            }
+            Delivery::Finished { decision } => {
+                if let Some(h) = self.applied.remove(&(to, *decision)) {
+                    peer_finished(p.step, h, now);
+                }
+            }
+            Delivery::Refreshed {
+                worker,
+                block_hashes,
+            } => {
+                let name = p.step.state(*worker).name.clone();
+                apply_peer_refresh(
+                    p.index.as_deref_mut(),
+                    r.retention.as_deref_mut(),
+                    *worker,
+                    &name,
+                    block_hashes,
+                    now,
+                );
+            }
+        }
+        // What the peer decision asked of this replica as its worker's owner goes out too.
+        self.publish_refreshes(to, start, now);
+    }
+}
+
+/// The worker a delivery concerns, where it names one.
+fn delivery_worker(delivery: &Delivery) -> Option<usize> {
+    match delivery {
+        Delivery::Routed { worker, .. } | Delivery::Refreshed { worker, .. } => Some(*worker),
+        Delivery::FirstToken { .. } | Delivery::Finished { .. } => None,
+    }
+}
+
+impl Placement for ReplicaPlacement<'_> {
+    fn wants_events(&self) -> bool {
+        self.replicas.iter().any(|r| r.placement.wants_events())
+    }
+
+    fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
+        self.place_request(block_hashes, &[], &vec![0; prompt_tokens], 1, now)
+    }
+
+    fn place_request(
+        &mut self,
+        block_hashes: &[u64],
+        prompt_head: &[u32],
+        prompt_tail: &[u32],
+        output_tokens: usize,
+        now: f64,
+    ) -> Placed {
+        self.deliver(now);
+        let n = self.replicas.len();
+        let to = if n > 1 { self.balancer.randrange(n) } else { 0 };
+        self.next_decision += 1;
+        let decision = self.next_decision;
+        let start = self.pending.len();
+        let with_retention = self.replicas[to].retention.is_some();
+        let prompt_tokens = prompt_head.len() + prompt_tail.len();
+        // The prompt's tokens travel (and are joined) only when retention needs them.
+        let prompt = if with_retention {
+            [prompt_head, prompt_tail].concat()
+        } else {
+            Vec::new()
+        };
+        let replica = &mut self.replicas[to];
+        let r = match replica.retention.as_deref_mut() {
+            Some(retention) => {
+                // Ownership is the chosen worker's, known only once routed.
+                let (owners, mesh) = (&self.owners, self.mesh_lag.is_some());
+                route_retaining(
+                    &mut replica.placement,
+                    retention,
+                    |slot| !mesh || owners.get(slot) == Some(&to),
+                    block_hashes,
+                    &prompt,
+                    output_tokens,
+                    now,
+                    &mut self.pending,
+                )
+            }
+            None => {
+                let p = &mut replica.placement;
+                p.step.route(
+                    p.index.as_deref_mut(),
+                    p.policy,
+                    block_hashes,
+                    prompt_tokens,
+                    None,
+                    now,
+                )
+            }
+        };
+        self.origin.insert(decision, to);
+        self.publish_refreshes(to, start, now);
+        self.publish(
+            to,
+            Delivery::Routed {
+                decision,
+                worker: r.worker,
+                block_hashes: block_hashes.to_vec(),
+                prompt,
+                output_tokens,
+                overlap: r.overlap,
+            },
+            now,
+        );
+        Placed {
+            worker: r.worker,
+            prefill_tokens: r.prefill_tokens,
+            ticket: r.ticket,
+            decision,
+        }
+    }
+
+    fn first_token(&mut self, placed: Placed) {
+        let now = self.clock;
+        self.deliver(now);
+        let Some(&r) = self.origin.get(&placed.decision) else {
+            return;
+        };
+        self.replicas[r].placement.first_token(placed);
+        self.publish(
+            r,
+            Delivery::FirstToken {
+                decision: placed.decision,
+            },
+            now,
+        );
+    }
+
+    fn finished(&mut self, placed: Placed, now: f64) {
+        self.deliver(now);
+        let Some(r) = self.origin.remove(&placed.decision) else {
+            return;
+        };
+        self.replicas[r].placement.finished(placed, now);
+        if self.owns(r, placed.worker) {
+            let start = self.pending.len();
+            let replica = &mut self.replicas[r];
+            if let Some(retention) = replica.retention.as_deref_mut() {
+                let p = &mut replica.placement;
+                retention.poll_idle(
+                    p.step,
+                    p.index.as_deref_mut(),
+                    placed.worker,
+                    now,
+                    &mut self.pending,
+                );
+            }
+            self.publish_refreshes(r, start, now);
+        }
+        self.publish(
+            r,
+            Delivery::Finished {
+                decision: placed.decision,
+            },
+            now,
+        );
+    }
+
+    fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
+        self.deliver(now);
+        for r in &mut self.replicas {
+            r.placement.apply_events(worker, events, now);
+        }
+    }
+
+    fn wants_hash_events(&self) -> bool {
+        self.replicas
+            .iter()
+            .all(|r| r.placement.wants_hash_events())
+    }
+
+    fn apply_hash_events(&mut self, worker: usize, events: &HashEvents, now: f64) {
+        self.deliver(now);
+        for r in &mut self.replicas {
+            r.placement.apply_hash_events(worker, events, now);
+        }
+    }
+
+    fn refreshes(&mut self, now: f64, out: &mut Vec<Refresh>) {
+        self.deliver(now);
+        out.append(&mut self.pending);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::blocks::{BlockHasher, DEFAULT_HASH_SEED};
+    use crate::engine::cost::CostModel;
+    use crate::index::KvIndex;
+    use crate::policies::{KvAware, KvAwareConfig, Policy};
+    use crate::retention::{RetentionConfig, RetentionMode};
+    use crate::routing::RoutingStep;
+    use crate::sim::placement::RetainingPlacement;
+    use crate::sim::{RequestSet, Trial, TrialResult, WorkerConfig};
+
+    const BS: usize = 16;
+    const WORKERS: usize = 6;
+    const BLOCKS: usize = 200;
+
+    /// 24 prefixes of 480 tokens on 6 workers that hold ~6 prefixes' worth each, 480 requests
+    /// from 16 clients: where each prefix lives matters, and so does knowing it before the
+    /// worker's events say so.
+    fn trial() -> Trial {
+        let hasher = BlockHasher::new(BS, DEFAULT_HASH_SEED).unwrap();
+        let prefixes: Vec<Arc<[u32]>> = (0..24u32)
+            .map(|p| (0..480).map(|i| 1000 + p * 1000 + i).collect())
+            .collect();
+        let mut rng = PyRandom::from_seed(7);
+        let set = |ids: Vec<u32>, first: u32| {
+            let mut s = RequestSet {
+                suffix_offsets: vec![0],
+                ..RequestSet::default()
+            };
+            for (j, id) in ids.into_iter().enumerate() {
+                s.prefix_ids.push(id);
+                let base = 100_000 + (first + j as u32) * 40;
+                s.suffix_tokens.extend(base..base + 24);
+                s.suffix_offsets.push(s.suffix_tokens.len());
+                s.output_tokens.push(8);
+            }
+            s
+        };
+        let measured: Vec<u32> = (0..480).map(|_| rng.randrange(24) as u32).collect();
+        Trial {
+            workers: WORKERS,
+            config: WorkerConfig {
+                num_blocks: BLOCKS,
+                cost: CostModel::new("test", 0.004, 0.000_05, 0.000_2, 0.001),
+                hasher,
+                enable_caching: true,
+            },
+            prefixes,
+            output: (0..64).collect(),
+            warmup: set((0..24).collect(), 0),
+            measured: set(measured, 24),
+            concurrency: 16,
+        }
+    }
+
+    /// Each replica's own step, index, kv-aware policy and (optionally) retention.
+    struct Parts {
+        steps: Vec<RoutingStep>,
+        indexes: Vec<KvIndex>,
+        policies: Vec<Policy>,
+        retentions: Vec<Retention>,
+    }
+
+    fn parts(n: usize, retention: bool) -> Parts {
+        let hasher = BlockHasher::new(BS, DEFAULT_HASH_SEED).unwrap();
+        let mut p = Parts {
+            steps: vec![],
+            indexes: vec![],
+            policies: vec![],
+            retentions: vec![],
+        };
+        for r in 0..n {
+            let mut step = RoutingStep::new(BS);
+            for w in 0..WORKERS {
+                step.add_worker(&format!("worker-{w}"));
+            }
+            p.steps.push(step);
+            let mut index = KvIndex::new(hasher, Some(2.0), None, None).unwrap();
+            index.trust_engine_hashes();
+            p.indexes.push(index);
+            p.policies.push(Policy::KvAware(Box::new(
+                KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(r as i128)).unwrap(),
+            )));
+            if retention {
+                p.retentions.push(Retention::new(RetentionConfig::new(
+                    RetentionMode::On,
+                    BS,
+                    BLOCKS - 1,
+                )));
+            }
+        }
+        p
+    }
+
+    fn run(n: usize, mesh_lag: Option<f64>, retention: bool, seed: u64) -> TrialResult {
+        let mut p = parts(n, retention);
+        let mut retentions = p.retentions.iter_mut().map(Some).collect::<Vec<_>>();
+        retentions.resize_with(n, || None);
+        let replicas = p
+            .steps
+            .iter_mut()
+            .zip(&mut p.indexes)
+            .zip(&mut p.policies)
+            .zip(retentions)
+            .map(|(((step, index), policy), retention)| Replica {
+                placement: StepPlacement {
+                    step,
+                    index: Some(index),
+                    policy,
+                },
+                retention,
+            })
+            .collect();
+        let mut placement = ReplicaPlacement::new(replicas, mesh_lag, seed);
+        let result = trial().run(&mut placement).unwrap();
+        placement.settle();
+        drop(placement);
+        for step in &p.steps {
+            for w in 0..WORKERS {
+                let s = step.state(w);
+                assert_eq!(s.in_flight, 0, "every replica's load returns to zero");
+                assert_eq!(s.in_flight_tokens, 0);
+            }
+        }
+        result
+    }
+
+    fn hit_rate(r: &TrialResult) -> f64 {
+        let cached: usize = r.records.iter().map(|x| x.cached_tokens).sum();
+        let prompt: usize = r.records.iter().map(|x| x.prompt_tokens).sum();
+        cached as f64 / prompt as f64
+    }
+
+    fn mean_hit_rate(n: usize, mesh_lag: Option<f64>, retention: bool) -> f64 {
+        (0..4)
+            .map(|seed| hit_rate(&run(n, mesh_lag, retention, seed)))
+            .sum::<f64>()
+            / 4.0
+    }
+
+    #[test]
+    fn one_replica_is_todays_placement_exactly() {
+        for retention in [false, true] {
+            let mut p = parts(1, retention);
+            let placement = StepPlacement {
+                step: &mut p.steps[0],
+                index: Some(&mut p.indexes[0]),
+                policy: &mut p.policies[0],
+            };
+            let today = match p.retentions.first_mut() {
+                Some(r) => trial().run(&mut RetainingPlacement::new(placement, r)),
+                None => trial().run(&mut { placement }),
+            }
+            .unwrap();
+            for mesh in [None, Some(0.001)] {
+                assert_eq!(run(1, mesh, retention, 3), today, "retention {retention}");
+            }
+        }
+    }
+
+    #[test]
+    fn replicas_without_the_mesh_lose_hits_and_the_mesh_wins_them_back() {
+        for retention in [false, true] {
+            let one = mean_hit_rate(1, None, retention);
+            let alone = mean_hit_rate(3, None, retention);
+            let meshed = mean_hit_rate(3, Some(0.001), retention);
+            assert!(
+                alone < one - 0.005,
+                "retention {retention}: 3 replicas alone {alone:.3} vs one {one:.3}"
+            );
+            assert!(
+                meshed > alone + 0.005 && (one - meshed).abs() < one - alone,
+                "retention {retention}: meshed {meshed:.3}, alone {alone:.3}, one {one:.3}"
+            );
+        }
+    }
+}
