@@ -16,7 +16,7 @@ use kvroute_core::mesh::{MeshMessage, Received};
 use tokio::sync::watch;
 
 use super::mesh_link::unix_now;
-use super::refresh::send_refreshes;
+use super::refresh::spawn_idle_refreshes;
 use super::shared::Shared;
 use crate::fleet::PeerRouted;
 use crate::mesh::{OnMessage, follow_peers};
@@ -105,17 +105,7 @@ fn receive(shared: &Arc<Shared>, payload: &[u8]) {
         && !shared.draining.load(Ordering::SeqCst)
     {
         link.refreshed(&idle.url, &idle.refreshes, now);
-        let shared = shared.clone();
-        tokio::spawn(async move {
-            send_refreshes(
-                &shared,
-                &idle.name,
-                &idle.url,
-                &idle.refreshes,
-                &idle.tenants,
-            )
-            .await;
-        });
+        spawn_idle_refreshes(&tokio::runtime::Handle::current(), shared.clone(), idle);
     }
 }
 

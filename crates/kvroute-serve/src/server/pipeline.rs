@@ -12,7 +12,7 @@ use std::time::Instant;
 use bytes::Bytes;
 use hyper::{Request, Response, StatusCode};
 
-use super::refresh::send_refreshes;
+use super::refresh::{send_refreshes, spawn_idle_refreshes};
 use super::shared::Shared;
 use crate::edge::{self, Body, BodyReservation};
 use crate::fleet::{Choice, Fleet};
@@ -320,17 +320,7 @@ impl Drop for RequestLoad {
         if let (Some(idle), false, Ok(runtime)) =
             (idle, draining, tokio::runtime::Handle::try_current())
         {
-            let shared = self.shared.clone();
-            runtime.spawn(async move {
-                send_refreshes(
-                    &shared,
-                    &idle.name,
-                    &idle.url,
-                    &idle.refreshes,
-                    &idle.tenants,
-                )
-                .await;
-            });
+            spawn_idle_refreshes(&runtime, self.shared.clone(), idle);
         }
     }
 }

@@ -12,7 +12,7 @@ use hyper::{Request, StatusCode};
 
 use super::limits::MAX_REFRESHES_OPEN;
 use super::shared::Shared;
-use crate::fleet::RefreshTenant;
+use crate::fleet::{IdleRefreshes, RefreshTenant};
 use crate::relay::{self, SignalBody};
 
 /// A refresh's whole answer (one token) must come within this, or it counts as an error.
@@ -108,4 +108,23 @@ pub(super) async fn send_refreshes(
             .refreshes_late
             .fetch_add(1, Ordering::Relaxed);
     }
+}
+
+/// Send the refreshes retention kept back for a worker that fell idle (`idle`), from a task of
+/// their own on `runtime`: the request whose end made it idle does not wait for them.
+pub(super) fn spawn_idle_refreshes(
+    runtime: &tokio::runtime::Handle,
+    shared: Arc<Shared>,
+    idle: IdleRefreshes,
+) {
+    runtime.spawn(async move {
+        send_refreshes(
+            &shared,
+            &idle.name,
+            &idle.url,
+            &idle.refreshes,
+            &idle.tenants,
+        )
+        .await;
+    });
 }
