@@ -324,3 +324,25 @@ impl Drop for RequestLoad {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use hyper::HeaderMap;
+    use hyper::header::{EXPECT, HeaderValue};
+
+    use super::*;
+
+    #[test]
+    fn only_an_expectation_other_than_100_continue_is_refused() {
+        let mut headers = HeaderMap::new();
+        assert!(unmet_expectation(&headers).is_none());
+        headers.insert(EXPECT, HeaderValue::from_static("100-Continue"));
+        assert!(
+            unmet_expectation(&headers).is_none(),
+            "the comparison ignores case (RFC 9110)"
+        );
+        headers.insert(EXPECT, HeaderValue::from_static("something-else"));
+        let refusal = unmet_expectation(&headers).expect("refused");
+        assert_eq!(refusal.status(), StatusCode::EXPECTATION_FAILED);
+    }
+}
