@@ -123,23 +123,20 @@ pub struct RefreshTenant {
     pub cache_salt: Option<String>,
 }
 
+impl RefreshTenant {
+    /// The tenant a peer replica's decision names (its `model` and `cache_salt`; empty: none).
+    pub fn named(model: &str, cache_salt: &str) -> Self {
+        let given = |v: &str| (!v.is_empty()).then(|| v.to_owned());
+        Self {
+            model: given(model),
+            cache_salt: given(cache_salt),
+        }
+    }
+}
+
 /// Most prefixes whose tenant the fleet remembers for refreshes; past it the memory starts
 /// over (a refresh of a forgotten prefix names no model and no salt).
 const MAX_REFRESH_TENANTS: usize = 1 << 16;
-
-/// A peer's decision as the mesh received it.
-pub struct PeerRouted<'a> {
-    pub worker_url: &'a str,
-    pub block_hashes: &'a [u64],
-    pub prompt_tokens: usize,
-    pub output_tokens: usize,
-    pub overlap: usize,
-    /// Its token ids (empty: retention does not follow it).
-    pub prompt: &'a [u32],
-    /// Its `model` and `cache_salt` (empty: none), which refreshes of its prefix carry.
-    pub model: &'a str,
-    pub cache_salt: &'a str,
-}
 
 /// Whether a replica owning the retention of the worker URLs `owned` (None: all) sends
 /// `slot`'s refreshes (a free function, so the routing step can ask while it holds the

@@ -14,22 +14,7 @@ use crate::policies::{Choose, WorkerState};
 use crate::retention::{Refresh, Retention};
 use crate::routing::RoutingStep;
 
-use super::DecisionHandle;
-
-/// What a peer's decision carries that the routing state needs.
-#[derive(Clone, Copy, Debug)]
-pub struct PeerDecision<'a> {
-    /// The prompt's block hashes.
-    pub block_hashes: &'a [u64],
-    /// The prompt's tokens (empty when the peer did not send them: no retention update).
-    pub prompt: &'a [u32],
-    /// The prompt's length in tokens.
-    pub prompt_tokens: usize,
-    /// The output budget.
-    pub output_tokens: usize,
-    /// Blocks of the prompt the peer's index credited the worker with.
-    pub overlap: usize,
-}
+use super::{DecisionHandle, PeerDecision};
 
 /// Apply `decision` (to worker slot `slot`) at `now` to `step`, `index`, `policy` and
 /// `retention`; `candidates` are the slots the policy would have chosen from, `owned` whether

@@ -84,6 +84,21 @@ pub struct MeshStats {
     pub expired: u64,
 }
 
+/// What a peer's decision carries that the routing state needs.
+#[derive(Clone, Copy, Debug, PartialEq)]
+pub struct PeerDecision<'a> {
+    /// The prompt's block hashes.
+    pub block_hashes: &'a [u64],
+    /// The prompt's tokens (empty when the peer did not send them: no retention update).
+    pub prompt: &'a [u32],
+    /// The prompt's length in tokens.
+    pub prompt_tokens: usize,
+    /// The output budget.
+    pub output_tokens: usize,
+    /// Blocks of the prompt the peer's index credited the worker with.
+    pub overlap: usize,
+}
+
 /// What a received message asks of the router's state.
 #[derive(Debug, PartialEq)]
 pub enum Received<'a> {
@@ -94,11 +109,10 @@ pub enum Received<'a> {
         peer: String,
         decision: u64,
         worker: &'a str,
-        block_hashes: &'a [u64],
-        prompt_tokens: usize,
-        output_tokens: usize,
-        overlap: usize,
-        prompt: &'a [u32],
+        /// What the routing state needs of it (`apply::apply_peer_decision`).
+        routed: PeerDecision<'a>,
+        /// The body's `model` and `cache_salt` (empty: none), which refreshes of its prefix
+        /// carry.
         model: &'a str,
         cache_salt: &'a str,
     },
@@ -260,11 +274,13 @@ impl Mesh {
                     peer: sender,
                     decision: *decision,
                     worker,
-                    block_hashes,
-                    prompt_tokens: *prompt_tokens as usize,
-                    output_tokens: *output_tokens as usize,
-                    overlap: *overlap as usize,
-                    prompt,
+                    routed: PeerDecision {
+                        block_hashes,
+                        prompt,
+                        prompt_tokens: *prompt_tokens as usize,
+                        output_tokens: *output_tokens as usize,
+                        overlap: *overlap as usize,
+                    },
                     model,
                     cache_salt,
                 }
@@ -421,12 +437,11 @@ mod tests {
                 peer,
                 decision,
                 worker,
-                block_hashes,
-                overlap,
+                routed,
                 ..
             } => {
                 assert_eq!((peer.as_str(), decision, worker), ("p", 7, "w0"));
-                assert_eq!((block_hashes, overlap), (&[1u64, 2][..], 1));
+                assert_eq!((routed.block_hashes, routed.overlap), (&[1u64, 2][..], 1));
             }
             other => panic!("{other:?}"),
         }

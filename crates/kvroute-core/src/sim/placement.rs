@@ -23,6 +23,18 @@ pub struct Placed {
     pub decision: u64,
 }
 
+impl Placed {
+    /// What the routing step's decision `routed` charged, as decision number `decision`.
+    pub fn from_routed(routed: &Routed, decision: u64) -> Self {
+        Self {
+            worker: routed.worker,
+            prefill_tokens: routed.prefill_tokens,
+            ticket: routed.ticket,
+            decision,
+        }
+    }
+}
+
 /// Decides where requests go and keeps the load accounting that decision needs.
 pub trait Placement {
     /// Whether it wants the workers' KV events (the engines then emit them, which costs
@@ -90,12 +102,7 @@ impl Placement for StepPlacement<'_> {
             None,
             now,
         );
-        Placed {
-            worker: r.worker,
-            prefill_tokens: r.prefill_tokens,
-            ticket: r.ticket,
-            decision: 0,
-        }
+        Placed::from_routed(&r, 0)
     }
 
     fn first_token(&mut self, placed: Placed) {
@@ -185,12 +192,7 @@ impl Placement for RetainingPlacement<'_> {
             now,
             &mut self.pending,
         );
-        Placed {
-            worker: r.worker,
-            prefill_tokens: r.prefill_tokens,
-            ticket: r.ticket,
-            decision: 0,
-        }
+        Placed::from_routed(&r, 0)
     }
 
     fn first_token(&mut self, placed: Placed) {

@@ -17,11 +17,11 @@ use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
 use crate::kvevents::events::{HashEvents, KvCacheEvent};
-use crate::mesh::DecisionHandle;
 use crate::mesh::apply::{
-    PeerDecision, apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
+    apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
 };
 use crate::mesh::retention_owner;
+use crate::mesh::{DecisionHandle, PeerDecision};
 use crate::pyrandom::PyRandom;
 use crate::retention::{Refresh, Retention};
 
@@ -306,12 +306,7 @@ impl Placement for ReplicaPlacement<'_> {
             },
             now,
         );
-        Placed {
-            worker: r.worker,
-            prefill_tokens: r.prefill_tokens,
-            ticket: r.ticket,
-            decision,
-        }
+        Placed::from_routed(&r, decision)
     }
 
     fn first_token(&mut self, placed: Placed) {

@@ -8,13 +8,13 @@
 
 use std::collections::HashSet;
 
-use kvroute_core::mesh::DecisionHandle;
 use kvroute_core::mesh::apply::{
-    PeerDecision, apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
+    apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
 };
+use kvroute_core::mesh::{DecisionHandle, PeerDecision};
 use kvroute_io::consumer::lock_index;
 
-use super::{Fleet, IdleRefreshes, PeerRouted, RefreshTenant, remember_tenant};
+use super::{Fleet, IdleRefreshes, RefreshTenant, remember_tenant};
 
 impl Fleet {
     /// Whether this replica sends `slot`'s refreshes (all of them while no mesh says
@@ -38,23 +38,17 @@ impl Fleet {
     /// refreshes the decision calls for, to send as a worker falling idle gets them.
     pub fn apply_peer_routed(
         &mut self,
-        peer: &PeerRouted<'_>,
+        worker_url: &str,
+        peer: &PeerDecision<'_>,
+        tenant: RefreshTenant,
         now: f64,
     ) -> (Option<DecisionHandle>, Option<IdleRefreshes>) {
-        let Some(member) = self.members.iter().find(|m| m.url == peer.worker_url) else {
+        let Some(member) = self.members.iter().find(|m| m.url == worker_url) else {
             return (None, None);
         };
         let (slot, name, url) = (member.slot, member.name.clone(), member.url.clone());
         let owned = self.owns_retention(slot);
         if self.retention.is_some() && !peer.prompt.is_empty() && !peer.block_hashes.is_empty() {
-            let tenant = RefreshTenant {
-                model: Some(peer.model)
-                    .filter(|m| !m.is_empty())
-                    .map(str::to_owned),
-                cache_salt: Some(peer.cache_salt)
-                    .filter(|s| !s.is_empty())
-                    .map(str::to_owned),
-            };
             remember_tenant(&mut self.tenants, peer.block_hashes[0], tenant);
         }
         // The policy counts the peer's choice among the workers it would have chosen from.
@@ -74,13 +68,7 @@ impl Fleet {
             slot,
             &candidates,
             owned,
-            &PeerDecision {
-                block_hashes: peer.block_hashes,
-                prompt: peer.prompt,
-                prompt_tokens: peer.prompt_tokens,
-                output_tokens: peer.output_tokens,
-                overlap: peer.overlap,
-            },
+            peer,
             now,
             &mut refreshes,
         );

@@ -18,7 +18,7 @@ use tokio::sync::watch;
 use super::mesh_link::unix_now;
 use super::refresh::spawn_idle_refreshes;
 use super::shared::Shared;
-use crate::fleet::PeerRouted;
+use crate::fleet::RefreshTenant;
 use crate::mesh::{OnMessage, follow_peers};
 
 /// How often peer decisions are expired, heartbeats sent and owners recomputed.
@@ -62,25 +62,14 @@ fn receive(shared: &Arc<Shared>, payload: &[u8]) {
             peer,
             decision,
             worker,
-            block_hashes,
-            prompt_tokens,
-            output_tokens,
-            overlap,
-            prompt,
+            routed,
             model,
             cache_salt,
         } => {
-            let routed = PeerRouted {
-                worker_url: worker,
-                block_hashes,
-                prompt_tokens,
-                output_tokens,
-                overlap,
-                prompt,
-                model,
-                cache_salt,
-            };
-            let (handle, refreshes) = shared.fleet().apply_peer_routed(&routed, now);
+            let tenant = RefreshTenant::named(model, cache_salt);
+            let (handle, refreshes) = shared
+                .fleet()
+                .apply_peer_routed(worker, &routed, tenant, now);
             state.opened(peer, decision, handle, now);
             refreshes
         }
