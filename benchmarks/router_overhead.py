@@ -41,8 +41,6 @@ from kvroute.tokens import HFTokenizer, safe_vocabulary
 from kvroute.workers import cpu_seconds, launch_emulated
 from kvroute.workload import WorkloadSpec
 
-_EVENTS_LINE = re.compile(r"worker (\d+): (http://\S+?)/v1\s+kv-events (\S+) \(replay (\S+)\)")
-
 
 async def start_router(args, urls_events: list[tuple[str, str, str]], tokenizer_dir: str):
     cmd = [sys.executable, "-m", "kvroute", "serve", "--port", "0", "--policy", args.policy,
@@ -139,11 +137,7 @@ async def main(args: argparse.Namespace) -> None:
                                                      "--kv-events-config", events])
         router = None
         try:
-            found = {}
-            for line in fleet.log:
-                if m := _EVENTS_LINE.search(line):
-                    found[int(m.group(1))] = (m.group(2), m.group(3), m.group(4))
-            urls_events = [found[i] for i in sorted(found)]
+            urls_events = [(url, *events) for url, events in zip(fleet.urls, fleet.kv_events)]
             router, router_url = await start_router(args, urls_events, tmp)
             await asyncio.sleep(0.3)  # subscriptions
             rows = [await measure(args, fmt, tokenizer, fleet.urls, router_url, router.pid)

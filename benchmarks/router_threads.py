@@ -38,7 +38,6 @@ from kvroute.bench.prompts import PromptEncoder, reference_workload
 from kvroute.workers import cpu_seconds, launch_emulated
 from kvroute.workload import WorkloadSpec
 
-_EVENTS_LINE = re.compile(r"worker (\d+): (http://\S+?)/v1\s+kv-events (\S+) \(replay (\S+)\)")
 MODEL = "Qwen/Qwen3-0.6B"
 
 
@@ -158,11 +157,7 @@ async def main(args: argparse.Namespace) -> None:
                          "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
     fleet = await launch_emulated(args.workers, ["--timing", "instant", "--kv-events-config", events])
     try:
-        found = {}
-        for line in fleet.log:
-            if m := _EVENTS_LINE.search(line):
-                found[int(m.group(1))] = (m.group(2), m.group(3), m.group(4))
-        urls_events = [found[i] for i in sorted(found)]
+        urls_events = [(url, *events) for url, events in zip(fleet.urls, fleet.kv_events)]
         rows = []
         for threads in [int(t) for t in args.threads.split(",")]:
             rows.append(await measure(args, threads, urls_events, fleet.process.pid))

@@ -288,7 +288,6 @@ def add_arguments(parser: argparse.ArgumentParser, *, epp: bool = False) -> None
         limits.add_argument("--max-attempts", type=int, default=RouterConfig.max_attempts,
                             help="workers tried per request before a 502, retrying only before the "
                             "first response byte (default: %(default)s)")
-    if not epp:
         limits.add_argument("--first-byte-timeout", type=float, default=DEFAULT_FIRST_BYTE_TIMEOUT_S, metavar="S",
                             help="seconds a worker may take to send its response headers before the "
                             "request goes to another worker (0: no limit). A stream's headers come "
@@ -296,7 +295,6 @@ def add_arguments(parser: argparse.ArgumentParser, *, epp: bool = False) -> None
                             "this bounds that: the default %(default)g s covers a 130k-token prefill "
                             "(~30 s on an H100 for an 8B model, minutes on smaller GPUs) and 8k tokens "
                             "at 20 tokens/s. Raise it for longer non-streamed generations")
-    if not epp:
         limits.add_argument("--stream-idle-timeout", type=float, default=DEFAULT_STREAM_IDLE_TIMEOUT_S, metavar="S",
                             help="most seconds between two chunks of an answer, the first one "
                             "included, before it is ended with an SSE error event (0: no limit). The "
