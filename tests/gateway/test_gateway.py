@@ -189,6 +189,51 @@ async def test_refused_bodies_get_serve_s_answers():
         assert status == 200, body
 
 
+async def hold_a_body(url: str, length: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """A completion request to ``url`` declaring a ``length``-byte body, of which only the
+    first bytes are sent: the router reserves its body budget and waits for the rest. Returns
+    the connection and the body's remaining bytes."""
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1, "pad": ""}).encode()
+    body = body[:-2] + b"x" * (length - len(body)) + body[-2:]
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % length + body[:100])
+    await writer.drain()
+    return reader, writer, body[100:]
+
+
+async def test_a_full_body_budget_is_shed_with_429_at_the_gateway_and_503_from_serve():
+    budget = 16 << 10  # one body's first reservation fills it
+    limits = dict(max_body_bytes=budget, max_buffered_body_bytes=budget)
+    async with fleet(2) as workers, start_router(epp_config(workers, **limits)) as epp, \
+            start_router(RouterConfig(workers=[w.url for w in workers], **limits)) as serve, \
+            run_envoy(epp_port(epp)) as envoy, aiohttp.ClientSession() as s:
+        answers = {}
+        for name, url, router in (("gateway", envoy.url, epp), ("serve", serve.url, serve)):
+            reader, writer, rest = await hold_a_body(url, budget)
+            await until(lambda r=router: r.metric("kvroute_router_buffered_body_bytes") == budget)
+            async with s.post(f"{url}/v1/completions", json={"prompt": [4, 5, 6], "max_tokens": 1}) as r:
+                answers[name] = (r.status, r.headers.get("retry-after"),
+                                 json.loads(await r.read())["error"]["message"])
+            # The held body completes and is served; the budget is free again.
+            writer.write(rest)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            writer.close()
+            status, body, _ = await complete(s, url, [4, 5, 6])
+            assert status == 200, body
+        # Shedding is the protocol's 429 at the gateway, a proxy's 503 from serve: the same
+        # Retry-After and message.
+        assert answers["gateway"] == (429, "1", answers["serve"][2]), answers
+        assert answers["serve"][:2] == (503, "1"), answers
+        assert "--max-buffered-body-bytes" in answers["gateway"][2]
+        assert epp.metric("kvroute_epp_immediate_responses_total", code="429") == 1
+        assert epp.metric("kvroute_router_rejected_requests_total", reason="body_budget") == 1
+        assert epp.metric("kvroute_router_requests_total", route="/v1/completions", status="429") == 1
+
+
 async def test_a_stream_is_relayed_and_its_load_ends_with_it():
     async with fleet(2, timing="reference-gpu") as workers, start_router(epp_config(workers)) as epp, \
             run_envoy(epp_port(epp)) as envoy, aiohttp.ClientSession() as s:

@@ -119,8 +119,10 @@ fn generation_route(method: &str, path: &str) -> Option<(Route, &'static str)> {
     }
 }
 
-/// serve's answer sent by the gateway instead: its status, content type, `Retry-After`, body.
-async fn refuse(picker: &Picker, out: &Outbox, label: &str, response: hyper::Response<Body>) {
+/// serve's answer as the gateway sends it instead: its status as the protocol gives it
+/// ([`protocol::gateway_status`]: 429 for shedding), its content type, `Retry-After` and body.
+async fn immediate_of(response: hyper::Response<Body>) -> (u16, ProcessingResponse) {
+    let shed = edge::shed_of(&response);
     let (parts, body) = response.into_parts();
     let body = body
         .collect()
@@ -133,12 +135,16 @@ async fn refuse(picker: &Picker, out: &Outbox, label: &str, response: hyper::Res
         .filter(|(k, _)| *k == hyper::header::CONTENT_TYPE || *k == hyper::header::RETRY_AFTER)
         .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
         .collect();
-    let status = parts.status.as_u16();
+    let status = protocol::gateway_status(parts.status.as_u16(), shed);
+    (status, protocol::immediate(status, &headers, body.to_vec()))
+}
+
+/// Answer the request with serve's `response` (counted by the status the gateway sends).
+async fn refuse(picker: &Picker, out: &Outbox, label: &str, response: hyper::Response<Body>) {
+    let (status, answer) = immediate_of(response).await;
     picker.counters.immediate(status);
     picker.pipeline.metrics().request(label, status);
-    let _ = out
-        .send(Ok(protocol::immediate(status, &headers, body.to_vec())))
-        .await;
+    let _ = out.send(Ok(answer)).await;
 }
 
 fn unavailable(message: &str) -> hyper::Response<Body> {
@@ -407,5 +413,66 @@ async fn follow(
         if send(out, answer).await.is_none() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
+    use kvroute_serve::metrics::Metrics;
+
+    use super::*;
+
+    /// Headers as `(name, value)`.
+    type Headers = Vec<(String, Vec<u8>)>;
+
+    /// The immediate response's status, its headers and its body.
+    fn parts(answer: &ProcessingResponse) -> (i32, Headers, Vec<u8>) {
+        let Some(Answer::ImmediateResponse(r)) = &answer.response else {
+            panic!("an immediate response");
+        };
+        let headers = r.headers.as_ref().unwrap().set_headers.iter();
+        let headers = headers
+            .map(|h| h.header.as_ref().unwrap())
+            .map(|h| (h.key.clone(), h.raw_value.clone()))
+            .collect();
+        (r.status.as_ref().unwrap().code, headers, r.body.clone())
+    }
+
+    #[tokio::test]
+    async fn a_full_body_budget_is_answered_429_with_retry_after_and_serve_s_message() {
+        let mut request = hyper::Request::new(http_body_util::Full::new(Bytes::from_static(
+            b"{\"prompt\": [1, 2, 3]}",
+        )));
+        request
+            .headers_mut()
+            .insert(hyper::header::CONTENT_LENGTH, "20".parse().unwrap());
+        let full = edge::BodyBudget::new(0);
+        let metrics = Metrics::default();
+        let refused = edge::read_body(request, 1 << 20, Duration::from_secs(5), &full, &metrics)
+            .await
+            .unwrap_err();
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE); // serve's own answer
+        let (status, answer) = immediate_of(refused).await;
+        assert_eq!(status, 429);
+        let (code, headers, body) = parts(&answer);
+        assert_eq!(code, 429);
+        assert!(headers.contains(&("retry-after".to_owned(), b"1".to_vec())));
+        let message: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert!(
+            message["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--max-buffered-body-bytes")
+        );
+    }
+
+    #[tokio::test]
+    async fn no_eligible_endpoint_stays_503() {
+        let (status, answer) = immediate_of(unavailable("no worker available")).await;
+        assert_eq!(status, 503);
+        assert_eq!(parts(&answer).0, 503);
     }
 }
