@@ -10,7 +10,7 @@
 //! `FULL_DUPLEX_STREAMED`, which GIE requires of the request. A gateway that streams the
 //! response body anyway gets each chunk back unchanged (counted).
 
-use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
@@ -28,6 +28,7 @@ use kvroute_serve::prompt::Route;
 use kvroute_serve::server::pipeline::unmet_expectation;
 use kvroute_serve::server::{Decision, InFlight, Pipeline};
 use tokio::sync::mpsc;
+use tokio_stream::Stream;
 use tonic::{Status, Streaming};
 
 use crate::counters::Counters;
@@ -87,20 +88,81 @@ impl Picker {
     }
 }
 
-/// The request body as the gateway streams it, for serve's body reader.
-struct Chunks(mpsc::Receiver<Bytes>);
+/// The request body as the gateway streams it on the ext_proc stream, read in place by serve's
+/// body reader (no task or channel between them): each body message's bytes, until one marks
+/// the body's end or the request's trailers come.
+struct StreamedBody<'a> {
+    inbound: &'a mut Streaming<ProcessingRequest>,
+    /// The body is whole.
+    ended: bool,
+    /// It ended with the request's trailers (the gateway waits for their answer too).
+    trailers: bool,
+    /// The stream ended, or broke, before the body was whole.
+    gone: bool,
+}
 
-impl hyper::body::Body for Chunks {
+impl<'a> StreamedBody<'a> {
+    fn new(inbound: &'a mut Streaming<ProcessingRequest>) -> Self {
+        Self {
+            inbound,
+            ended: false,
+            trailers: false,
+            gone: false,
+        }
+    }
+}
+
+/// The ext_proc stream ended before the request's body was whole.
+#[derive(Debug)]
+struct StreamGone;
+
+impl std::fmt::Display for StreamGone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the gateway's stream ended before the request body was whole")
+    }
+}
+
+impl std::error::Error for StreamGone {}
+
+impl hyper::body::Body for StreamedBody<'_> {
     type Data = Bytes;
-    type Error = Infallible;
+    type Error = StreamGone;
 
     fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|chunk| chunk.map(|c| Ok(hyper::body::Frame::data(c))))
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, StreamGone>>> {
+        while !self.ended {
+            match std::task::ready!(Pin::new(&mut *self.inbound).poll_next(cx)) {
+                Some(Ok(ProcessingRequest {
+                    request: Some(Message::RequestBody(body)),
+                    ..
+                })) => {
+                    self.ended = body.end_of_stream;
+                    if !body.body.is_empty() {
+                        let data = Bytes::from(body.body);
+                        return Poll::Ready(Some(Ok(hyper::body::Frame::data(data))));
+                    }
+                }
+                Some(Ok(ProcessingRequest {
+                    request: Some(Message::RequestTrailers(_)),
+                    ..
+                })) => {
+                    self.trailers = true;
+                    self.ended = true;
+                }
+                Some(Ok(_)) => {}
+                None | Some(Err(_)) => {
+                    self.gone = true;
+                    return Poll::Ready(Some(Err(StreamGone)));
+                }
+            }
+        }
+        Poll::Ready(None)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
     }
 }
 
@@ -164,52 +226,21 @@ enum BodyEnd {
     Gone,
 }
 
-/// Feed the stream's body messages to serve's body reader until the body ends or the reader
-/// refuses it.
+/// Read the request's body from the stream's body messages with serve's body reader, until the
+/// body ends or the reader refuses it.
 async fn read_body(
     picker: &Picker,
     inbound: &mut Streaming<ProcessingRequest>,
     head: hyper::HeaderMap,
 ) -> BodyEnd {
-    let (tx, rx) = mpsc::channel::<Bytes>(16);
-    let mut request = hyper::Request::new(Chunks(rx));
+    let mut body = StreamedBody::new(inbound);
+    let mut request = hyper::Request::new(&mut body);
     *request.headers_mut() = head;
-    let pipeline = picker.pipeline.clone();
-    let mut reading = tokio::spawn(async move { pipeline.read_body(request).await });
-    let mut sender = Some(tx);
-    let mut trailers = false;
-    loop {
-        tokio::select! {
-            read = &mut reading => {
-                return match read {
-                    Ok(Ok((raw, reservation))) => BodyEnd::Read(raw, trailers, reservation),
-                    Ok(Err(refusal)) => BodyEnd::Refused(refusal),
-                    Err(_) => BodyEnd::Gone,
-                };
-            }
-            message = inbound.message() => match message {
-                Ok(Some(ProcessingRequest { request: Some(Message::RequestBody(body)), .. })) => {
-                    if let Some(tx) = &sender
-                        && !body.body.is_empty()
-                    {
-                        // A refused body's reader is gone: the answer comes from `reading`.
-                        let _ = tx.send(Bytes::from(body.body)).await;
-                    }
-                    if body.end_of_stream {
-                        sender = None;
-                    }
-                }
-                Ok(Some(ProcessingRequest { request: Some(Message::RequestTrailers(_)), .. })) => {
-                    trailers = true;
-                    sender = None;
-                }
-                Ok(Some(_)) => {}
-                Ok(None) | Err(_) => {
-                    reading.abort();
-                    return BodyEnd::Gone;
-                }
-            }
-        }
+    let read = picker.pipeline.read_body(request).await;
+    match read {
+        _ if body.gone => BodyEnd::Gone,
+        Ok((raw, reservation)) => BodyEnd::Read(raw, body.trailers, reservation),
+        Err(refusal) => BodyEnd::Refused(refusal),
     }
 }
 
@@ -388,6 +419,14 @@ async fn follow(
         };
         let answer = match message.request {
             Some(Message::ResponseHeaders(h)) => {
+                // The gateway holds the response's first byte until this answer: answer, then
+                // count.
+                if send(out, protocol::carry_on(Part::ResponseHeaders))
+                    .await
+                    .is_none()
+                {
+                    return;
+                }
                 let status = protocol::response_status(&h);
                 picker.pipeline.metrics().request(decided.label, status);
                 if let Some(d) = &mut decided.decision {
@@ -396,7 +435,7 @@ async fn follow(
                     }
                     d.load.first_byte();
                 }
-                protocol::carry_on(Part::ResponseHeaders)
+                continue;
             }
             Some(Message::ResponseBody(b)) => {
                 picker.counters.response_chunk();
