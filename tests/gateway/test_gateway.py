@@ -425,3 +425,23 @@ async def test_meshed_epps_share_their_decisions_and_one_left_alone_keeps_servin
         finally:
             for p in epps:
                 await stop(p)
+
+
+def test_the_phases_benchmark_finds_every_phase_in_envoy_s_log(tmp_path):
+    """benchmarks/gateway_phases.py reads Envoy's own debug lines: run it briefly against the
+    Envoy the tests use, so that a line it relies on changing in Envoy fails here."""
+    import subprocess
+
+    from paths import ROOT
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gateway_phases.py"), "--requests", "10",
+                          "--prompt-words", "100", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["requests"] == 10
+    phases = result["phases"]
+    assert list(phases) == ["request", "decision", "apply", "worker", "response headers", "total"]
+    assert all(p["p50_us"] > 0 for p in phases.values()), phases
+    assert phases["total"]["p50_us"] > phases["decision"]["p50_us"] + phases["worker"]["p50_us"]
+    assert result["routing_mean_us"] > 0
