@@ -85,12 +85,12 @@ def flag(args: list[str], name: str) -> str:
     return args[args.index(name) + 1]
 
 
-def serve_config(args: list[str]):
-    """The RouterConfig `kvroute serve` makes of ``args`` (its real parser)."""
+def serve_config(args: list[str], *, epp: bool = False):
+    """The RouterConfig `kvroute serve` (or `kvroute epp`) makes of ``args`` (its real parser)."""
     from kvroute.commands import serve
 
     parser = argparse.ArgumentParser()
-    serve.add_arguments(parser)
+    serve.add_arguments(parser, epp=epp)
     return serve.config_from_args(parser.parse_args(args))
 
 
@@ -108,6 +108,8 @@ CONFIGURATIONS = {
     "gateway mode": [GATEWAY_ON],
     "gateway mode alone, k8s discovery": [values_file("values-3-workers.yaml"), GATEWAY_ON,
                                           {"router": {"enabled": False, "discovery": "k8s"}}],
+    "gateway mode, 3 meshed EPPs": [values_file("values-6-workers.yaml"),
+                                    {"gateway": {"enabled": True, "replicas": 3}}],
 }
 
 
@@ -539,6 +541,33 @@ def test_gateway_mode_is_an_inference_pool_its_endpoint_picker_and_a_route():
     assert rule["backendRefs"] == [{"group": "inference.networking.k8s.io", "kind": "InferencePool",
                                     "name": pool["metadata"]["name"]}]
     assert route["spec"]["parentRefs"][0]["name"] == "inference-gateway"
+
+
+def test_epp_replicas_share_their_decisions_through_a_headless_service():
+    objects = render(values_file("values.yaml"), {"gateway": {"enabled": True, "replicas": 3}})
+    mesh = one(objects, "Service", "-epp-mesh")
+    assert mesh["spec"]["clusterIP"] == "None" and mesh["spec"]["publishNotReadyAddresses"] is True
+    assert [(p["name"], p["port"], p["targetPort"]) for p in mesh["spec"]["ports"]] == [("mesh", 5600, "mesh")]
+    epp = one(objects, "Deployment", "-epp")
+    assert epp["spec"]["replicas"] == 3
+    assert selects(mesh["spec"]["selector"], epp["spec"]["template"]["metadata"]["labels"])
+    # Only the EPPs: the routers have a mesh of their own.
+    router = one(objects, "Deployment", "-router")
+    assert not selects(mesh["spec"]["selector"], router["spec"]["template"]["metadata"]["labels"])
+    container = epp["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "mesh", "containerPort": 5600} in container["ports"]
+    # `kvroute epp`'s own parser reads the chart's command line.
+    args = container["args"]
+    assert args[0] == "epp"
+    config = serve_config(args[1:], epp=True)
+    assert config.grpc_port == 9002
+    assert config.mesh_bind == "0.0.0.0:5600"
+    assert config.peers == (f"{mesh['metadata']['name']}.{NAMESPACE}.svc.cluster.local:5600",)
+
+    alone = render(values_file("values.yaml"), {"gateway": {"enabled": True, "mesh": {"enabled": False}}})
+    assert not [s for s in by_kind(alone, "Service") if s["metadata"]["name"].endswith("-epp-mesh")]
+    args = one(alone, "Deployment", "-epp")["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--mesh-bind" not in args and "--peer" not in args
 
 
 def test_gateway_failure_mode_is_checked():

@@ -189,6 +189,51 @@ async def test_refused_bodies_get_serve_s_answers():
         assert status == 200, body
 
 
+async def hold_a_body(url: str, length: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    """A completion request to ``url`` declaring a ``length``-byte body, of which only the
+    first bytes are sent: the router reserves its body budget and waits for the rest. Returns
+    the connection and the body's remaining bytes."""
+    body = json.dumps({"prompt": [1, 2, 3], "max_tokens": 1, "pad": ""}).encode()
+    body = body[:-2] + b"x" * (length - len(body)) + body[-2:]
+    host, _, port = url.removeprefix("http://").rpartition(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gateway\r\nContent-Type: application/json\r\n"
+                 b"Content-Length: %d\r\n\r\n" % length + body[:100])
+    await writer.drain()
+    return reader, writer, body[100:]
+
+
+async def test_a_full_body_budget_is_shed_with_429_at_the_gateway_and_503_from_serve():
+    budget = 16 << 10  # one body's first reservation fills it
+    limits = dict(max_body_bytes=budget, max_buffered_body_bytes=budget)
+    async with fleet(2) as workers, start_router(epp_config(workers, **limits)) as epp, \
+            start_router(RouterConfig(workers=[w.url for w in workers], **limits)) as serve, \
+            run_envoy(epp_port(epp)) as envoy, aiohttp.ClientSession() as s:
+        answers = {}
+        for name, url, router in (("gateway", envoy.url, epp), ("serve", serve.url, serve)):
+            reader, writer, rest = await hold_a_body(url, budget)
+            await until(lambda r=router: r.metric("kvroute_router_buffered_body_bytes") == budget)
+            async with s.post(f"{url}/v1/completions", json={"prompt": [4, 5, 6], "max_tokens": 1}) as r:
+                answers[name] = (r.status, r.headers.get("retry-after"),
+                                 json.loads(await r.read())["error"]["message"])
+            # The held body completes and is served; the budget is free again.
+            writer.write(rest)
+            await writer.drain()
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10)
+            assert head.startswith(b"HTTP/1.1 200"), head
+            writer.close()
+            status, body, _ = await complete(s, url, [4, 5, 6])
+            assert status == 200, body
+        # Shedding is the protocol's 429 at the gateway, a proxy's 503 from serve: the same
+        # Retry-After and message.
+        assert answers["gateway"] == (429, "1", answers["serve"][2]), answers
+        assert answers["serve"][:2] == (503, "1"), answers
+        assert "--max-buffered-body-bytes" in answers["gateway"][2]
+        assert epp.metric("kvroute_epp_immediate_responses_total", code="429") == 1
+        assert epp.metric("kvroute_router_rejected_requests_total", reason="body_budget") == 1
+        assert epp.metric("kvroute_router_requests_total", route="/v1/completions", status="429") == 1
+
+
 async def test_a_stream_is_relayed_and_its_load_ends_with_it():
     async with fleet(2, timing="reference-gpu") as workers, start_router(epp_config(workers)) as epp, \
             run_envoy(epp_port(epp)) as envoy, aiohttp.ClientSession() as s:
@@ -229,12 +274,24 @@ async def test_a_client_leaving_mid_stream_ends_the_load():
         assert sum(w.in_flight for w in epp.worker_statuses().values()) == 0
 
 
-def epp_process(workers, grpc_port: int, log: Path) -> asyncio.subprocess.Process:
+def epp_process(workers, grpc_port: int, log: Path, *extra: str, events: bool = True) -> asyncio.subprocess.Process:
     args = [sys.executable, "-m", "kvroute", "epp", "--host", "127.0.0.1", "--port", "0",
-            "--grpc-port", str(grpc_port), "--threads", "1"]
+            "--grpc-port", str(grpc_port), "--threads", "1", *extra]
     for w in workers:
-        args += ["--worker", w.url, "--kv-events", f"{w.url}={w.kv_events_endpoint},{w.kv_events_replay_endpoint}"]
+        args += ["--worker", w.url]
+        if events:
+            args += ["--kv-events", f"{w.url}={w.kv_events_endpoint},{w.kv_events_replay_endpoint}"]
     return asyncio.create_subprocess_exec(*args, stdout=asyncio.subprocess.PIPE, stderr=log.open("ab"))
+
+
+async def stop(process: asyncio.subprocess.Process) -> None:
+    if process.returncode is None:
+        process.send_signal(signal.SIGTERM)
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(process.wait(), 10)
+        if process.returncode is None:
+            process.kill()
+            await process.wait()
 
 
 async def test_with_the_epp_down_the_gateway_fails_fast_and_recovers_on_restart(tmp_path):
@@ -266,13 +323,7 @@ async def test_with_the_epp_down_the_gateway_fails_fast_and_recovers_on_restart(
                 # The restarted EPP's index came back from the workers' replay.
                 assert served == owner
         finally:
-            if epp.returncode is None:
-                epp.send_signal(signal.SIGTERM)
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(epp.wait(), 10)
-                if epp.returncode is None:
-                    epp.kill()
-                    await epp.wait()
+            await stop(epp)
 
 
 def test_epp_help_and_bad_config_are_one_line(tmp_path):
@@ -305,3 +356,92 @@ async def test_a_worker_leaving_the_pool_gets_no_request_after_the_update():
             served.add(upstream)
         assert owner not in served
         assert served <= {endpoint(w) for w in workers if w is not leaving}
+
+
+async def scrape(s: aiohttp.ClientSession, metrics_url: str, name: str) -> float:
+    """The sum of a metric's samples on an EPP's /metrics."""
+    async with s.get(metrics_url) as r:
+        text = await r.text()
+    return sum(float(line.split()[-1]) for line in text.splitlines()
+               if line.startswith(name + "{") or line.startswith(name + " "))
+
+
+async def until_scraped(s: aiohttp.ClientSession, metrics_url: str, name: str, predicate, timeout: float = 8.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate(value := await scrape(s, metrics_url, name)):
+        assert time.monotonic() < deadline, f"{name} = {value} at {metrics_url}"
+        await asyncio.sleep(0.05)
+
+
+async def test_meshed_epps_share_their_decisions_and_one_left_alone_keeps_serving(tmp_path):
+    """Two `kvroute epp` processes meshed on loopback, each asked by its own Envoy, without KV
+    events: what B knows of A's requests came over the mesh only."""
+    grpc, mesh = (free_port(), free_port()), (free_port(), free_port())
+    async with fleet(2, timing="reference-gpu") as workers:
+        epps = []
+        try:
+            for i in (0, 1):
+                epps.append(await epp_process(workers, grpc[i], tmp_path / f"epp{i}.log", "--mesh-bind",
+                                              f"127.0.0.1:{mesh[i]}", "--peer", f"127.0.0.1:{mesh[1 - i]}",
+                                              events=False))
+            lines = [(await asyncio.wait_for(p.stdout.readline(), 30)).decode() for p in epps]
+            a, b = (line.split("metrics on ")[1].split(",")[0] for line in lines)
+            async with run_envoy(grpc[0]) as via_a, run_envoy(grpc[1]) as via_b, aiohttp.ClientSession() as s:
+                for url in (a, b):
+                    await until_scraped(s, url, "kvroute_mesh_peers_live", lambda v: v == 1)
+                # A routes six new prefixes: the emptiest cache takes each, so they alternate.
+                prefixes = [list(range(2_000 * (i + 1), 2_000 * (i + 1) + 8 * BS)) for i in range(6)]
+                owners = []
+                for prefix in prefixes:
+                    status, body, owner = await complete(s, via_a.url, prefix + [1])
+                    assert status == 200, body
+                    owners.append(owner)
+                assert len(set(owners)) == 2, owners
+                # Each request is three messages (routed, first token, end).
+                await until_scraped(s, b, "kvroute_mesh_messages_received_total", lambda v: v >= 18)
+                # B, asked in another order (its own ties could not give A's assignment), sends
+                # every prefix where A's decision put it.
+                for i in (0, 2, 4, 1, 3, 5):
+                    status, body, served = await complete(s, via_b.url, prefixes[i] + [2])
+                    assert (status, served) == (200, owners[i]), (i, body)
+                assert await scrape(s, b, "kvroute_router_decisions_total") == 6
+                assert await scrape(s, a, "kvroute_router_decisions_total") == 6
+                # A stream A routed is load B holds until it ends.
+                body = {"prompt": list(range(500, 500 + 4 * BS)), "max_tokens": 2000, "stream": True}
+                async with s.post(f"{via_a.url}/v1/completions", json=body) as r:
+                    assert r.status == 200
+                    await r.content.readline()
+                    await until_scraped(s, b, "kvroute_mesh_decisions_open", lambda v: v == 1)
+                    # A dies mid-stream: B stops hearing it, releases what it routed, and serves.
+                    epps[0].kill()
+                    await epps[0].wait()
+                    status, body, _ = await complete(s, via_b.url, prefixes[0] + [3])
+                    assert status == 200, body
+                await until_scraped(s, b, "kvroute_mesh_peers_live", lambda v: v == 0)
+                await until_scraped(s, b, "kvroute_mesh_decisions_open", lambda v: v == 0, timeout=2.0)
+                for i in range(5):
+                    status, body, _ = await complete(s, via_b.url, [7, i] * BS)
+                    assert status == 200, body
+        finally:
+            for p in epps:
+                await stop(p)
+
+
+def test_the_phases_benchmark_finds_every_phase_in_envoy_s_log(tmp_path):
+    """benchmarks/gateway_phases.py reads Envoy's own debug lines: run it briefly against the
+    Envoy the tests use, so that a line it relies on changing in Envoy fails here."""
+    import subprocess
+
+    from paths import ROOT
+
+    out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gateway_phases.py"), "--requests", "10",
+                          "--prompt-words", "100", "--out", str(tmp_path)], capture_output=True, text=True,
+                         timeout=300)
+    assert out.returncode == 0, out.stdout + out.stderr
+    result = json.loads((tmp_path / "results.json").read_text())
+    assert result["requests"] == 10
+    phases = result["phases"]
+    assert list(phases) == ["request", "decision", "apply", "worker", "response headers", "total"]
+    assert all(p["p50_us"] > 0 for p in phases.values()), phases
+    assert phases["total"]["p50_us"] > phases["decision"]["p50_us"] + phases["worker"]["p50_us"]
+    assert result["routing_mean_us"] > 0

@@ -10,7 +10,7 @@
 //! `FULL_DUPLEX_STREAMED`, which GIE requires of the request. A gateway that streams the
 //! response body anyway gets each chunk back unchanged (counted).
 
-use std::convert::Infallible;
+use std::pin::Pin;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::task::{Context, Poll};
@@ -28,6 +28,7 @@ use kvroute_serve::prompt::Route;
 use kvroute_serve::server::pipeline::unmet_expectation;
 use kvroute_serve::server::{Decision, InFlight, Pipeline};
 use tokio::sync::mpsc;
+use tokio_stream::Stream;
 use tonic::{Status, Streaming};
 
 use crate::counters::Counters;
@@ -87,20 +88,81 @@ impl Picker {
     }
 }
 
-/// The request body as the gateway streams it, for serve's body reader.
-struct Chunks(mpsc::Receiver<Bytes>);
+/// The request body as the gateway streams it on the ext_proc stream, read in place by serve's
+/// body reader (no task or channel between them): each body message's bytes, until one marks
+/// the body's end or the request's trailers come.
+struct StreamedBody<'a> {
+    inbound: &'a mut Streaming<ProcessingRequest>,
+    /// The body is whole.
+    ended: bool,
+    /// It ended with the request's trailers (the gateway waits for their answer too).
+    trailers: bool,
+    /// The stream ended, or broke, before the body was whole.
+    gone: bool,
+}
 
-impl hyper::body::Body for Chunks {
+impl<'a> StreamedBody<'a> {
+    fn new(inbound: &'a mut Streaming<ProcessingRequest>) -> Self {
+        Self {
+            inbound,
+            ended: false,
+            trailers: false,
+            gone: false,
+        }
+    }
+}
+
+/// The ext_proc stream ended before the request's body was whole.
+#[derive(Debug)]
+struct StreamGone;
+
+impl std::fmt::Display for StreamGone {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("the gateway's stream ended before the request body was whole")
+    }
+}
+
+impl std::error::Error for StreamGone {}
+
+impl hyper::body::Body for StreamedBody<'_> {
     type Data = Bytes;
-    type Error = Infallible;
+    type Error = StreamGone;
 
     fn poll_frame(
-        mut self: std::pin::Pin<&mut Self>,
+        mut self: Pin<&mut Self>,
         cx: &mut Context<'_>,
-    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, Infallible>>> {
-        self.0
-            .poll_recv(cx)
-            .map(|chunk| chunk.map(|c| Ok(hyper::body::Frame::data(c))))
+    ) -> Poll<Option<Result<hyper::body::Frame<Bytes>, StreamGone>>> {
+        while !self.ended {
+            match std::task::ready!(Pin::new(&mut *self.inbound).poll_next(cx)) {
+                Some(Ok(ProcessingRequest {
+                    request: Some(Message::RequestBody(body)),
+                    ..
+                })) => {
+                    self.ended = body.end_of_stream;
+                    if !body.body.is_empty() {
+                        let data = Bytes::from(body.body);
+                        return Poll::Ready(Some(Ok(hyper::body::Frame::data(data))));
+                    }
+                }
+                Some(Ok(ProcessingRequest {
+                    request: Some(Message::RequestTrailers(_)),
+                    ..
+                })) => {
+                    self.trailers = true;
+                    self.ended = true;
+                }
+                Some(Ok(_)) => {}
+                None | Some(Err(_)) => {
+                    self.gone = true;
+                    return Poll::Ready(Some(Err(StreamGone)));
+                }
+            }
+        }
+        Poll::Ready(None)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.ended
     }
 }
 
@@ -119,8 +181,10 @@ fn generation_route(method: &str, path: &str) -> Option<(Route, &'static str)> {
     }
 }
 
-/// serve's answer sent by the gateway instead: its status, content type, `Retry-After`, body.
-async fn refuse(picker: &Picker, out: &Outbox, label: &str, response: hyper::Response<Body>) {
+/// serve's answer as the gateway sends it instead: its status as the protocol gives it
+/// ([`protocol::gateway_status`]: 429 for shedding), its content type, `Retry-After` and body.
+async fn immediate_of(response: hyper::Response<Body>) -> (u16, ProcessingResponse) {
+    let shed = edge::shed_of(&response);
     let (parts, body) = response.into_parts();
     let body = body
         .collect()
@@ -133,12 +197,16 @@ async fn refuse(picker: &Picker, out: &Outbox, label: &str, response: hyper::Res
         .filter(|(k, _)| *k == hyper::header::CONTENT_TYPE || *k == hyper::header::RETRY_AFTER)
         .filter_map(|(k, v)| Some((k.as_str().to_owned(), v.to_str().ok()?.to_owned())))
         .collect();
-    let status = parts.status.as_u16();
+    let status = protocol::gateway_status(parts.status.as_u16(), shed);
+    (status, protocol::immediate(status, &headers, body.to_vec()))
+}
+
+/// Answer the request with serve's `response` (counted by the status the gateway sends).
+async fn refuse(picker: &Picker, out: &Outbox, label: &str, response: hyper::Response<Body>) {
+    let (status, answer) = immediate_of(response).await;
     picker.counters.immediate(status);
     picker.pipeline.metrics().request(label, status);
-    let _ = out
-        .send(Ok(protocol::immediate(status, &headers, body.to_vec())))
-        .await;
+    let _ = out.send(Ok(answer)).await;
 }
 
 fn unavailable(message: &str) -> hyper::Response<Body> {
@@ -158,52 +226,21 @@ enum BodyEnd {
     Gone,
 }
 
-/// Feed the stream's body messages to serve's body reader until the body ends or the reader
-/// refuses it.
+/// Read the request's body from the stream's body messages with serve's body reader, until the
+/// body ends or the reader refuses it.
 async fn read_body(
     picker: &Picker,
     inbound: &mut Streaming<ProcessingRequest>,
     head: hyper::HeaderMap,
 ) -> BodyEnd {
-    let (tx, rx) = mpsc::channel::<Bytes>(16);
-    let mut request = hyper::Request::new(Chunks(rx));
+    let mut body = StreamedBody::new(inbound);
+    let mut request = hyper::Request::new(&mut body);
     *request.headers_mut() = head;
-    let pipeline = picker.pipeline.clone();
-    let mut reading = tokio::spawn(async move { pipeline.read_body(request).await });
-    let mut sender = Some(tx);
-    let mut trailers = false;
-    loop {
-        tokio::select! {
-            read = &mut reading => {
-                return match read {
-                    Ok(Ok((raw, reservation))) => BodyEnd::Read(raw, trailers, reservation),
-                    Ok(Err(refusal)) => BodyEnd::Refused(refusal),
-                    Err(_) => BodyEnd::Gone,
-                };
-            }
-            message = inbound.message() => match message {
-                Ok(Some(ProcessingRequest { request: Some(Message::RequestBody(body)), .. })) => {
-                    if let Some(tx) = &sender
-                        && !body.body.is_empty()
-                    {
-                        // A refused body's reader is gone: the answer comes from `reading`.
-                        let _ = tx.send(Bytes::from(body.body)).await;
-                    }
-                    if body.end_of_stream {
-                        sender = None;
-                    }
-                }
-                Ok(Some(ProcessingRequest { request: Some(Message::RequestTrailers(_)), .. })) => {
-                    trailers = true;
-                    sender = None;
-                }
-                Ok(Some(_)) => {}
-                Ok(None) | Err(_) => {
-                    reading.abort();
-                    return BodyEnd::Gone;
-                }
-            }
-        }
+    let read = picker.pipeline.read_body(request).await;
+    match read {
+        _ if body.gone => BodyEnd::Gone,
+        Ok((raw, reservation)) => BodyEnd::Read(raw, body.trailers, reservation),
+        Err(refusal) => BodyEnd::Refused(refusal),
     }
 }
 
@@ -382,6 +419,14 @@ async fn follow(
         };
         let answer = match message.request {
             Some(Message::ResponseHeaders(h)) => {
+                // The gateway holds the response's first byte until this answer: answer, then
+                // count.
+                if send(out, protocol::carry_on(Part::ResponseHeaders))
+                    .await
+                    .is_none()
+                {
+                    return;
+                }
                 let status = protocol::response_status(&h);
                 picker.pipeline.metrics().request(decided.label, status);
                 if let Some(d) = &mut decided.decision {
@@ -390,7 +435,7 @@ async fn follow(
                     }
                     d.load.first_byte();
                 }
-                protocol::carry_on(Part::ResponseHeaders)
+                continue;
             }
             Some(Message::ResponseBody(b)) => {
                 picker.counters.response_chunk();
@@ -407,5 +452,66 @@ async fn follow(
         if send(out, answer).await.is_none() {
             return;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::time::Duration;
+
+    use envoy_types::pb::envoy::service::ext_proc::v3::processing_response::Response as Answer;
+    use kvroute_serve::metrics::Metrics;
+
+    use super::*;
+
+    /// Headers as `(name, value)`.
+    type Headers = Vec<(String, Vec<u8>)>;
+
+    /// The immediate response's status, its headers and its body.
+    fn parts(answer: &ProcessingResponse) -> (i32, Headers, Vec<u8>) {
+        let Some(Answer::ImmediateResponse(r)) = &answer.response else {
+            panic!("an immediate response");
+        };
+        let headers = r.headers.as_ref().unwrap().set_headers.iter();
+        let headers = headers
+            .map(|h| h.header.as_ref().unwrap())
+            .map(|h| (h.key.clone(), h.raw_value.clone()))
+            .collect();
+        (r.status.as_ref().unwrap().code, headers, r.body.clone())
+    }
+
+    #[tokio::test]
+    async fn a_full_body_budget_is_answered_429_with_retry_after_and_serve_s_message() {
+        let mut request = hyper::Request::new(http_body_util::Full::new(Bytes::from_static(
+            b"{\"prompt\": [1, 2, 3]}",
+        )));
+        request
+            .headers_mut()
+            .insert(hyper::header::CONTENT_LENGTH, "20".parse().unwrap());
+        let full = edge::BodyBudget::new(0);
+        let metrics = Metrics::default();
+        let refused = edge::read_body(request, 1 << 20, Duration::from_secs(5), &full, &metrics)
+            .await
+            .unwrap_err();
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE); // serve's own answer
+        let (status, answer) = immediate_of(refused).await;
+        assert_eq!(status, 429);
+        let (code, headers, body) = parts(&answer);
+        assert_eq!(code, 429);
+        assert!(headers.contains(&("retry-after".to_owned(), b"1".to_vec())));
+        let message: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        assert!(
+            message["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("--max-buffered-body-bytes")
+        );
+    }
+
+    #[tokio::test]
+    async fn no_eligible_endpoint_stays_503() {
+        let (status, answer) = immediate_of(unavailable("no worker available")).await;
+        assert_eq!(status, 503);
+        assert_eq!(parts(&answer).0, 503);
     }
 }

@@ -13,6 +13,7 @@ use envoy_types::pb::envoy::service::ext_proc::v3::{
 };
 use envoy_types::pb::envoy::r#type::v3::HttpStatus;
 use envoy_types::pb::google::protobuf::{Struct, Value, value};
+use kvroute_serve::edge::Shed;
 
 /// The request header naming the chosen endpoint.
 pub const DESTINATION_HEADER: &str = "x-gateway-destination-endpoint";
@@ -212,6 +213,17 @@ pub enum Part {
     ResponseTrailers,
 }
 
+/// The status the gateway answers for a refusal `kvroute serve` gives with `status`: 429 Too
+/// Many Requests when it sheds load (the protocol's status for shedding; serve's own is a
+/// proxy's 503), serve's status otherwise. "No eligible endpoint" (none available, none in the
+/// subset hint, a drain) is no shedding: it stays 503, as the protocol asks.
+pub fn gateway_status(status: u16, shed: Option<Shed>) -> u16 {
+    match shed {
+        Some(Shed::BodyBudget) => 429,
+        None => status,
+    }
+}
+
 /// An answer the gateway sends the client itself instead of proxying: `status`, its headers
 /// (`content-type`, `retry-after`), its body.
 pub fn immediate(status: u16, headers: &[(String, String)], body: Vec<u8>) -> ProcessingResponse {
@@ -247,6 +259,13 @@ mod tests {
             filter_metadata: HashMap::from([(SUBSET_NAMESPACE.to_owned(), inner)]),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn shedding_is_429_at_the_gateway_and_other_refusals_keep_serve_s_status() {
+        assert_eq!(gateway_status(503, Some(Shed::BodyBudget)), 429);
+        assert_eq!(gateway_status(503, None), 503);
+        assert_eq!(gateway_status(413, None), 413);
     }
 
     #[test]

@@ -186,7 +186,23 @@ impl BodyBudget {
     }
 }
 
-/// The 503 for a body the [`BodyBudget`] has no room for.
+/// Marks a refusal that sheds load — no room now, retry later — rather than one refusing the
+/// request for what it is. The edge sets it in the refusing response's extensions
+/// ([`over_budget`]); serve answers such a response as it stands (503 with `Retry-After`, a
+/// proxy's overload answer), and a front whose protocol gives shedding a status of its own
+/// (the Endpoint Picker's 429) reads this mark, not the message.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Shed {
+    /// `--max-buffered-body-bytes` is full.
+    BodyBudget,
+}
+
+/// Why `response` was refused for want of room, None when it was not ([`Shed`]).
+pub fn shed_of<B>(response: &Response<B>) -> Option<Shed> {
+    response.extensions().get::<Shed>().copied()
+}
+
+/// The 503 for a body the [`BodyBudget`] has no room for, marked [`Shed::BodyBudget`].
 fn over_budget(budget: &BodyBudget, metrics: &Metrics) -> Response<Body> {
     metrics.rejected("body_budget");
     let mut response = error(
@@ -202,6 +218,7 @@ fn over_budget(budget: &BodyBudget, metrics: &Metrics) -> Response<Body> {
     response
         .headers_mut()
         .insert(hyper::header::RETRY_AFTER, HeaderValue::from_static("1"));
+    response.extensions_mut().insert(Shed::BodyBudget);
     response
 }
 
@@ -347,6 +364,36 @@ mod tests {
         assert!(!bearer_matches(Some(&v("Bearer s3cretx")), key));
         assert!(!bearer_matches(Some(&v("Basic s3cret")), key));
         assert!(!bearer_matches(None, key));
+    }
+
+    fn post(body: &'static [u8]) -> Request<http_body_util::Full<Bytes>> {
+        let mut request = Request::new(http_body_util::Full::new(Bytes::from_static(body)));
+        request.headers_mut().insert(
+            CONTENT_LENGTH,
+            HeaderValue::from_str(&body.len().to_string()).unwrap(),
+        );
+        request
+    }
+
+    #[tokio::test]
+    async fn a_body_the_budget_has_no_room_for_is_shed_and_marked_so() {
+        let m = Metrics::default();
+        let full = BodyBudget::new(0);
+        let t = Duration::from_secs(5);
+        let refused = read_body(post(b"{\"prompt\": 1}"), 100, t, &full, &m)
+            .await
+            .unwrap_err();
+        assert_eq!(refused.status(), StatusCode::SERVICE_UNAVAILABLE);
+        assert_eq!(refused.headers()[hyper::header::RETRY_AFTER], "1");
+        assert_eq!(shed_of(&refused), Some(Shed::BodyBudget));
+        // A refusal of the request itself is no shedding.
+        let roomy = BodyBudget::new(1 << 20);
+        let too_large = read_body(post(b"{\"prompt\": 1}"), 4, t, &roomy, &m)
+            .await
+            .unwrap_err();
+        assert_eq!(too_large.status(), StatusCode::PAYLOAD_TOO_LARGE);
+        assert_eq!(shed_of(&too_large), None);
+        assert!(read_body(post(b"{}"), 100, t, &roomy, &m).await.is_ok());
     }
 
     #[test]

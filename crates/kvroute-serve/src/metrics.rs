@@ -462,7 +462,7 @@ impl Metrics {
         self.rejected.write(
             &mut out,
             "kvroute_router_rejected_requests",
-            "Requests refused before routing: body_too_large (413), content_encoding (415), json_too_deep (400), body_budget (503)",
+            "Requests refused before routing: body_too_large (413), content_encoding (415), json_too_deep (400), body_budget (503; 429 through the Endpoint Picker)",
             &["reason"],
         );
         self.overlap_blocks.write(
@@ -513,7 +513,7 @@ impl Metrics {
             &mut out,
             "kvroute_router_max_buffered_body_bytes",
             "gauge",
-            "Request body bytes the router holds at most (--max-buffered-body-bytes; more get 503)",
+            "Request body bytes the router holds at most (--max-buffered-body-bytes; more get 503, 429 through the Endpoint Picker)",
             open.body_budget_bytes as f64,
         );
         write_scalar(

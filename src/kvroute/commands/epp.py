@@ -32,9 +32,9 @@ Answers the EPP gives itself, through the gateway (ImmediateResponse), the same 
 kvroute serve's: 413 for a body over --max-body-bytes, 415 for a compressed one, 400 for a
 body that is not a prompt, 408 for one that does not arrive within --body-timeout, 503 when
 no worker is eligible (none available, or none in the gateway's subset hint
-envoy.lb.subset_hint), while draining, and when --max-buffered-body-bytes is full (with
-Retry-After). Requests other than POST /v1/completions and /v1/chat/completions go to the
-available workers in turn.
+envoy.lb.subset_hint) and while draining; shedding load is the protocol's 429 (serve: 503):
+when --max-buffered-body-bytes is full, with Retry-After. Requests other than
+POST /v1/completions and /v1/chat/completions go to the available workers in turn.
 
 Health: gRPC health services liveness (SERVING while the process runs), readiness and
 envoy.service.ext_proc.v3.ExternalProcessor (SERVING once the worker set is known: at once

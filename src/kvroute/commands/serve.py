@@ -245,7 +245,7 @@ def add_arguments(parser: argparse.ArgumentParser, *, epp: bool = False) -> None
                         metavar="SIZE",
                         help="request body bytes held in memory at once, across all requests "
                         "(from before a body is read until a worker answers it): a body that "
-                        "would exceed it gets 503 with Retry-After, so that many large bodies at "
+                        f"would exceed it gets {'429' if epp else '503'} with Retry-After, so that many large bodies at "
                         "once cannot take the router's memory. At least the body limit "
                         "(metric kvroute_router_buffered_body_bytes; default: %(default)s)")
     if not epp:

@@ -20,6 +20,7 @@
 {{- define "kvroute.epp.name" -}}{{ include "kvroute.fullname" . }}-epp{{- end -}}
 {{- define "kvroute.pool.name" -}}{{ include "kvroute.fullname" . }}-pool{{- end -}}
 {{- define "kvroute.router.mesh.name" -}}{{ include "kvroute.fullname" . }}-router-mesh{{- end -}}
+{{- define "kvroute.epp.mesh.name" -}}{{ include "kvroute.fullname" . }}-epp-mesh{{- end -}}
 {{- define "kvroute.headless.fqdn" -}}
 {{- printf "%s.%s.svc.%s" (include "kvroute.headless.name" .) .Release.Namespace .Values.clusterDomain -}}
 {{- end -}}
@@ -97,10 +98,7 @@ It listens on all addresses: the default, 127.0.0.1, is unreachable from outside
 - {{ .Values.router.port | quote }}
 {{ include "kvroute.routingArgs" . }}
 {{- if .Values.router.mesh.enabled }}
-- --mesh-bind
-- {{ printf "0.0.0.0:%d" (int .Values.router.mesh.port) | quote }}
-- --peer
-- {{ printf "%s.%s.svc.%s:%d" (include "kvroute.router.mesh.name" .) .Release.Namespace .Values.clusterDomain (int .Values.router.mesh.port) | quote }}
+{{ include "kvroute.meshArgs" (dict "ctx" . "service" (include "kvroute.router.mesh.name" .) "port" .Values.router.mesh.port) }}
 {{- end }}
 {{- range .Values.router.extraArgs }}
 - {{ . | quote }}
@@ -117,9 +115,24 @@ It listens on all addresses: the default, 127.0.0.1, is unreachable from outside
 - --port
 - {{ .Values.gateway.metricsPort | quote }}
 {{ include "kvroute.routingArgs" . }}
+{{- if .Values.gateway.mesh.enabled }}
+{{ include "kvroute.meshArgs" (dict "ctx" . "service" (include "kvroute.epp.mesh.name" .) "port" .Values.gateway.mesh.port) }}
+{{- end }}
 {{- range .Values.gateway.extraArgs }}
 - {{ . | quote }}
 {{- end }}
+{{- end -}}
+
+{{/*
+The replica mesh's flags, for the routers' and the Endpoint Pickers' alike: publish on the mesh
+port, and take as peers every pod the component's headless mesh Service resolves to (its own
+address is skipped). Call with (dict "ctx" $ "service" NAME "port" PORT).
+*/}}
+{{- define "kvroute.meshArgs" -}}
+- --mesh-bind
+- {{ printf "0.0.0.0:%d" (int .port) | quote }}
+- --peer
+- {{ printf "%s.%s.svc.%s:%d" .service .ctx.Release.Namespace .ctx.Values.clusterDomain (int .port) | quote }}
 {{- end -}}
 
 {{/* How the router and the Endpoint Picker find workers and route (router.* values). */}}
