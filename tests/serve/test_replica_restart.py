@@ -4,11 +4,14 @@ Two ``kvroute serve`` processes in a mesh behind the Service balancer, in front 
 workers that publish KV events with replay. Under load, one replica is killed with SIGKILL:
 only the requests it held fail, and they fail as broken connections (never an HTTP error
 from the replica that lives), while new connections go to the survivor. Restarted on the
-same ports, the replica rebuilds within 5 s: it answers, hears its peer, and holds as many
-index blocks as the survivor (the workers' replay). It then agrees with the survivor on at
-least 99% of the decisions for a replayed sequence of prompts over the prefixes placed
-before its restart: each prompt is asked of the restarted replica first (its choice rests on
-what it rebuilt), then, once the survivor heard that decision end, of the survivor."""
+same ports, the replica rebuilds within 5 s: it answers, hears its peer, holds as many index
+blocks as the survivor (the workers' replay) and has adopted the survivor's snapshot (the
+policy's recent shares, the decisions open). It then agrees with the survivor on at least 99%
+of the decisions for a replayed sequence of prompts over the prefixes placed before its
+restart: each prompt is asked of the restarted replica first (its choice rests on what it
+rebuilt), then, once the survivor heard that decision end, of the survivor. (The survivor
+lets the killed replica's decisions go as soon as its connection to it closes: counted in
+flight, they would skew its load guard, not the restarted replica's.)"""
 
 from __future__ import annotations
 
@@ -147,6 +150,7 @@ async def test_a_killed_replica_fails_only_its_own_requests_then_rebuilds_and_ag
             while time.monotonic() - restarted < 5.0:
                 mine, theirs = await victim.metrics(s), await survivor.metrics(s)
                 if (mine is not None and metric(mine, "kvroute_mesh_peers_live") == 1
+                        and metric(mine, "kvroute_mesh_snapshots_adopted_total") == 1
                         and metric(mine, "kvroute_router_index_blocks") > 0
                         and metric(mine, "kvroute_router_index_blocks")
                         >= 0.99 * metric(theirs, "kvroute_router_index_blocks")):
