@@ -133,16 +133,29 @@ async def test_a_killed_replica_fails_only_its_own_requests_then_rebuilds_and_ag
                         failures.append(exc)
                     done += 1
 
+            released = None
+
             async def killer() -> None:
+                nonlocal released
                 while done < 80:
                     await asyncio.sleep(0.01)
                 await victim.kill()
+                killed = time.monotonic()
+                # The survivor lets the victim's decisions go as its connection closes, well
+                # within the liveness window (3 s) that would release them otherwise.
+                while time.monotonic() - killed < 1.0:
+                    text = await survivor.metrics(s) or ""
+                    if metric(text, "kvroute_mesh_peers_live") == 0 and metric(text, "kvroute_mesh_decisions_open") == 0:
+                        released = time.monotonic() - killed
+                        return
+                    await asyncio.sleep(0.02)
 
             await asyncio.gather(killer(), *(user() for _ in range(8)))
             # Only what the victim held: at most the 8 in flight, each a broken connection
             # (an HTTP error status would have failed `ask`'s assertion instead).
             assert len(failures) <= 8, failures
             assert done == 240
+            assert released is not None, "the survivor still counted the victim's decisions 1 s after the kill"
 
             restarted = time.monotonic()
             await victim.start()

@@ -236,7 +236,7 @@ impl MeshLink {
             let name = "kvroute_mesh_snapshot_adopted_seconds";
             let _ = writeln!(
                 out,
-                "# HELP {name} Seconds from this replica's start to its adopting a peer's snapshot\n# TYPE {name} gauge\n{name} {after:?}"
+                "# HELP {name} Seconds from this replica's first request for a snapshot (its mesh's start) to its adopting one\n# TYPE {name} gauge\n{name} {after:?}"
             );
         }
         drop(state);
