@@ -328,45 +328,11 @@ impl Mesh {
         }
         peer.last_seq = Some(peer.last_seq.map_or(message.seq, |l| l.max(message.seq)));
         let sender = message.sender.clone();
-        match message.body {
-            MeshBody::Heartbeat => Received::Nothing,
-            MeshBody::FirstToken { decision } => match self.open.get_mut(&(sender, decision)) {
-                Some(open) if !open.handle.first_token => {
-                    open.handle.first_token = true;
-                    open.block_hashes = Vec::new();
-                    Received::FirstToken(&mut open.handle)
-                }
-                _ => Received::Nothing,
-            },
-            MeshBody::Finished { decision } => {
-                let key = (sender, decision);
-                match self.open.remove(&key) {
-                    Some(open) => Received::Finished(open.handle),
-                    None => {
-                        self.ended_unseen(key.0, key.1, now);
-                        Received::Nothing
-                    }
-                }
-            }
-            MeshBody::SnapshotWanted { started_unix_s } => {
-                if self.answers(now, started_unix_s) {
-                    Received::SnapshotWanted
-                } else {
-                    Received::Nothing
-                }
-            }
-            MeshBody::Snapshot(snapshot) => self.adopt(snapshot, now),
-            MeshBody::Routed { .. } | MeshBody::Refreshed { .. } => self.applied(sender, message),
-        }
-    }
-
-    /// A peer's decision or refresh, kept as [`Mesh::current`] while the router applies it.
-    fn applied(&mut self, sender: String, message: MeshMessage) -> Received<'_> {
-        if matches!(message.body, MeshBody::Routed { .. })
-            && self.open.len() >= self.config.max_open
-        {
-            self.stats.refused += 1;
-            return Received::Nothing;
+        if !matches!(
+            message.body,
+            MeshBody::Routed { .. } | MeshBody::Refreshed { .. }
+        ) {
+            return self.control(sender, message.body, now);
         }
         let message = self.current.insert(message);
         match &message.body {
@@ -380,20 +346,26 @@ impl Mesh {
                 prompt,
                 model,
                 cache_salt,
-            } => Received::Routed {
-                peer: sender,
-                decision: *decision,
-                worker,
-                routed: PeerDecision {
-                    block_hashes,
-                    prompt,
-                    prompt_tokens: *prompt_tokens as usize,
-                    output_tokens: *output_tokens as usize,
-                    overlap: *overlap as usize,
-                },
-                model,
-                cache_salt,
-            },
+            } => {
+                if self.open.len() >= self.config.max_open {
+                    self.stats.refused += 1;
+                    return Received::Nothing;
+                }
+                Received::Routed {
+                    peer: sender,
+                    decision: *decision,
+                    worker,
+                    routed: PeerDecision {
+                        block_hashes,
+                        prompt,
+                        prompt_tokens: *prompt_tokens as usize,
+                        output_tokens: *output_tokens as usize,
+                        overlap: *overlap as usize,
+                    },
+                    model,
+                    cache_salt,
+                }
+            }
             MeshBody::Refreshed {
                 worker,
                 block_hashes,
@@ -401,6 +373,35 @@ impl Mesh {
                 worker,
                 block_hashes,
             },
+            _ => Received::Nothing,
+        }
+    }
+
+    /// A peer's message that asks nothing of the routing state but a handle's release, or of
+    /// this replica a snapshot sent or adopted.
+    fn control(&mut self, sender: String, body: MeshBody, now: f64) -> Received<'_> {
+        match body {
+            MeshBody::FirstToken { decision } => match self.open.get_mut(&(sender, decision)) {
+                Some(open) if !open.handle.first_token => {
+                    open.handle.first_token = true;
+                    open.block_hashes = Vec::new();
+                    Received::FirstToken(&mut open.handle)
+                }
+                _ => Received::Nothing,
+            },
+            MeshBody::Finished { decision } => {
+                match self.open.remove(&(sender.clone(), decision)) {
+                    Some(open) => Received::Finished(open.handle),
+                    None => {
+                        self.ended_unseen(sender, decision, now);
+                        Received::Nothing
+                    }
+                }
+            }
+            MeshBody::SnapshotWanted { started_unix_s } if self.answers(now, started_unix_s) => {
+                Received::SnapshotWanted
+            }
+            MeshBody::Snapshot(snapshot) => self.adopt(snapshot, now),
             _ => Received::Nothing,
         }
     }
