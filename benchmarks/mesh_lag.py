@@ -146,6 +146,11 @@ async def main(args: argparse.Namespace) -> None:
     concurrency = parse_int_list(args.concurrency, "-c")
     if any(n < 2 for n in replicas):
         raise UserError("--replicas: a mesh needs at least 2 replicas")
+    for flag, value in (("-K", args.prefixes), ("-W", args.workers), ("--requests", args.requests or 1)):
+        if value < 1:
+            raise UserError(f"{flag} must be >= 1, got {value}")
+    if not args.time_scale > 0:
+        raise UserError(f"--time-scale must be > 0, got {args.time_scale}")
     out = args.out or Path("kvroute-results") / time.strftime("mesh-lag-%Y%m%d-%H%M%S")
     print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores; W={args.workers} K={args.prefixes}, "
           f"{args.requests or 'default'} requests, ×{args.time_scale:g}", flush=True)
@@ -175,4 +180,5 @@ if __name__ == "__main__":
     try:
         asyncio.run(main(parser.parse_args()))
     except UserError as exc:
-        sys.exit(f"error: {exc}")
+        sys.stderr.write(f"error: {exc}\n")
+        sys.exit(2)
