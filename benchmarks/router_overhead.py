@@ -121,6 +121,18 @@ async def measure(args, fmt: str, tokenizer: HFTokenizer, urls: list[str], route
     }
 
 
+def mistake(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, in one line (None: nothing)."""
+    for flag, value in (("--workers", args.workers), ("--prefixes", args.prefixes),
+                        ("--latency-requests", args.latency_requests), ("--concurrency", args.concurrency)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if args.requests <= args.latency_requests:
+        return (f"--requests ({args.requests}) must exceed --latency-requests ({args.latency_requests}): the "
+                "first are the latency pairs, the rest measure the router's CPU")
+    return None
+
+
 def added(ms: float) -> str:
     """An added latency for the table: a figure, or "noise" where the percentile through the
     router came out below the direct one (a difference of two noisy percentiles, not a gain)."""
@@ -182,4 +194,8 @@ if __name__ == "__main__":
     parser.add_argument("--json", action="store_true", help="also print the rows as JSON")
     from kvroute import aio
 
-    aio.run(main(parser.parse_args()))
+    parsed = parser.parse_args()
+    if (why := mistake(parsed)) is not None:
+        sys.stderr.write(f"error: {why}\n")
+        sys.exit(2)
+    aio.run(main(parsed))

@@ -152,6 +152,19 @@ def machine() -> str:
     return "; ".join(pick)
 
 
+def mistake(args: argparse.Namespace) -> str | None:
+    """What is wrong with the options, in one line (None: nothing)."""
+    for flag, value in (("--workers", args.workers), ("--requests", args.requests), ("--clients", args.clients)):
+        if value < 1:
+            return f"{flag} must be >= 1, got {value}"
+    if args.concurrency < args.clients:
+        return f"--concurrency ({args.concurrency}) must be at least --clients ({args.clients}): streams per client"
+    threads = args.threads.split(",")
+    if not all(t.strip().isdigit() and int(t) >= 1 for t in threads):
+        return f"--threads takes a comma list of counts >= 1, got {args.threads!r}"
+    return None
+
+
 async def main(args: argparse.Namespace) -> None:
     events = json.dumps({"enable_kv_cache_events": True, "publisher": "zmq",
                          "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*"})
@@ -197,5 +210,8 @@ if __name__ == "__main__":
     parsed = parser.parse_args()
     if parsed.client:
         aio.run(client(parsed.client, parsed.requests, parsed.concurrency, parsed.seed, parsed.part, parsed.parts))
+    elif (why := mistake(parsed)) is not None:
+        sys.stderr.write(f"error: {why}\n")
+        sys.exit(2)
     else:
         aio.run(main(parsed))

@@ -344,9 +344,9 @@ def _delta(after: PrefixCacheStats, before: PrefixCacheStats) -> PrefixCacheStat
 
 
 #: The replica mesh's delivery lag the simulator assumes unless told (``kvroute sim
-#: --mesh-lag``): a message published on one replica's PUB socket is applied on a peer's within
-#: a millisecond on loopback or a cluster network (one ZMTP frame, no queueing at these rates).
-DEFAULT_MESH_LAG_S = 0.001
+#: --mesh-lag``): the mean lag from a replica's publishing a message to a peer's applying it,
+#: as ``benchmarks/mesh_lag.py`` measures it live under the reference load (docs/results.md).
+DEFAULT_MESH_LAG_S = 0.0004
 
 
 @dataclass(frozen=True)

@@ -1,7 +1,8 @@
 """Mistakes a newcomer makes get one clear line (no traceback), and what a command prints is
 true: serve's option values and port, emulate's own port clashes and its connect-or-bind
-banner, serve's log of a dead worker, bench's base URL with /v1 and its label, and
-sim_speed.py with a missing trace."""
+banner, serve's log of a dead worker, bench's base URL with /v1 and its label,
+sim_speed.py with a missing trace, router_overhead.py and router_threads.py with too few
+requests or streams, and mesh_lag.py with one replica."""
 
 from __future__ import annotations
 
@@ -102,3 +103,18 @@ def test_sim_speed_with_a_missing_trace_exits_with_one_line(tmp_path: Path) -> N
                            str(tmp_path / "missing.jsonl")], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
     assert "cannot read trace" in proc.stderr
+
+
+def test_router_benchmarks_refuse_too_few_requests_streams_or_replicas_with_one_line() -> None:
+    def bench(script: str, *args: str) -> str:
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *args],
+                              capture_output=True, text=True, timeout=60)
+        return one_error_line(proc)
+
+    # 40 requests are all latency pairs: none would be left to measure the CPU with.
+    assert "--requests (40) must exceed --latency-requests (100)" in bench("router_overhead.py", "--requests", "40")
+    assert "--concurrency must be >= 1" in bench("router_overhead.py", "--concurrency", "0")
+    assert "--requests must be >= 1" in bench("router_threads.py", "--requests", "0")
+    assert "--concurrency (1) must be at least --clients (2)" in bench("router_threads.py", "--concurrency", "1")
+    assert "--threads takes a comma list" in bench("router_threads.py", "--threads", "1,x")
+    assert "a mesh needs at least 2 replicas" in bench("mesh_lag.py", "--replicas", "1,2")

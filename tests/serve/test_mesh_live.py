@@ -4,8 +4,9 @@ Two real routers (``kvroute serve``'s native router, each with its mesh socket) 
 one worker that holds its answers until told: a request routed by one replica is, on the
 other, load on the worker (in flight) and a prediction in its index while it runs, and
 released when it ends; each replica's ``/metrics`` counts the messages and its live peer. A
-replica that stops is forgotten by the other within the liveness window, and what it had
-routed is released there."""
+replica that stops is forgotten by the other (at once when its connection closes, else within
+the liveness window), and what it had routed is released there. A replica that starts takes
+the decisions its peer has in flight from the peer's snapshot."""
 
 from __future__ import annotations
 
@@ -121,8 +122,8 @@ async def test_a_replica_that_stops_is_forgotten_and_its_decisions_released():
                                                         json={"model": MODEL, "prompt": list(range(64)),
                                                               "max_tokens": 1}))
                     await _until(lambda: b.native.workers()[0]["in_flight"] == 1)
-                    # a goes without a word about its request: b releases it when a falls
-                    # silent (3 s of liveness), not at the decision's TTL.
+                    # a goes without a word about its request: b releases it when its
+                    # connection to a closes (or a falls silent, 3 s), not at the decision's TTL.
                     a.native.close()
                     with contextlib.suppress(aiohttp.ClientError):
                         (await sent).release()
@@ -131,6 +132,35 @@ async def test_a_replica_that_stops_is_forgotten_and_its_decisions_released():
             await _until(lambda: metric(b.metrics_text(), "kvroute_mesh_peers_live") == 0, 6.0)
             await _until(lambda: b.native.workers()[0]["in_flight"] == 0, 1.0)
             assert metric(b.metrics_text(), "kvroute_mesh_decisions_expired_total") == 1
+
+
+async def test_a_replica_that_starts_takes_the_decisions_its_peer_has_in_flight():
+    async with _worker() as (held, url), start_router(_config(url)) as a, aiohttp.ClientSession() as s:
+        sent = asyncio.ensure_future(s.post(f"{a.url}/v1/completions",
+                                            json={"model": MODEL, "prompt": list(range(2000, 2064)),
+                                                  "max_tokens": 1}))
+        await _until(lambda: held.arrived == 1)
+        # b starts after a routed the request: it never hears that decision, only a's snapshot.
+        async with start_router(_config(url)) as b:
+            a.set_peers([b.mesh_address])
+            b.set_peers([a.mesh_address])
+            await _until(lambda: metric(b.metrics_text(), "kvroute_mesh_snapshots_adopted_total") == 1)
+            text = b.metrics_text()
+            assert metric(text, "kvroute_mesh_snapshot_decisions_total") == 1
+            assert metric(text, "kvroute_mesh_decisions_open") == 1
+            assert b.native.workers()[0]["in_flight"] == 1
+            # No first token yet: the snapshot carried the prompt's 4 blocks for the prediction.
+            assert metric(text, "kvroute_router_index_predicted_entries") == 4
+            assert 0 <= metric(text, "kvroute_mesh_snapshot_adopted_seconds") < 5
+            assert metric(a.metrics_text(), "kvroute_mesh_snapshots_sent_total") >= 1
+            assert metric(a.metrics_text(), "kvroute_mesh_snapshots_adopted_total") == 0
+            held.release.set()
+            response = await sent
+            assert response.status == 200
+            response.release()
+            # a's end releases it on b as on a peer decision b had heard itself.
+            await _until(lambda: b.native.workers()[0]["in_flight"] == 0)
+            assert metric(b.metrics_text(), "kvroute_mesh_decisions_open") == 0
 
 
 def test_peers_without_a_mesh_address_are_refused():

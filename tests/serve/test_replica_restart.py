@@ -4,11 +4,14 @@ Two ``kvroute serve`` processes in a mesh behind the Service balancer, in front 
 workers that publish KV events with replay. Under load, one replica is killed with SIGKILL:
 only the requests it held fail, and they fail as broken connections (never an HTTP error
 from the replica that lives), while new connections go to the survivor. Restarted on the
-same ports, the replica rebuilds within 5 s: it answers, hears its peer, and holds as many
-index blocks as the survivor (the workers' replay). It then agrees with the survivor on at
-least 99% of the decisions for a replayed sequence of prompts over the prefixes placed
-before its restart: each prompt is asked of the restarted replica first (its choice rests on
-what it rebuilt), then, once the survivor heard that decision end, of the survivor."""
+same ports, the replica rebuilds within 5 s: it answers, hears its peer, holds as many index
+blocks as the survivor (the workers' replay) and has adopted the survivor's snapshot (the
+policy's recent shares, the decisions open). It then agrees with the survivor on at least 99%
+of the decisions for a replayed sequence of prompts over the prefixes placed before its
+restart: each prompt is asked of the restarted replica first (its choice rests on what it
+rebuilt), then, once the survivor heard that decision end, of the survivor. (The survivor
+lets the killed replica's decisions go as soon as its connection to it closes: counted in
+flight, they would skew its load guard, not the restarted replica's.)"""
 
 from __future__ import annotations
 
@@ -130,16 +133,29 @@ async def test_a_killed_replica_fails_only_its_own_requests_then_rebuilds_and_ag
                         failures.append(exc)
                     done += 1
 
+            released = None
+
             async def killer() -> None:
+                nonlocal released
                 while done < 80:
                     await asyncio.sleep(0.01)
                 await victim.kill()
+                killed = time.monotonic()
+                # The survivor lets the victim's decisions go as its connection closes, well
+                # within the liveness window (3 s) that would release them otherwise.
+                while time.monotonic() - killed < 1.0:
+                    text = await survivor.metrics(s) or ""
+                    if metric(text, "kvroute_mesh_peers_live") == 0 and metric(text, "kvroute_mesh_decisions_open") == 0:
+                        released = time.monotonic() - killed
+                        return
+                    await asyncio.sleep(0.02)
 
             await asyncio.gather(killer(), *(user() for _ in range(8)))
             # Only what the victim held: at most the 8 in flight, each a broken connection
             # (an HTTP error status would have failed `ask`'s assertion instead).
             assert len(failures) <= 8, failures
             assert done == 240
+            assert released is not None, "the survivor still counted the victim's decisions 1 s after the kill"
 
             restarted = time.monotonic()
             await victim.start()
@@ -147,6 +163,7 @@ async def test_a_killed_replica_fails_only_its_own_requests_then_rebuilds_and_ag
             while time.monotonic() - restarted < 5.0:
                 mine, theirs = await victim.metrics(s), await survivor.metrics(s)
                 if (mine is not None and metric(mine, "kvroute_mesh_peers_live") == 1
+                        and metric(mine, "kvroute_mesh_snapshots_adopted_total") == 1
                         and metric(mine, "kvroute_router_index_blocks") > 0
                         and metric(mine, "kvroute_router_index_blocks")
                         >= 0.99 * metric(theirs, "kvroute_router_index_blocks")):

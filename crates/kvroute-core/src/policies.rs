@@ -394,9 +394,22 @@ impl KvAware {
             .collect()
     }
 
-    /// Replace the recent shares (a replica taking over another's state; tests).
-    pub fn restore_shares(&mut self, shares: impl IntoIterator<Item = (String, f64)>) {
+    /// Replace the recent shares (a replica taking over another's state; tests), and, when
+    /// given, the count of decisions they averaged (which sets how fast they move on).
+    pub fn restore_shares(
+        &mut self,
+        shares: impl IntoIterator<Item = (String, f64)>,
+        decisions: Option<u64>,
+    ) {
         (self.share_names, self.share_values) = shares.into_iter().unzip();
+        if let Some(n) = decisions {
+            self.decisions = n;
+        }
+    }
+
+    /// The decisions the recent shares have counted (this replica's and those observed).
+    pub fn share_decisions(&self) -> u64 {
+        self.decisions
     }
 
     /// The recent shares by worker name.
@@ -719,6 +732,44 @@ mod tests {
         }
         assert_eq!(deciding.shares(&refs), observing.shares(&refs));
         assert_ne!(deciding.shares(&refs), vec![1.0 / 3.0; 3]);
+    }
+
+    #[test]
+    fn a_replica_restored_from_anothers_shares_decides_as_it_does() {
+        let mut workers = fleet(3);
+        let hashes = [1u64, 2, 3];
+        let mut old = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap();
+        let choose = |p: &mut KvAware, workers: &[WorkerState], i: usize| {
+            // Worker 0 holds the prefix most of the time, and every worker is busy: the share
+            // guard decides when it must be copied.
+            let overlap = [3, usize::from(i % 4 == 0) * 3, 0];
+            let view = RequestView {
+                block_hashes: &hashes,
+                prompt_tokens: 64,
+                overlap_blocks: Some(&overlap),
+                admission_wait: None,
+            };
+            let refs: Vec<&WorkerState> = workers.iter().collect();
+            p.choose(&view, &refs)
+        };
+        for w in &mut workers {
+            w.in_flight = 1;
+        }
+        for i in 0..30 {
+            choose(&mut old, &workers, i);
+        }
+        let shares: Vec<(String, f64)> = old.recent_shares().map(|(n, s)| (n.into(), s)).collect();
+        let mut new = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(9)).unwrap();
+        new.restore_shares(shares, Some(old.share_decisions()));
+        let mut fresh = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(9)).unwrap();
+        let (mut same, mut fresh_same) = (0, 0);
+        for i in 30..90 {
+            let a = choose(&mut old, &workers, i);
+            same += usize::from(a == choose(&mut new, &workers, i));
+            fresh_same += usize::from(a == choose(&mut fresh, &workers, i));
+        }
+        assert_eq!(same, 60, "restored, it decides as the original");
+        assert!(fresh_same < 60, "from the fair share it does not");
     }
 
     #[test]

@@ -133,7 +133,7 @@ impl PyPolicy {
     fn restore_shares(&mut self, shares: Vec<(String, f64)>) -> PyResult<()> {
         match &mut self.inner {
             policies::Policy::KvAware(p) => {
-                p.restore_shares(shares);
+                p.restore_shares(shares, None);
                 Ok(())
             }
             _ => Err(PyTypeError::new_err("only kv-aware keeps shares")),

@@ -35,8 +35,20 @@ pub const RECONNECT: Duration = Duration::from_millis(250);
 /// How often a peer given by host name is resolved again (a headless Service's pods change).
 pub const RESOLVE_INTERVAL: Duration = Duration::from_secs(5);
 
-/// What a subscriber connection does with each peer payload.
-pub type OnMessage = Arc<dyn Fn(&[u8]) + Send + Sync>;
+/// What a subscriber connection reports, under its connection's number (new for every
+/// connection, never 0).
+pub enum LinkEvent<'a> {
+    /// A peer's payload.
+    Message(&'a [u8]),
+    /// The connection closed (the peer went away, or it is no longer followed).
+    Closed,
+}
+
+/// What a subscriber connection does with what it reports.
+pub type OnMessage = Arc<dyn Fn(u64, LinkEvent<'_>) + Send + Sync>;
+
+/// The next connection's number.
+static NEXT_LINK: AtomicU64 = AtomicU64::new(1);
 
 /// `kvroute serve --mesh-bind/--peer`: where this replica publishes, whom it follows.
 #[derive(Clone, Debug, PartialEq)]
@@ -221,12 +233,14 @@ async fn follow_one(
         };
         if let Ok(stream) = connect {
             let _ = stream.set_nodelay(true);
+            let link = NEXT_LINK.fetch_add(1, Ordering::Relaxed);
             counters.connected.fetch_add(1, Ordering::Relaxed);
             let end = tokio::select! {
-                end = subscribe(stream, &counters, &*on_message, &mut stopped) => end,
+                end = subscribe(stream, link, &counters, &*on_message, &mut stopped) => end,
                 _ = retired.changed() => None,
             };
             counters.connected.fetch_sub(1, Ordering::Relaxed);
+            on_message(link, LinkEvent::Closed);
             if end.is_none() {
                 return;
             }
@@ -242,8 +256,9 @@ async fn follow_one(
 /// One subscriber connection until it breaks (Some) or the router stops (None).
 async fn subscribe(
     mut stream: TcpStream,
+    link: u64,
     counters: &WireCounters,
-    on_message: &(dyn Fn(&[u8]) + Send + Sync),
+    on_message: &(dyn Fn(u64, LinkEvent<'_>) + Send + Sync),
     stopped: &mut watch::Receiver<bool>,
 ) -> Option<()> {
     let mut codec = Codec::new(SocketType::Sub, MAX_MESSAGE);
@@ -265,7 +280,7 @@ async fn subscribe(
         loop {
             match codec.next_event() {
                 Ok(Some(Event::Message(m))) if m.len() == 2 && m.frame(0) == TOPIC => {
-                    on_message(m.frame(1));
+                    on_message(link, LinkEvent::Message(m.frame(1)));
                 }
                 Ok(Some(Event::Message(_))) => {
                     counters.malformed.fetch_add(1, Ordering::Relaxed);
@@ -306,7 +321,14 @@ mod tests {
             .unwrap();
         let got: Arc<Mutex<Vec<Vec<u8>>>> = Arc::default();
         let sink = got.clone();
-        let on_message: OnMessage = Arc::new(move |p: &[u8]| sink.lock().unwrap().push(p.to_vec()));
+        let closed = Arc::new(AtomicU64::new(0));
+        let closes = closed.clone();
+        let on_message: OnMessage = Arc::new(move |_, event: LinkEvent<'_>| match event {
+            LinkEvent::Message(p) => sink.lock().unwrap().push(p.to_vec()),
+            LinkEvent::Closed => {
+                closes.fetch_add(1, Ordering::Relaxed);
+            }
+        });
         let (peers, peers_rx) = watch::channel(vec![publisher.local_addr().to_string()]);
         let own: SocketAddr = "127.0.0.1:1".parse().unwrap();
         tokio::spawn(follow_peers(
@@ -341,6 +363,7 @@ mod tests {
         // Taken off the list: its connection closes and is not dialled again.
         peers.send_replace(Vec::new());
         until(|| counters.connected.load(Ordering::Relaxed) == 0).await;
+        until(|| closed.load(Ordering::Relaxed) == 1).await;
         tokio::time::sleep(RECONNECT * 2).await;
         assert_eq!(counters.connected.load(Ordering::Relaxed), 0);
         assert_eq!(counters.malformed.load(Ordering::Relaxed), 0);

@@ -93,21 +93,21 @@ fn escape(value: &str) -> String {
 }
 
 /// A histogram with fixed bucket bounds (Prometheus' cumulative text form).
-struct Histogram {
+pub(crate) struct Histogram {
     bounds: &'static [f64],
     /// Per bucket (not cumulative), then the count above the last bound, the sum and count.
     state: Mutex<(Vec<u64>, f64, u64)>,
 }
 
 impl Histogram {
-    fn new(bounds: &'static [f64]) -> Self {
+    pub(crate) fn new(bounds: &'static [f64]) -> Self {
         Self {
             bounds,
             state: Mutex::new((vec![0; bounds.len() + 1], 0.0, 0)),
         }
     }
 
-    fn observe(&self, value: f64) {
+    pub(crate) fn observe(&self, value: f64) {
         let i = self.bounds.partition_point(|&b| b < value);
         let mut s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         s.0[i] += 1;
@@ -115,7 +115,7 @@ impl Histogram {
         s.2 += 1;
     }
 
-    fn write(&self, out: &mut String, name: &str, help: &str) {
+    pub(crate) fn write(&self, out: &mut String, name: &str, help: &str) {
         let s = self.state.lock().unwrap_or_else(|p| p.into_inner());
         let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} histogram");
         let mut cumulative = 0;

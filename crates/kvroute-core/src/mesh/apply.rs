@@ -14,7 +14,7 @@ use crate::policies::{Choose, WorkerState};
 use crate::retention::{Refresh, Retention};
 use crate::routing::RoutingStep;
 
-use super::{DecisionHandle, PeerDecision};
+use super::{DecisionHandle, OpenEntry, PeerDecision};
 
 /// Apply `decision` (to worker slot `slot`) at `now` to `step`, `index`, `policy` and
 /// `retention`; `candidates` are the slots the policy would have chosen from, `owned` whether
@@ -69,6 +69,36 @@ pub fn apply_peer_decision(
         ticket: routed.ticket,
         first_token: false,
     }
+}
+
+/// A decision in flight that an adopted snapshot lists (`super::adopt`), applied to `slot`
+/// at `now`: its load and prediction as when its `Routed` is applied, with its prefill
+/// released at once if its first token came; the policy's shares and the retention model
+/// are left as the snapshot's shares have them.
+pub fn adopt_open_decision(
+    step: &mut RoutingStep,
+    index: Option<&mut KvIndex>,
+    slot: usize,
+    entry: &OpenEntry,
+    now: f64,
+) -> DecisionHandle {
+    let routed = step.route_to(
+        index,
+        slot,
+        &entry.block_hashes,
+        entry.prompt_tokens as usize,
+        now,
+    );
+    let handle = DecisionHandle {
+        slot,
+        prefill_tokens: routed.prefill_tokens,
+        ticket: routed.ticket,
+        first_token: entry.first_token,
+    };
+    if entry.first_token {
+        step.first_token(slot, routed.prefill_tokens);
+    }
+    handle
 }
 
 /// A peer decision applied as `handle` got its first token: its prefill leaves the load.

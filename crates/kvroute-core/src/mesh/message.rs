@@ -46,6 +46,43 @@ pub enum MeshBody {
         worker: String,
         block_hashes: Vec<u64>,
     },
+    /// The sender has just started (at `started_unix_s`, its wall clock) and asks its peers
+    /// for their state ([`Snapshot`]).
+    SnapshotWanted { started_unix_s: f64 },
+    /// The sender's routing state that KV-event replay cannot rebuild, for a replica that has
+    /// just started.
+    Snapshot(Snapshot),
+}
+
+/// What a newcomer cannot rebuild from the workers' KV-event replay: the policy's recent
+/// shares and the decisions still open, each with the replica that made it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Snapshot {
+    /// kv-aware's share of the recent decisions per worker URL (empty for other policies).
+    pub shares: Vec<(String, f64)>,
+    /// The decisions those shares have counted (their averaging rate depends on it).
+    pub share_decisions: u64,
+    /// The replicas the sender hears (itself first, 0 s ago) and how long ago it last heard
+    /// each, in seconds.
+    pub replicas: Vec<(String, f64)>,
+    /// Decisions not ended yet, the sender's and those it applied from its peers.
+    pub open: Vec<OpenEntry>,
+}
+
+/// One decision in flight as a [`Snapshot`] carries it.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct OpenEntry {
+    /// The instance of the replica that made it, and that replica's number for it.
+    pub replica: String,
+    pub decision: u64,
+    /// The worker's URL.
+    pub worker: String,
+    pub prompt_tokens: u32,
+    /// Whether its first token came (its prefill left the worker's load).
+    pub first_token: bool,
+    /// The prompt's block hashes, for the index's prediction (empty once the first token
+    /// came: the worker's own events then tell).
+    pub block_hashes: Vec<u64>,
 }
 
 /// One message: who sent it, its place in the sender's sequence, when, and what.
@@ -127,6 +164,13 @@ impl MeshMessage {
                 Value::from(worker.as_str()),
                 u64s_to_bin(block_hashes),
             ]),
+            MeshBody::SnapshotWanted { started_unix_s } => {
+                fields.extend([Value::from(5u8), Value::F64(*started_unix_s)]);
+            }
+            MeshBody::Snapshot(snapshot) => {
+                fields.push(Value::from(6u8));
+                snapshot.encode_into(&mut fields);
+            }
         }
         let mut out = Vec::with_capacity(64);
         rmpv::encode::write_value(&mut out, &Value::Array(fields))
@@ -173,6 +217,10 @@ impl MeshMessage {
                 worker: f.string()?,
                 block_hashes: f.u64s()?,
             },
+            5 => MeshBody::SnapshotWanted {
+                started_unix_s: f.f64()?,
+            },
+            6 => MeshBody::Snapshot(Snapshot::decode_from(&mut f)?),
             kind => return Err(DecodeError(format!("unknown kind {kind}"))),
         };
         if f.0.next().is_some() {
@@ -183,6 +231,61 @@ impl MeshMessage {
             seq,
             sent_unix_s,
             body,
+        })
+    }
+}
+
+impl Snapshot {
+    /// Its fields: `[[url, share]...]`, the count, `[[instance, heard_ago_s]...]`, then
+    /// `[[replica, decision, worker, prompt_tokens, first_token, hashes]...]`.
+    fn encode_into(&self, fields: &mut Vec<Value>) {
+        let pair =
+            |(name, x): &(String, f64)| Value::Array(vec![name.as_str().into(), Value::F64(*x)]);
+        fields.extend([
+            Value::Array(self.shares.iter().map(pair).collect()),
+            Value::from(self.share_decisions),
+            Value::Array(self.replicas.iter().map(pair).collect()),
+            Value::Array(
+                self.open
+                    .iter()
+                    .map(|e| {
+                        Value::Array(vec![
+                            e.replica.as_str().into(),
+                            e.decision.into(),
+                            e.worker.as_str().into(),
+                            e.prompt_tokens.into(),
+                            e.first_token.into(),
+                            u64s_to_bin(&e.block_hashes),
+                        ])
+                    })
+                    .collect(),
+            ),
+        ]);
+    }
+
+    fn decode_from(f: &mut Fields) -> Result<Self, DecodeError> {
+        let pairs = |f: &mut Fields| -> Result<Vec<(String, f64)>, DecodeError> {
+            f.array()?
+                .map(|mut p| Ok((p.string()?, p.f64()?)))
+                .collect()
+        };
+        Ok(Self {
+            shares: pairs(f)?,
+            share_decisions: f.u64()?,
+            replicas: pairs(f)?,
+            open: f
+                .array()?
+                .map(|mut e| {
+                    Ok(OpenEntry {
+                        replica: e.string()?,
+                        decision: e.u64()?,
+                        worker: e.string()?,
+                        prompt_tokens: e.u32()?,
+                        first_token: e.bool()?,
+                        block_hashes: e.u64s()?,
+                    })
+                })
+                .collect::<Result<_, DecodeError>>()?,
         })
     }
 }
@@ -208,6 +311,29 @@ impl Fields {
     fn u32(&mut self) -> Result<u32, DecodeError> {
         let n = self.1 + 1;
         u32::try_from(self.u64()?).map_err(|_| DecodeError(format!("field {n} exceeds u32")))
+    }
+
+    fn bool(&mut self) -> Result<bool, DecodeError> {
+        let n = self.1 + 1;
+        self.next()?
+            .as_bool()
+            .ok_or_else(|| DecodeError(format!("field {n} is not a boolean")))
+    }
+
+    /// The next field, an array, as the fields of each of its items (themselves arrays).
+    fn array(&mut self) -> Result<std::vec::IntoIter<Fields>, DecodeError> {
+        let n = self.1 + 1;
+        let Value::Array(items) = self.next()? else {
+            return Err(DecodeError(format!("field {n} is not an array")));
+        };
+        items
+            .into_iter()
+            .map(|item| match item {
+                Value::Array(inner) => Ok(Fields(inner.into_iter(), 0)),
+                _ => Err(DecodeError(format!("an item of field {n} is not an array"))),
+            })
+            .collect::<Result<Vec<_>, _>>()
+            .map(Vec::into_iter)
     }
 
     fn f64(&mut self) -> Result<f64, DecodeError> {
@@ -286,6 +412,36 @@ mod tests {
                 worker: "http://w1:8000".into(),
                 block_hashes: vec![3, 4],
             },
+            MeshBody::SnapshotWanted {
+                started_unix_s: 1_700_000_000.5,
+            },
+            MeshBody::Snapshot(Snapshot::default()),
+            MeshBody::Snapshot(Snapshot {
+                shares: vec![
+                    ("http://w0:8000".into(), 0.25),
+                    ("http://w1:8000".into(), 0.75),
+                ],
+                share_decisions: 1234,
+                replicas: vec![("1f-2e".into(), 0.0), ("3a-4b".into(), 0.5)],
+                open: vec![
+                    OpenEntry {
+                        replica: "3a-4b".into(),
+                        decision: 9,
+                        worker: "http://w1:8000".into(),
+                        prompt_tokens: 2435,
+                        first_token: false,
+                        block_hashes: vec![u64::MAX, 0, 7],
+                    },
+                    OpenEntry {
+                        replica: "1f-2e".into(),
+                        decision: 10,
+                        worker: "http://w0:8000".into(),
+                        prompt_tokens: 12,
+                        first_token: true,
+                        block_hashes: Vec::new(),
+                    },
+                ],
+            }),
         ] {
             let m = message(body);
             assert_eq!(MeshMessage::decode(&m.encode()), Ok(m));

@@ -18,8 +18,14 @@
 //! wrong answer. It also names each worker's retention owner ([`Mesh::owner`]): rendezvous
 //! hashing over the live replicas (this one and every peer heard within the liveness window),
 //! so that one replica refreshes a worker's prefixes and a replica that leaves hands its
-//! workers over when its peers stop hearing it.
+//! workers over when its peers stop hearing it (or at once when the connection to it closes:
+//! a killed replica's requests broke with it).
+//!
+//! A replica that has just started rebuilds its index from the workers' KV-event replay, but
+//! not what only the replicas know: [`adopt`] has it ask its peers for a [`Snapshot`] of it
+//! (the policy's recent shares, the decisions still open) and adopt the first that arrives.
 
+pub mod adopt;
 pub mod apply;
 pub mod message;
 
@@ -27,7 +33,7 @@ use std::collections::HashMap;
 
 use xxhash_rust::xxh3::xxh3_64;
 
-pub use message::{DecodeError, MeshBody, MeshMessage};
+pub use message::{DecodeError, MeshBody, MeshMessage, OpenEntry, Snapshot};
 
 /// The mesh's knobs.
 #[derive(Clone, Copy, Debug, PartialEq)]
@@ -66,7 +72,10 @@ pub struct PeerView {
     pub lost: u64,
     /// Its last message's lag: receipt minus sending, on the two wall clocks.
     pub lag_s: f64,
-    last_seq: u64,
+    /// The connection its messages came on last (0: none yet, known from a snapshot).
+    link: u64,
+    /// Its last sequence number seen (None: none yet).
+    last_seq: Option<u64>,
 }
 
 /// The mesh's counters.
@@ -82,6 +91,11 @@ pub struct MeshStats {
     pub refused: u64,
     /// Peer decisions released without their `Finished` (expired or their peer gone).
     pub expired: u64,
+    /// Snapshots of this replica's state sent to peers that had just started.
+    pub snapshots_sent: u64,
+    /// Snapshots adopted (at most one per start) and the open decisions they brought.
+    pub snapshots_adopted: u64,
+    pub adopted_decisions: u64,
 }
 
 /// What a peer's decision carries that the routing state needs.
@@ -125,6 +139,19 @@ pub enum Received<'a> {
         worker: &'a str,
         block_hashes: &'a [u64],
     },
+    /// A peer that has just started asks for this replica's state: publish
+    /// [`Mesh::snapshot`].
+    SnapshotWanted,
+    /// This replica, just started, adopts a peer's state: restore the policy's shares, apply
+    /// each open decision ([`apply::adopt_open_decision`]), then give them to
+    /// [`Mesh::adopted`].
+    Adopt {
+        /// kv-aware's recent shares by worker URL, and the decisions they counted.
+        shares: Vec<(String, f64)>,
+        share_decisions: u64,
+        /// Decisions in flight not known here yet.
+        open: Vec<OpenEntry>,
+    },
 }
 
 /// A peer decision as the router applied it: the worker's slot, the prompt tokens charged to
@@ -141,6 +168,11 @@ pub struct DecisionHandle {
 struct OpenDecision {
     handle: DecisionHandle,
     expires: f64,
+    /// What a snapshot says of it: the worker's URL, the prompt's length and its block
+    /// hashes (dropped at the first token).
+    worker: String,
+    prompt_tokens: u32,
+    block_hashes: Vec<u64>,
 }
 
 /// The mesh's state (see the module docs).
@@ -149,6 +181,9 @@ pub struct Mesh {
     config: MeshConfig,
     peers: HashMap<String, PeerView>,
     open: HashMap<(String, u64), OpenDecision>,
+    /// This replica's own decisions not ended, as a snapshot carries them.
+    own: HashMap<u64, OpenEntry>,
+    adoption: adopt::Adoption,
     seq: u64,
     next_decision: u64,
     last_sent: f64,
@@ -165,6 +200,8 @@ impl Mesh {
             config,
             peers: HashMap::new(),
             open: HashMap::new(),
+            own: HashMap::new(),
+            adoption: adopt::Adoption::default(),
             seq: 0,
             next_decision: 0,
             last_sent: f64::NEG_INFINITY,
@@ -208,7 +245,38 @@ impl Mesh {
     }
 
     /// `body` as the next message to publish, at `now` (monotonic) and `now_unix` (wall).
+    /// This replica's decisions are kept from their `Routed` to their `Finished`, for the
+    /// snapshots it may send (at most [`MeshConfig::max_open`]).
     pub fn message(&mut self, body: MeshBody, now: f64, now_unix: f64) -> MeshMessage {
+        match &body {
+            MeshBody::Routed {
+                decision,
+                worker,
+                block_hashes,
+                prompt_tokens,
+                ..
+            } if self.own.len() < self.config.max_open => {
+                let entry = OpenEntry {
+                    replica: self.me.clone(),
+                    decision: *decision,
+                    worker: worker.clone(),
+                    prompt_tokens: *prompt_tokens,
+                    first_token: false,
+                    block_hashes: block_hashes.clone(),
+                };
+                self.own.insert(*decision, entry);
+            }
+            MeshBody::FirstToken { decision } => {
+                if let Some(entry) = self.own.get_mut(decision) {
+                    entry.first_token = true;
+                    entry.block_hashes = Vec::new();
+                }
+            }
+            MeshBody::Finished { decision } => {
+                self.own.remove(decision);
+            }
+            _ => {}
+        }
         self.seq += 1;
         self.stats.sent += 1;
         self.last_sent = now;
@@ -227,9 +295,15 @@ impl Mesh {
             .then(|| self.message(MeshBody::Heartbeat, now, now_unix))
     }
 
-    /// Take in a peer's message at `now` (monotonic) and `now_unix` (wall): count it, and say
-    /// what it asks of the router ([`Received`]).
-    pub fn receive(&mut self, message: MeshMessage, now: f64, now_unix: f64) -> Received<'_> {
+    /// Take in a peer's message, which came on connection `link`, at `now` (monotonic) and
+    /// `now_unix` (wall): count it, and say what it asks of the router ([`Received`]).
+    pub fn receive(
+        &mut self,
+        link: u64,
+        message: MeshMessage,
+        now: f64,
+        now_unix: f64,
+    ) -> Received<'_> {
         if message.sender == self.me {
             return Received::Nothing;
         }
@@ -239,22 +313,29 @@ impl Mesh {
             .entry(message.sender.clone())
             .or_insert_with(|| PeerView {
                 instance: message.sender.clone(),
-                last_seq: message.seq.saturating_sub(1),
                 ..PeerView::default()
             });
+        peer.link = link;
         peer.last_heard = now;
         peer.received += 1;
         peer.lag_s = (now_unix - message.sent_unix_s).max(0.0);
-        if message.seq > peer.last_seq + 1 {
-            let lost = message.seq - peer.last_seq - 1;
+        if let Some(last) = peer.last_seq
+            && message.seq > last + 1
+        {
+            let lost = message.seq - last - 1;
             peer.lost += lost;
             self.stats.lost += lost;
         }
-        peer.last_seq = peer.last_seq.max(message.seq);
+        peer.last_seq = Some(peer.last_seq.map_or(message.seq, |l| l.max(message.seq)));
         let sender = message.sender.clone();
+        if !matches!(
+            message.body,
+            MeshBody::Routed { .. } | MeshBody::Refreshed { .. }
+        ) {
+            return self.control(sender, message.body, now);
+        }
         let message = self.current.insert(message);
         match &message.body {
-            MeshBody::Heartbeat => Received::Nothing,
             MeshBody::Routed {
                 decision,
                 worker,
@@ -285,17 +366,6 @@ impl Mesh {
                     cache_salt,
                 }
             }
-            MeshBody::FirstToken { decision } => match self.open.get_mut(&(sender, *decision)) {
-                Some(open) if !open.handle.first_token => {
-                    open.handle.first_token = true;
-                    Received::FirstToken(&mut open.handle)
-                }
-                _ => Received::Nothing,
-            },
-            MeshBody::Finished { decision } => match self.open.remove(&(sender, *decision)) {
-                Some(open) => Received::Finished(open.handle),
-                None => Received::Nothing,
-            },
             MeshBody::Refreshed {
                 worker,
                 block_hashes,
@@ -303,6 +373,36 @@ impl Mesh {
                 worker,
                 block_hashes,
             },
+            _ => Received::Nothing,
+        }
+    }
+
+    /// A peer's message that asks nothing of the routing state but a handle's release, or of
+    /// this replica a snapshot sent or adopted.
+    fn control(&mut self, sender: String, body: MeshBody, now: f64) -> Received<'_> {
+        match body {
+            MeshBody::FirstToken { decision } => match self.open.get_mut(&(sender, decision)) {
+                Some(open) if !open.handle.first_token => {
+                    open.handle.first_token = true;
+                    open.block_hashes = Vec::new();
+                    Received::FirstToken(&mut open.handle)
+                }
+                _ => Received::Nothing,
+            },
+            MeshBody::Finished { decision } => {
+                match self.open.remove(&(sender.clone(), decision)) {
+                    Some(open) => Received::Finished(open.handle),
+                    None => {
+                        self.ended_unseen(sender, decision, now);
+                        Received::Nothing
+                    }
+                }
+            }
+            MeshBody::SnapshotWanted { started_unix_s } if self.answers(now, started_unix_s) => {
+                Received::SnapshotWanted
+            }
+            MeshBody::Snapshot(snapshot) => self.adopt(snapshot, now),
+            _ => Received::Nothing,
         }
     }
 
@@ -315,14 +415,36 @@ impl Mesh {
         handle: Option<DecisionHandle>,
         now: f64,
     ) {
-        match handle {
-            Some(handle) => {
-                let expires = now + self.config.decision_ttl_s;
-                self.open
-                    .insert((peer, decision), OpenDecision { handle, expires });
+        let Some(handle) = handle else {
+            self.stats.refused += 1;
+            return;
+        };
+        // What a snapshot will say of it, from the message being applied.
+        let (worker, prompt_tokens, block_hashes) = match self.current.as_ref() {
+            Some(MeshMessage {
+                sender,
+                body:
+                    MeshBody::Routed {
+                        decision: d,
+                        worker,
+                        prompt_tokens,
+                        block_hashes,
+                        ..
+                    },
+                ..
+            }) if *sender == peer && *d == decision => {
+                (worker.clone(), *prompt_tokens, block_hashes.clone())
             }
-            None => self.stats.refused += 1,
-        }
+            _ => Default::default(),
+        };
+        let open = OpenDecision {
+            handle,
+            expires: now + self.config.decision_ttl_s,
+            worker,
+            prompt_tokens,
+            block_hashes,
+        };
+        self.open.insert((peer, decision), open);
     }
 
     /// Release, at `now`, the peer decisions past their TTL and those of peers not heard
@@ -336,7 +458,25 @@ impl Mesh {
             .filter(|p| now - p.last_heard > liveness)
             .map(|p| p.instance.clone())
             .collect();
-        for g in &gone {
+        self.release(&gone, now)
+    }
+
+    /// The connection `link` to a peer's PUB socket closed at `now`: the peers heard on it
+    /// are gone (a killed replica's connection closes with it; a live one that only lost its
+    /// connection is heard again at its next message), their open decisions released.
+    pub fn link_closed(&mut self, link: u64, now: f64) -> Vec<DecisionHandle> {
+        let gone: Vec<String> = self
+            .peers
+            .values()
+            .filter(|p| p.link == link && link != 0)
+            .map(|p| p.instance.clone())
+            .collect();
+        self.release(&gone, now)
+    }
+
+    /// Forget the peers `gone` and release their decisions and those past their TTL.
+    fn release(&mut self, gone: &[String], now: f64) -> Vec<DecisionHandle> {
+        for g in gone {
             self.peers.remove(g);
         }
         let mut released = Vec::new();
@@ -432,7 +572,7 @@ mod tests {
     #[test]
     fn a_peer_decision_is_applied_then_released_at_its_end() {
         let mut mesh = Mesh::new("me", MeshConfig::default());
-        match mesh.receive(routed("p", 1, 7), 10.0, 100.25) {
+        match mesh.receive(1, routed("p", 1, 7), 10.0, 100.25) {
             Received::Routed {
                 peer,
                 decision,
@@ -451,17 +591,20 @@ mod tests {
             ..end("p", 2, 7)
         };
         assert!(matches!(
-            mesh.receive(first.clone(), 10.1, 100.3),
+            mesh.receive(1, first.clone(), 10.1, 100.3),
             Received::FirstToken(h) if h.prefill_tokens == 24
         ));
         // A first token said twice is released once.
-        assert_eq!(mesh.receive(first, 10.1, 100.3), Received::Nothing);
-        let Received::Finished(h) = mesh.receive(end("p", 3, 7), 10.2, 100.5) else {
+        assert_eq!(mesh.receive(1, first, 10.1, 100.3), Received::Nothing);
+        let Received::Finished(h) = mesh.receive(1, end("p", 3, 7), 10.2, 100.5) else {
             panic!("the end releases the decision")
         };
         assert!(h.first_token);
         assert_eq!(mesh.open_decisions(), 0);
-        assert_eq!(mesh.receive(end("p", 4, 7), 10.3, 100.6), Received::Nothing);
+        assert_eq!(
+            mesh.receive(1, end("p", 4, 7), 10.3, 100.6),
+            Received::Nothing
+        );
         let peer = mesh.peers().next().unwrap();
         assert_eq!((peer.received, peer.lost), (5, 0));
         assert!((peer.lag_s - 0.1).abs() < 1e-9);
@@ -472,7 +615,7 @@ mod tests {
         let mut mesh = Mesh::new("me", MeshConfig::default());
         let mine = mesh.message(MeshBody::Heartbeat, 0.0, 0.0);
         assert_eq!(mine.seq, 1);
-        assert_eq!(mesh.receive(mine, 0.0, 0.0), Received::Nothing);
+        assert_eq!(mesh.receive(1, mine, 0.0, 0.0), Received::Nothing);
         assert_eq!(mesh.stats().received, 0);
         assert_eq!(mesh.live_peers(0.0), 0);
     }
@@ -480,8 +623,8 @@ mod tests {
     #[test]
     fn gaps_in_a_peers_sequence_count_as_lost() {
         let mut mesh = Mesh::new("me", MeshConfig::default());
-        let _ = mesh.receive(end("p", 5, 1), 0.0, 0.0); // joined mid-stream: no loss counted
-        let _ = mesh.receive(end("p", 9, 2), 0.0, 0.0);
+        let _ = mesh.receive(1, end("p", 5, 1), 0.0, 0.0); // joined mid-stream: no loss counted
+        let _ = mesh.receive(1, end("p", 9, 2), 0.0, 0.0);
         assert_eq!(mesh.stats().lost, 3);
     }
 
@@ -493,26 +636,29 @@ mod tests {
             max_open: 2,
         };
         let mut mesh = Mesh::new("me", config);
-        let _ = mesh.receive(routed("p", 1, 1), 0.0, 0.0);
+        let _ = mesh.receive(1, routed("p", 1, 1), 0.0, 0.0);
         mesh.opened("p".into(), 1, Some(HANDLE), 0.0);
-        let _ = mesh.receive(routed("q", 1, 1), 0.0, 0.0);
+        let _ = mesh.receive(1, routed("q", 1, 1), 0.0, 0.0);
         mesh.opened("q".into(), 1, Some(HANDLE), 0.0);
         // Over max_open: refused, not applied.
-        assert_eq!(mesh.receive(routed("q", 2, 2), 0.0, 0.0), Received::Nothing);
+        assert_eq!(
+            mesh.receive(1, routed("q", 2, 2), 0.0, 0.0),
+            Received::Nothing
+        );
         assert_eq!(mesh.stats().refused, 1);
         // p keeps talking (heartbeats), q goes silent.
         let beat = MeshMessage {
             body: MeshBody::Heartbeat,
             ..end("p", 2, 0)
         };
-        let _ = mesh.receive(beat.clone(), 2.5, 0.0);
+        let _ = mesh.receive(1, beat.clone(), 2.5, 0.0);
         assert_eq!(mesh.expire(4.0).len(), 1, "q's decision goes with q");
         assert_eq!(mesh.live_peers(4.0), 1);
         for t in [5.0, 7.5, 10.0, 12.5, 15.0, 17.5, 20.0] {
-            let _ = mesh.receive(beat.clone(), t, 0.0);
+            let _ = mesh.receive(1, beat.clone(), t, 0.0);
             assert!(mesh.expire(t).is_empty());
         }
-        let _ = mesh.receive(beat, 60.0, 0.0);
+        let _ = mesh.receive(1, beat, 60.0, 0.0);
         assert_eq!(mesh.expire(60.0).len(), 1, "p's decision outlived its TTL");
         assert_eq!(mesh.stats().expired, 2);
     }
@@ -527,7 +673,7 @@ mod tests {
             .collect();
         for mesh in &mut meshes {
             for (seq, n) in names.iter().enumerate() {
-                let _ = mesh.receive(end(n, seq as u64 + 1, 0), 0.0, 0.0);
+                let _ = mesh.receive(1, end(n, seq as u64 + 1, 0), 0.0, 0.0);
             }
         }
         for w in &workers {
@@ -550,7 +696,7 @@ mod tests {
             .collect();
         for (i, mesh) in meshes.iter_mut().take(2).enumerate() {
             let other = names[1 - i];
-            let _ = mesh.receive(end(other, 10, 0), 4.0, 0.0);
+            let _ = mesh.receive(1, end(other, 10, 0), 4.0, 0.0);
         }
         for (w, was) in workers.iter().zip(&before) {
             let now_a = meshes[0].owner(w, 5.0);
@@ -561,6 +707,25 @@ mod tests {
                 assert_ne!(now_a, "c");
             }
         }
+    }
+
+    #[test]
+    fn a_closed_connection_lets_its_peer_go_at_once() {
+        let mut mesh = Mesh::new("me", MeshConfig::default());
+        let _ = mesh.receive(1, routed("p", 1, 1), 0.0, 0.0);
+        mesh.opened("p".into(), 1, Some(HANDLE), 0.0);
+        let _ = mesh.receive(2, routed("q", 1, 1), 0.0, 0.0);
+        mesh.opened("q".into(), 1, Some(HANDLE), 0.0);
+        assert!(mesh.link_closed(3, 0.5).is_empty(), "no peer came on it");
+        assert_eq!(
+            mesh.link_closed(1, 0.5).len(),
+            1,
+            "p's decision goes with p"
+        );
+        assert_eq!((mesh.live_peers(0.5), mesh.open_decisions()), (1, 1));
+        // p heard again (a new connection): a peer again; its old decision's end is a no-op.
+        assert_eq!(mesh.receive(4, end("p", 2, 1), 0.6, 0.0), Received::Nothing);
+        assert_eq!(mesh.live_peers(0.6), 2);
     }
 
     #[test]

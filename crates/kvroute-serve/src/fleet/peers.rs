@@ -1,6 +1,7 @@
 //! The fleet's side of the replica mesh (`kvroute_core::mesh`): a peer replica's decisions
 //! and refreshes applied to this replica's routing step, index and retention model as if it
-//! had made them, and which workers' retention this replica owns.
+//! had made them, which workers' retention this replica owns, and the policy state and open
+//! decisions a snapshot hands to a replica that has just started.
 //!
 //! A peer's decision is applied by `kvroute_core::mesh::apply`'s rule (the simulator's
 //! replicas follow it too), with the tenant its refreshes will carry remembered here. Workers are named by URL between replicas: every replica reaches
@@ -9,9 +10,10 @@
 use std::collections::HashSet;
 
 use kvroute_core::mesh::apply::{
-    apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
+    adopt_open_decision, apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
 };
-use kvroute_core::mesh::{DecisionHandle, PeerDecision};
+use kvroute_core::mesh::{DecisionHandle, OpenEntry, PeerDecision};
+use kvroute_core::policies::Policy;
 use kvroute_io::consumer::lock_index;
 
 use super::{Fleet, IdleRefreshes, RefreshTenant, remember_tenant};
@@ -108,5 +110,54 @@ impl Fleet {
             block_hashes,
             now,
         );
+    }
+
+    /// kv-aware's recent shares by worker URL and the decisions they counted, for a
+    /// snapshot (empty for the other policies, which keep no such state).
+    pub fn recent_shares(&self) -> (Vec<(String, f64)>, u64) {
+        let Policy::KvAware(p) = &self.policy else {
+            return (Vec::new(), 0);
+        };
+        let shares = p
+            .recent_shares()
+            .filter_map(|(name, share)| {
+                let member = self.members.iter().find(|m| m.name == name)?;
+                Some((member.url.clone(), share))
+            })
+            .collect();
+        (shares, p.share_decisions())
+    }
+
+    /// Take a peer's recent shares (by worker URL; workers not known here are left out, a
+    /// share that is not a fraction refuses them all) and the decisions they counted.
+    pub fn adopt_shares(&mut self, shares: &[(String, f64)], decisions: u64) {
+        let Policy::KvAware(p) = &mut self.policy else {
+            return;
+        };
+        if shares.is_empty() || shares.iter().any(|(_, s)| !(0.0..=1.0).contains(s)) {
+            return;
+        }
+        let by_name: Vec<(String, f64)> = shares
+            .iter()
+            .filter_map(|(url, share)| {
+                let member = self.members.iter().find(|m| m.url == *url)?;
+                Some((member.name.clone(), *share))
+            })
+            .collect();
+        p.restore_shares(by_name, Some(decisions));
+    }
+
+    /// Apply a decision in flight that an adopted snapshot lists, at `now`: its handle to
+    /// release at its end (None for a worker this replica does not know).
+    pub fn adopt_open(&mut self, entry: &OpenEntry, now: f64) -> Option<DecisionHandle> {
+        let slot = self.members.iter().find(|m| m.url == entry.worker)?.slot;
+        let mut index = lock_index(&self.index);
+        Some(adopt_open_decision(
+            &mut self.routing,
+            Some(&mut index),
+            slot,
+            entry,
+            now,
+        ))
     }
 }
