@@ -34,20 +34,6 @@ pub const MAX_DECISIONS: usize = 4096;
 /// Block hashes a snapshot carries at most (2 MiB); decisions past it travel without theirs.
 pub const MAX_BLOCKS: usize = 1 << 18;
 
-/// Where a replica stands with adoption.
-#[derive(Debug, Default)]
-pub(super) struct Adoption {
-    /// When it first asked (its start), on the monotonic and the wall clock.
-    started: Option<f64>,
-    started_unix: Option<f64>,
-    /// When it adopted a snapshot, since its start.
-    adopted_after: Option<f64>,
-    last_asked: Option<f64>,
-    last_answered: Option<f64>,
-    /// Peer decisions whose end came before any snapshot: not to be opened from one.
-    ended: HashSet<(String, u64)>,
-}
-
 impl Mesh {
     /// Whether this replica would still adopt a snapshot at `now`.
     pub fn fresh(&self, now: f64) -> bool {

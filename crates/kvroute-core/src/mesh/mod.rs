@@ -29,7 +29,7 @@ pub mod adopt;
 pub mod apply;
 pub mod message;
 
-use std::collections::HashMap;
+use std::collections::{HashMap, HashSet};
 
 use xxhash_rust::xxh3::xxh3_64;
 
@@ -175,6 +175,20 @@ struct OpenDecision {
     block_hashes: Vec<u64>,
 }
 
+/// Where a replica stands with adopting a peer's snapshot ([`adopt`]).
+#[derive(Debug, Default)]
+struct Adoption {
+    /// When it first asked (its start), on the monotonic and the wall clock.
+    started: Option<f64>,
+    started_unix: Option<f64>,
+    /// When it adopted a snapshot, since its start.
+    adopted_after: Option<f64>,
+    last_asked: Option<f64>,
+    last_answered: Option<f64>,
+    /// Peer decisions whose end came before any snapshot: not to be opened from one.
+    ended: HashSet<(String, u64)>,
+}
+
 /// The mesh's state (see the module docs).
 pub struct Mesh {
     me: String,
@@ -183,7 +197,7 @@ pub struct Mesh {
     open: HashMap<(String, u64), OpenDecision>,
     /// This replica's own decisions not ended, as a snapshot carries them.
     own: HashMap<u64, OpenEntry>,
-    adoption: adopt::Adoption,
+    adoption: Adoption,
     seq: u64,
     next_decision: u64,
     last_sent: f64,
@@ -201,7 +215,7 @@ impl Mesh {
             peers: HashMap::new(),
             open: HashMap::new(),
             own: HashMap::new(),
-            adoption: adopt::Adoption::default(),
+            adoption: Adoption::default(),
             seq: 0,
             next_decision: 0,
             last_sent: f64::NEG_INFINITY,
