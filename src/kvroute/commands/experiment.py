@@ -230,6 +230,7 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         max_model_len=args.max_model_len or (VLLM_MAX_MODEL_LEN if args.engine == "vllm" else DEFAULT_MAX_MODEL_LEN),
         router_replicas=args.router_replicas,
         router_mesh=not args.no_mesh,
+        max_loras=args.max_loras,
     )
 
 
@@ -273,7 +274,7 @@ def run(args: argparse.Namespace) -> int:
     adapters = max(spec.adapters for spec in plan.specs) if plan.specs else 0
     if adapters:
         modules = [f"{adapter_name(i)}=/adapters/{adapter_name(i)}" for i in range(adapters)]
-        emulate_args += ["--enable-lora", "--max-loras", str(args.max_loras), "--lora-modules", *modules]
+        emulate_args += ["--enable-lora", "--max-loras", str(plan.max_loras), "--lora-modules", *modules]
     if args.engine == "vllm":
         install, vllm_options = _vllm_options(args, plan)
 
