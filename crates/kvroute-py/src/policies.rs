@@ -181,6 +181,10 @@ impl PyPolicy {
         Ok(self.kv_aware()?.config().share_weight)
     }
     #[getter]
+    fn adapter_weight(&self) -> PyResult<f64> {
+        Ok(self.kv_aware()?.config().adapter_weight)
+    }
+    #[getter]
     fn admission_wait(&self) -> PyResult<Option<f64>> {
         Ok(self.kv_aware()?.config().admission_wait)
     }
