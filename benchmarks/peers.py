@@ -5,7 +5,11 @@ Two measurements, each over the same seeded requests (the reference workload: K 
 set of workers for every router so each starts with cold caches:
 
 ``compare`` (default K = 24, W = 6, concurrency 8 and 16; ``--zipf`` and ``--prefix-tokens``
-skew the prefixes' popularity or mix their lengths)
+skew the prefixes' popularity or mix their lengths; ``--adapters N --adapter-zipf A --salted``
+make it the tenant workload of ``kvroute bench``: each prefix a tenant's, its requests naming
+the tenant's LoRA adapter as ``model`` and its ``cache_salt``, the emulated workers serving the
+adapters in ``--max-loras`` slots and kvroute told the same; Dynamo's mocker workers serve no
+adapters, so it is refused there)
     Every router in front of the same kind of emulated workers (``kvroute emulate``, real-time
     ``reference-gpu`` timing, 1 GiB of KV cache each, a local tokenizer written by
     ``kvroute make-tiny-model`` so peers can tokenize). Reports the request hit rate (responses'
@@ -131,7 +135,7 @@ from kvroute.gateway import envoy_binary, envoy_config
 from kvroute.records import RequestRecord, TrialStats
 from kvroute.tokens import load_tokenizer, safe_vocabulary
 from kvroute.workers import Workers, cpu_times, free_ports, launch_emulated
-from kvroute.workload import LengthDist, WorkloadSpec
+from kvroute.workload import LengthDist, WorkloadSpec, emulated_lora_args
 
 #: Plain relays that do no routing: references for the overhead mode, measured only on request.
 RELAYS = ("floor", "haproxy", "envoy")
@@ -208,6 +212,9 @@ SETTINGS: dict[str, dict[str, Setting]] = {
         "retention-off-admission": Setting("retention-off-admission", (
             "--retention", "off", "--policy-option", "admission_wait=0.2"), (
             "the admission guard without retention")),
+        "adapter-off": Setting("adapter-off", ("--policy-option", "adapter_weight=0"), (
+            "kv-aware without its adapter term (adapter affinity, docs/router.md): for the "
+            "tenant workload (--adapters), against the shipped weight")),
     },
     "floor": {"defaults": Setting("defaults", why="the bare aiohttp + uvloop relay (overhead only)")},
     "envoy": {"defaults": Setting("defaults", why=(
@@ -682,6 +689,14 @@ class Env:
     logs: Path
     run_dir: Path
     extra_args: dict[str, list[str]] = field(default_factory=dict)  # appended per router
+    #: More ``kvroute emulate`` flags for every router's workers (the tenants' LoRA adapters).
+    worker_args: tuple[str, ...] = ()
+    #: The workers' LoRA slots, told to kvroute (None: the workload has no adapters).
+    max_loras: int | None = None
+
+    def kvroute_args(self) -> list[str]:
+        """What kvroute serve and epp are told of the workers beyond their URLs."""
+        return [] if self.max_loras is None else ["--max-loras", str(self.max_loras)]
 
 
 def _peer(env: Env, router: str) -> Install:
@@ -702,7 +717,7 @@ def router_command(router: str, setting: Setting, env: Env, port: int, backends:
     elif router == "kvroute":
         cmd = [sys.executable, "-m", "kvroute", "serve", "--host", "127.0.0.1", "--port", str(port),
                "--policy", "kv-aware", "--tokenizer", str(env.tokenizer),
-               "--block-size", str(BLOCK_SIZE), "--seed", "0"]
+               "--block-size", str(BLOCK_SIZE), "--seed", "0", *env.kvroute_args()]
         for u, events in zip(backends.urls, backends.kv_events, strict=True):
             cmd += ["--worker", u, "--kv-events", f"{u}={events}"]
     elif router == "floor":
@@ -834,7 +849,7 @@ async def launch(entry: RouterEntry, env: Env, timing: str, tag: str) -> RouterR
     if router == "gateway":
         return await _launch_gateway(env, entry.setting, timing, tag)
     backends = await start_emulated(env.workers, env.tokenizer, timing, env.run_dir,
-                                    WORKER_ARGS.get(router, ()))
+                                    (*WORKER_ARGS.get(router, ()), *env.worker_args))
     port = free_ports(1)[0]
     url = f"http://127.0.0.1:{port}"
     log = env.logs / f"{router}-{entry.setting.name}-{tag}.log"
@@ -859,13 +874,13 @@ async def launch(entry: RouterEntry, env: Env, timing: str, tag: str) -> RouterR
 async def _launch_gateway(env: Env, setting: Setting, timing: str, tag: str) -> RouterRun:
     """kvroute epp (as kvroute serve is started: kv-aware, KV events, the tokenizer) and Envoy
     configured as an Inference Gateway in front of it; both processes' CPU is the router's."""
-    backends = await start_emulated(env.workers, env.tokenizer, timing, env.run_dir)
+    backends = await start_emulated(env.workers, env.tokenizer, timing, env.run_dir, env.worker_args)
     port, grpc, metrics = free_ports(3)
     processes: list[Process] = []
     try:
         cmd = [sys.executable, "-m", "kvroute", "epp", "--host", "127.0.0.1", "--port", str(metrics),
                "--grpc-port", str(grpc), "--policy", "kv-aware", "--tokenizer", str(env.tokenizer),
-               "--block-size", str(BLOCK_SIZE), "--seed", "0"]
+               "--block-size", str(BLOCK_SIZE), "--seed", "0", *env.kvroute_args()]
         for u, events in zip(backends.urls, backends.kv_events, strict=True):
             cmd += ["--worker", u, "--kv-events", f"{u}={events}"]
         cmd += list(setting.args) + env.extra_args.get("gateway", [])
@@ -1429,6 +1444,17 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     g.add_argument("--prefix-tokens", default="2032", metavar="N|LO:HI",
                    help="prefix length in tokens: fixed or a uniform range, e.g. 1000:3600 "
                         "(default %(default)s, the reference's)")
+    g.add_argument("--adapters", type=int, default=0, metavar="N",
+                   help="tenants under N LoRA adapters, as kvroute bench's flag: each prefix "
+                        "belongs to one, its requests name it as model (default %(default)s: none)")
+    g.add_argument("--adapter-zipf", type=float, default=0.0, metavar="ALPHA",
+                   help="the adapters' popularity skew over the prefixes, as kvroute bench's "
+                        "(default %(default)s)")
+    g.add_argument("--salted", action="store_true",
+                   help="each tenant's requests carry its own cache_salt, as kvroute bench's")
+    g.add_argument("--max-loras", type=int, default=4, metavar="N",
+                   help="with --adapters: the emulated workers' LoRA slots (their --max-loras), "
+                        "told to kvroute too (default %(default)s, kvroute experiment's)")
     g.add_argument("--warmup", default="on", metavar="on|off|on,off",
                    help="the sequential warmup (one request per prefix, one at a time) before each "
                         "measured window: on, off, or both as separate rows (default %(default)s)")
@@ -1490,6 +1516,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         p.error("--runs must be >= 1")
     if args.zipf < 0:
         p.error("--zipf must be >= 0")
+    if args.adapters < 0 or args.adapter_zipf < 0 or args.max_loras < 1:
+        p.error("--adapters and --adapter-zipf must be >= 0, --max-loras >= 1")
+    if (args.adapters or args.salted) and "dynamo" in args.router_list:
+        p.error("--adapters and --salted need the emulated workers: dynamo runs its own mocker "
+                "workers, which serve no LoRA adapters; drop dynamo from --routers")
     try:
         args.prefix_length = LengthDist.parse(args.prefix_tokens)
     except UserError as exc:
@@ -1502,9 +1533,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 
 def describe_workload(args: argparse.Namespace) -> str:
-    """The compare workload in words: prefix lengths and popularity."""
+    """The compare workload in words: prefix lengths, popularity and tenants."""
     popularity = f"Zipf α {args.zipf:g}" if args.zipf else "uniform"
-    return f"prefixes of {args.prefix_tokens} tokens, {popularity}"
+    tenants = ""
+    if args.adapters:
+        tenants = (f", {args.adapters} adapters (Zipf {args.adapter_zipf:g}, --max-loras "
+                   f"{args.max_loras})")
+    if args.salted:
+        tenants += ", salted"
+    return f"prefixes of {args.prefix_tokens} tokens, {popularity}{tenants}"
 
 
 #: The reference's prefix length.
@@ -1513,13 +1550,15 @@ REFERENCE_PREFIX = LengthDist.fixed(2032)
 
 def make_workload(tokenizer_dir: Path, prefixes: int, requests: int | None, output_tokens: int,
                   seed: int, zipf: float = 0.0, prefix_tokens: LengthDist = REFERENCE_PREFIX,
+                  adapters: int = 0, adapter_zipf: float = 0.0, salted: bool = False,
                   ) -> BenchWorkload:
-    """The reference workload (or its Zipf / mixed-length variants) as text prompts that
-    re-tokenize exactly (peers match text)."""
+    """The reference workload (or its Zipf / mixed-length / tenant variants) as text prompts
+    that re-tokenize exactly (peers match text)."""
     tokenizer = load_tokenizer(tokenizer_dir)
     spec = WorkloadSpec(prefixes=prefixes, prefix_tokens=prefix_tokens,
                         suffix_tokens=LengthDist.fixed(339), output_tokens=output_tokens,
-                        requests=requests, zipf_alpha=zipf, seed=seed)
+                        requests=requests, zipf_alpha=zipf, seed=seed, adapters=adapters,
+                        adapter_zipf=adapter_zipf, salted=salted)
     return reference_workload(spec, PromptEncoder("text", MODEL, tokenizer), safe_vocabulary(tokenizer))
 
 
@@ -1552,10 +1591,13 @@ async def main(args: argparse.Namespace) -> int:
                 print_table("peers", install_table(installs))
             if args.install_only:
                 return 0 if all(i.ok for i in installs.values()) else 1
-            env = Env(args.workers, tokenizer, installs, logs, run_dir, args.extra_args)
+            env = Env(args.workers, tokenizer, installs, logs, run_dir, args.extra_args,
+                      tuple(emulated_lora_args(args.adapters, args.max_loras)),
+                      args.max_loras if args.adapters else None)
             if args.mode in ("compare", "both"):
                 workload = make_workload(tokenizer, args.prefixes, args.requests, 64, args.seed,
-                                         args.zipf, args.prefix_length)
+                                         args.zipf, args.prefix_length, args.adapters,
+                                         args.adapter_zipf, args.salted)
                 print(f"\ncompare: K={args.prefixes}, W={args.workers}, c={args.levels}, "
                       f"{describe_workload(args)}, {len(workload.requests)} requests per point",
                       flush=True)

@@ -137,6 +137,8 @@ class ExperimentPlan:
             replica's ``/metrics`` for the refreshes.
         router_mesh: whether those replicas share their decisions and refreshes (the replica
             mesh, ``kvroute serve --mesh-bind/--peer``); off, each sees only its own.
+        max_loras: the emulated workers' LoRA slots (``--max-loras``) when the workload has
+            adapters, told to the router too (``kvroute serve --max-loras``).
     """
 
     workers: tuple[int, ...]
@@ -154,6 +156,7 @@ class ExperimentPlan:
     max_model_len: int = 4096
     router_replicas: int = 1
     router_mesh: bool = True
+    max_loras: int = 4
 
     @property
     def retention(self) -> str:
@@ -302,6 +305,7 @@ async def _balancer(
             threads=os.cpu_count() or 1,
             # The gateway: the same router as an Endpoint Picker behind Envoy.
             grpc_port=0 if topology == "gateway" else None,
+            max_loras=plan.max_loras,
         )
         if topology == "gateway":
             async with start_router(config) as router:

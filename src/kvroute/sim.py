@@ -150,7 +150,9 @@ class Simulation:
                 engine.set_lora_slots(config.max_loras, config.lora_load_s)
         #: The routing step (the live router's): its slots are the workers' indices. It keeps
         #: the KV-admission model (each worker's usable blocks) for a policy that reads it.
-        self.routing = RoutingStep(policy, index, config.block_size, usable_blocks(config.num_blocks))
+        #: With adapters modelled, it models each worker's LoRA slots as the engines have them.
+        self.routing = RoutingStep(policy, index, config.block_size, usable_blocks(config.num_blocks),
+                                   max_loras=config.max_loras)
         self.names = [f"worker-{i}" for i in range(workers)]
         for name in self.names:
             self.routing.add_worker(name)
@@ -171,7 +173,8 @@ class Simulation:
         """One more router replica: its own routing step and index over the same workers, and
         its own retention model."""
         index = KvIndex(self.hasher) if policy.needs_overlap or retention != "off" else None
-        step = RoutingStep(policy, index, self.config.block_size, usable_blocks(self.config.num_blocks))
+        step = RoutingStep(policy, index, self.config.block_size, usable_blocks(self.config.num_blocks),
+                           max_loras=self.config.max_loras)
         for name in self.names:
             step.add_worker(name)
         capacity = usable_blocks(self.config.num_blocks)

@@ -210,6 +210,16 @@ def adapter_name(index: int) -> str:
     return f"adapter-{index}"
 
 
+def emulated_lora_args(adapters: int, max_loras: int) -> list[str]:
+    """``kvroute emulate`` flags that serve adapters ``0 .. adapters-1`` (by
+    :func:`adapter_name`, as vLLM's ``--enable-lora --lora-modules NAME=PATH``; the emulator
+    reads no path) in ``max_loras`` LoRA slots; none without adapters."""
+    if adapters < 1:
+        return []
+    modules = [f"{adapter_name(i)}=/adapters/{adapter_name(i)}" for i in range(adapters)]
+    return ["--enable-lora", "--max-loras", str(max_loras), "--lora-modules", *modules]
+
+
 def tenant_salt(index: int) -> str:
     """Tenant ``index``'s ``cache_salt``."""
     return f"tenant-{index}"

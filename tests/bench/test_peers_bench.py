@@ -111,10 +111,10 @@ def test_router_settings_parse_into_separate_entries():
 
 def test_kvroute_runs_as_shipped_only():
     """kvroute is not tuned: its defaults, and its shipped modes that are not the default
-    (retention off, the admission guard, its limit at 0.7, the guard without retention; to
-    measure whether they should be)."""
+    (retention off, the admission guard, its limit at 0.7, the guard without retention, the
+    adapter term off; to measure whether they should be)."""
     assert list(peers.SETTINGS["kvroute"]) == [
-        "defaults", "retention-off", "admission", "admission-0.7", "retention-off-admission"]
+        "defaults", "retention-off", "admission", "admission-0.7", "retention-off-admission", "adapter-off"]
     assert peers.SETTINGS["kvroute"]["defaults"].args == ()
     assert peers.SETTINGS["kvroute"]["retention-off"].args == ("--retention", "off")
     assert peers.SETTINGS["kvroute"]["admission"].args == ("--policy-option", "admission_wait=0.2")
@@ -129,6 +129,18 @@ def test_the_compare_workload_can_be_skewed_or_mixed_in_length():
     args = peers.parse_args(["--zipf", "1.2", "--prefix-tokens", "1000:3600"])
     assert (args.prefix_length.low, args.prefix_length.high) == (1000, 3600)
     assert peers.describe_workload(args) == "prefixes of 1000:3600 tokens, Zipf α 1.2"
+
+
+def test_the_tenant_workload_serves_adapters_and_tells_kvroute_the_slots(tmp_path):
+    args = peers.parse_args(["--adapters", "8", "--adapter-zipf", "1", "--salted", "--max-loras", "2",
+                             "--routers", "kvroute,sglang"])
+    assert peers.describe_workload(args) == (
+        "prefixes of 2032 tokens, uniform, 8 adapters (Zipf 1, --max-loras 2), salted")
+    env = peers.Env(2, tmp_path, {}, tmp_path, tmp_path, {}, ("--enable-lora",), 2)
+    cmd = peers.router_command("kvroute", peers.SETTINGS["kvroute"]["defaults"], env, 9000, _backends())
+    assert cmd[cmd.index("--max-loras") + 1] == "2"
+    with pytest.raises(SystemExit):
+        peers.parse_args(["--adapters", "2", "--routers", "kvroute,dynamo"])  # its mockers serve none
 
 
 @pytest.mark.parametrize("argv", [["--routers", "sglang:fast"], ["--routers", "kvroute:tuned"],

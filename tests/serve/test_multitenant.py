@@ -200,6 +200,20 @@ async def test_a_model_goes_only_to_the_workers_that_serve_it():
         await asyncio.gather(*(w.close() for w in workers))
 
 
+def test_emulated_workers_serve_the_workloads_adapters_in_their_slots():
+    import argparse
+
+    from kvroute.commands import emulate
+    from kvroute.workload import adapter_name, emulated_lora_args
+
+    assert emulated_lora_args(0, 4) == []
+    parser = argparse.ArgumentParser()
+    emulate.add_arguments(parser)
+    config = emulate.config_from_args(parser.parse_args(emulated_lora_args(2, 3)))
+    assert (config.enable_lora, config.max_loras) == (True, 3)
+    assert [name for name, _ in config.lora_modules] == [adapter_name(0), adapter_name(1)]
+
+
 def test_a_tenant_workload_is_the_same_prompts_under_each_prefixs_adapter_and_salt():
     import msgspec
 

@@ -193,6 +193,11 @@ def test_options_are_checked():
         make_policy("kv-aware", share_window=0)
     with pytest.raises(UserError, match="option share_factor takes a number or none, got 'abc'"):
         make_policy("kv-aware", share_factor="abc")  # --policy-option share_factor=abc
+    # The adapter term: the native default unless given, never negative.
+    assert make_policy("kv-aware").adapter_weight == 512
+    assert make_policy("kv-aware", adapter_weight=0).adapter_weight == 0
+    with pytest.raises(UserError, match="weights must be >= 0"):
+        make_policy("kv-aware", adapter_weight=-1)
 
 
 # -- in the simulator ---------------------------------------------------------------------------

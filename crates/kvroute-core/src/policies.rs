@@ -37,6 +37,16 @@ pub struct RequestView<'a> {
     /// request's duration); filled only for policies that [`Choose::needs_admission`] and
     /// a step that knows the workers' capacity.
     pub admission_wait: Option<&'a [f64]>,
+    /// The LoRA adapter the request runs under ([`adapter_id`] of its name), when the step
+    /// models the workers' LoRA slots (`WorkerState::adapters`); None for a request of a base
+    /// model, or when the slots are not modelled.
+    pub adapter: Option<u64>,
+}
+
+/// The id the router knows a LoRA adapter by: `xxh3_64` of its name (the request's `model`),
+/// the same on every replica and in the simulator.
+pub fn adapter_id(name: &str) -> u64 {
+    xxh3_64_with_seed(name.as_bytes(), 0)
 }
 
 impl RequestView<'_> {
@@ -63,6 +73,12 @@ pub struct WorkerState {
     pub in_flight_tokens: i64,
     /// Blocks the index attributes to the worker (0 when unknown).
     pub cached_blocks: i64,
+    /// The router's model of the adapters in the worker's LoRA slots ([`adapter_id`]s, least
+    /// recently routed first): the last `lora_slots` distinct adapters sent there, as vLLM
+    /// keeps the adapters it last scheduled (empty when the slots are not modelled).
+    pub adapters: Vec<u64>,
+    /// The worker's LoRA slots (vLLM's `--max-loras`; 0: not modelled).
+    pub lora_slots: usize,
 }
 
 impl WorkerState {
@@ -72,6 +88,29 @@ impl WorkerState {
             name: name.into(),
             ..Self::default()
         }
+    }
+
+    /// Whether the router's model has `adapter` in the worker's LoRA slots.
+    pub fn has_adapter(&self, adapter: u64) -> bool {
+        self.adapters.contains(&adapter)
+    }
+
+    /// Whether a request under `adapter` would take a slot another adapter holds: it is not
+    /// in the slots, and they are full (vLLM then runs it only once that adapter's requests
+    /// have left the batch, and loads it).
+    pub fn displaces_adapter(&self, adapter: u64) -> bool {
+        !self.has_adapter(adapter) && self.adapters.len() >= self.lora_slots
+    }
+
+    /// A request under `adapter` was sent to the worker: it becomes the most recent, the
+    /// least recent leaves when the slots are full.
+    pub fn use_adapter(&mut self, adapter: u64) {
+        if let Some(i) = self.adapters.iter().position(|&a| a == adapter) {
+            self.adapters.remove(i);
+        } else if self.adapters.len() >= self.lora_slots.max(1) {
+            self.adapters.remove(0);
+        }
+        self.adapters.push(adapter);
     }
 }
 
@@ -218,6 +257,9 @@ pub struct KvAwareConfig {
     /// typical request's duration) the cheapest worker may make the request wait before it
     /// goes where it waits less; None (the default) turns the guard off.
     pub admission_wait: Option<f64>,
+    /// Prefill-token equivalent of sending a request to a worker whose full LoRA slots (the
+    /// router's model of them) hold other adapters than its own.
+    pub adapter_weight: f64,
 }
 
 impl Default for KvAwareConfig {
@@ -231,9 +273,13 @@ impl Default for KvAwareConfig {
             share_window: 24.0,
             share_weight: 4.0,
             admission_wait: None,
+            adapter_weight: ADAPTER_WEIGHT,
         }
     }
 }
+
+/// The default [`KvAwareConfig::adapter_weight`].
+pub const ADAPTER_WEIGHT: f64 = 512.0;
 
 impl KvAwareConfig {
     /// The options, or what is wrong with them (the messages `kvroute serve` prints).
@@ -244,7 +290,12 @@ impl KvAwareConfig {
                 self.block_size
             )));
         }
-        if self.overlap_weight < 0.0 || self.request_weight < 0.0 || self.share_weight < 0.0 {
+        if self.overlap_weight < 0.0
+            || self.request_weight < 0.0
+            || self.share_weight < 0.0
+            || self.adapter_weight.is_nan()
+            || self.adapter_weight < 0.0
+        {
             return Err(PolicyError("kv-aware weights must be >= 0".into()));
         }
         if let Some(lf) = self.load_factor
@@ -278,7 +329,11 @@ impl KvAwareConfig {
 /// `overlap_weight · max(prompt_tokens − overlap_i · block_size, 1) + in_flight_tokens_i +
 /// request_weight · in_flight_i`: the prefill the request would cost there after its cached
 /// prefix, the prefill still queued there, and each request in flight's decode steps and the
-/// KV blocks it pins (Dynamo's shape, with the load from the router's own accounting).
+/// KV blocks it pins (Dynamo's shape, with the load from the router's own accounting);
+/// plus `adapter_weight` where the request's LoRA adapter would displace another from the
+/// worker's full LoRA slots (the router's model of them, `WorkerState::adapters`): vLLM runs a
+/// batch of at most `max_loras` adapters, so such a request waits for the other adapter's
+/// requests to leave the batch, then for its own loading.
 ///
 /// Two guards decide which workers may take the request; the cheapest of those wins (an
 /// owner a guard refuses loses to the next best worker, which thereby gets a copy):
@@ -363,9 +418,13 @@ impl KvAware {
             .enumerate()
             .map(|(i, w)| {
                 let o = overlap.map_or(0, |o| o[i]) as i64;
-                c.overlap_weight * (prompt - o * bs).max(1) as f64
+                let cost = c.overlap_weight * (prompt - o * bs).max(1) as f64
                     + w.in_flight_tokens as f64
-                    + c.request_weight * w.in_flight as f64
+                    + c.request_weight * w.in_flight as f64;
+                match request.adapter {
+                    Some(a) if w.displaces_adapter(a) => cost + c.adapter_weight,
+                    _ => cost,
+                }
             })
             .collect()
     }
@@ -726,6 +785,7 @@ mod tests {
                 prompt_tokens: 64,
                 overlap_blocks: Some(&overlap),
                 admission_wait: None,
+                adapter: None,
             };
             let chosen = deciding.choose(&view, &refs);
             Choose::observe(&mut observing, &refs, chosen);
@@ -792,6 +852,7 @@ mod tests {
             prompt_tokens: 50,
             overlap_blocks: Some(&overlap),
             admission_wait: None,
+            adapter: None,
         };
         assert_eq!(p.costs(&view, &refs), vec![100.0, 274.0, 4.0]);
         assert_eq!(view.tokens_to_prefill(1, 16), 2);
@@ -804,8 +865,69 @@ mod tests {
             prompt_tokens: 165,
             overlap_blocks: Some(&overlap),
             admission_wait: None,
+            adapter: None,
         };
         assert_eq!(p.choose(&view, &refs), 4);
+    }
+
+    #[test]
+    fn kv_aware_charges_a_worker_without_the_requests_adapter() {
+        let (a, b) = (adapter_id("sql"), adapter_id("chat"));
+        let mut w = fleet(2);
+        // w0 runs a request of adapter `sql`, w1 is idle with `chat` in its only slot.
+        w.iter_mut().for_each(|w| w.lora_slots = 1);
+        w[0].in_flight = 1;
+        w[0].in_flight_tokens = 10;
+        w[0].use_adapter(a);
+        w[1].use_adapter(b);
+        let refs: Vec<&WorkerState> = w.iter().collect();
+        let overlap = [0, 0];
+        let view = |adapter| RequestView {
+            block_hashes: &[5, 6],
+            prompt_tokens: 40,
+            overlap_blocks: Some(&overlap),
+            admission_wait: None,
+            adapter,
+        };
+        let p = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap();
+        assert_eq!(p.costs(&view(None), &refs), vec![258.0, 120.0]);
+        assert_eq!(
+            p.costs(&view(Some(a)), &refs),
+            vec![258.0, 120.0 + ADAPTER_WEIGHT]
+        );
+        // Where the adapter sits wins over an idle worker that would have to load it ...
+        let mut p = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap();
+        assert_eq!(p.choose(&view(Some(a)), &refs), 0);
+        // ... but not without the term, nor for a base-model request.
+        let off = KvAwareConfig {
+            adapter_weight: 0.0,
+            ..KvAwareConfig::default()
+        };
+        let mut p = KvAware::new(off, PyRandom::from_seed(0)).unwrap();
+        assert_eq!(p.choose(&view(Some(a)), &refs), 1);
+        let mut p = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap();
+        assert_eq!(p.choose(&view(None), &refs), 1);
+        let bad = KvAwareConfig {
+            adapter_weight: -1.0,
+            ..KvAwareConfig::default()
+        };
+        assert!(bad.validate().is_err());
+    }
+
+    #[test]
+    fn a_workers_lora_slots_keep_the_last_adapters_sent_there() {
+        let mut w = WorkerState::new("w");
+        w.lora_slots = 2;
+        w.use_adapter(adapter_id("a"));
+        // A free slot: `b` displaces nothing.
+        assert!(!w.displaces_adapter(adapter_id("b")));
+        for name in ["b", "a", "c"] {
+            w.use_adapter(adapter_id(name));
+        }
+        // `b` was the least recently used of the two when `c` came.
+        assert_eq!(w.adapters, vec![adapter_id("a"), adapter_id("c")]);
+        assert!(w.displaces_adapter(adapter_id("b")));
+        assert!(!w.displaces_adapter(adapter_id("a")));
     }
 
     #[test]
@@ -826,6 +948,7 @@ mod tests {
             prompt_tokens: 165,
             overlap_blocks: Some(&overlap),
             admission_wait: waits,
+            adapter: None,
         };
         assert_eq!(p.choose(&view(None), &refs), 1);
         // w1 could admit it only after a whole request's time: the best of the others.
@@ -880,6 +1003,7 @@ mod tests {
             prompt_tokens: 32,
             overlap_blocks: None,
             admission_wait: None,
+            adapter: None,
         };
         let owner = p.choose(&view, &w.iter().collect::<Vec<_>>());
         w[owner].in_flight = 6;

@@ -13,6 +13,11 @@
 //! new load. The index keeps its own ids; the step re-resolves them when the index's worker
 //! set changes.
 //!
+//! With [`RoutingStep::track_adapters`], the step also models each worker's LoRA slots: the
+//! last `max_loras` distinct adapters its requests (this router's and, through
+//! [`RoutingStep::route_to`], a peer replica's) ran under, in `WorkerState::adapters`, and
+//! shows the policy the request's adapter (`RequestView::adapter`).
+//!
 //! With a journal on, the step records its inputs ([`JournalEntry`]): replaying them through
 //! another step (another replica, the live router's code) must give the same decisions.
 
@@ -45,6 +50,8 @@ pub enum JournalEntry {
         block_hashes: Vec<u64>,
         prompt_tokens: usize,
         candidates: Option<Vec<usize>>,
+        /// The request's adapter (`crate::policies::adapter_id`), if any.
+        adapter: Option<u64>,
         now: f64,
         routed: Routed,
     },
@@ -89,6 +96,8 @@ pub struct RoutingStep {
     /// What each worker's requests in flight pin of its KV blocks (when the capacity is known).
     admission: Option<Admission>,
     waits: Vec<f64>,
+    /// LoRA slots per worker, when the step models them.
+    max_loras: Option<usize>,
 }
 
 impl RoutingStep {
@@ -105,7 +114,26 @@ impl RoutingStep {
             overlaps: Vec::new(),
             admission: None,
             waits: Vec::new(),
+            max_loras: None,
         }
+    }
+
+    /// Model each worker's LoRA slots as the last `max_loras` (at least 1) distinct adapters
+    /// routed there (vLLM's `--max-loras`), and show the policy each request's adapter; None
+    /// stops (the policy then sees no adapter, and the model is dropped).
+    pub fn track_adapters(&mut self, max_loras: Option<usize>) {
+        self.max_loras = max_loras.map(|n| n.max(1));
+        for s in &mut self.slots {
+            s.state.lora_slots = self.max_loras.unwrap_or(0);
+            if max_loras.is_none() {
+                s.state.adapters.clear();
+            }
+        }
+    }
+
+    /// The LoRA slots per worker the step models (None: it models none).
+    pub fn max_loras(&self) -> Option<usize> {
+        self.max_loras
     }
 
     /// Keep a KV-admission model (`crate::admission`) for policies that
@@ -158,8 +186,10 @@ impl RoutingStep {
             return slot;
         }
         let slot = self.slots.len();
+        let mut state = WorkerState::new(name);
+        state.lora_slots = self.max_loras.unwrap_or(0);
         self.slots.push(Slot {
-            state: WorkerState::new(name),
+            state,
             live: true,
             index_id: None,
         });
@@ -211,18 +241,22 @@ impl RoutingStep {
         self.resolved_epoch = Some(index.epoch());
     }
 
-    /// Route one request: a prompt with these own block hashes and length, among
-    /// `candidates` (slots, in the order the policy sees them; None: every worker in the
-    /// step), at `now`. Panics when there is no candidate.
+    /// Route one request: a prompt with these own block hashes and length, under LoRA
+    /// `adapter` (`crate::policies::adapter_id`; None: a base model), among `candidates`
+    /// (slots, in the order the policy sees them; None: every worker in the step), at `now`.
+    /// Panics when there is no candidate.
+    #[allow(clippy::too_many_arguments)]
     pub fn route(
         &mut self,
         mut index: Option<&mut KvIndex>,
         policy: &mut dyn Choose,
         block_hashes: &[u64],
         prompt_tokens: usize,
+        adapter: Option<u64>,
         candidates: Option<&[usize]>,
         now: f64,
     ) -> Routed {
+        let seen_adapter = adapter.filter(|_| self.max_loras.is_some());
         let all;
         let cands: &[usize] = match candidates {
             Some(c) => c,
@@ -261,6 +295,7 @@ impl RoutingStep {
                     prompt_tokens,
                     overlap_blocks: Some(&self.overlaps),
                     admission_wait: waits,
+                    adapter: seen_adapter,
                 };
                 let i = policy.choose(&view, &refs);
                 (i, self.overlaps[i])
@@ -272,6 +307,7 @@ impl RoutingStep {
                     prompt_tokens,
                     overlap_blocks: None,
                     admission_wait: None,
+                    adapter: seen_adapter,
                 };
                 let i = policy.choose(&view, &refs);
                 (i, self.overlap_of(maybe_index, cands[i], block_hashes, now))
@@ -283,6 +319,7 @@ impl RoutingStep {
             overlap,
             block_hashes,
             prompt_tokens,
+            adapter,
             candidates,
             now,
         )
@@ -290,13 +327,15 @@ impl RoutingStep {
 
     /// Route one request to `worker`, chosen by the caller rather than the policy (which
     /// neither sees nor learns of it: retention's placement of a prompt cached nowhere, see
-    /// `Retention::room_for`), with the step's accounting as [`RoutingStep::route`] does it.
+    /// `Retention::room_for`; a peer replica's decision), with the step's accounting as
+    /// [`RoutingStep::route`] does it.
     pub fn route_to(
         &mut self,
         mut index: Option<&mut KvIndex>,
         worker: usize,
         block_hashes: &[u64],
         prompt_tokens: usize,
+        adapter: Option<u64>,
         now: f64,
     ) -> Routed {
         let overlap = self.overlap_of(index.as_deref_mut(), worker, block_hashes, now);
@@ -306,6 +345,7 @@ impl RoutingStep {
             overlap,
             block_hashes,
             prompt_tokens,
+            adapter,
             Some(&[worker]),
             now,
         )
@@ -330,7 +370,7 @@ impl RoutingStep {
         }
     }
 
-    /// Count a decision: the prediction in the index, the load, the journal.
+    /// Count a decision: the prediction in the index, the load, the LoRA slots, the journal.
     #[allow(clippy::too_many_arguments)]
     fn commit(
         &mut self,
@@ -339,6 +379,7 @@ impl RoutingStep {
         overlap: usize,
         block_hashes: &[u64],
         prompt_tokens: usize,
+        adapter: Option<u64>,
         candidates: Option<&[usize]>,
         now: f64,
     ) -> Routed {
@@ -355,6 +396,9 @@ impl RoutingStep {
         let state = &mut self.slots[worker].state;
         state.in_flight += 1;
         state.in_flight_tokens += prefill_tokens as i64;
+        if let (Some(_), Some(a)) = (self.max_loras, adapter) {
+            state.use_adapter(a);
+        }
         let ticket = self
             .admission
             .as_mut()
@@ -370,6 +414,7 @@ impl RoutingStep {
                 block_hashes: block_hashes.to_vec(),
                 prompt_tokens,
                 candidates: candidates.map(<[usize]>::to_vec),
+                adapter,
                 now,
                 routed,
             });
@@ -453,10 +498,10 @@ mod tests {
             let running_hashes = hasher.hash_blocks(&running, None, 0, None);
             // `a` served `cached` in 1 s (a typical request), then took `running`, which pins
             // 100 of its 150 blocks.
-            let r = step.route_to(Some(&mut index), a, &cached_hashes, 1600, 0.0);
+            let r = step.route_to(Some(&mut index), a, &cached_hashes, 1600, None, 0.0);
             step.first_token(a, r.prefill_tokens);
             step.finished(a, r.ticket, 1.0);
-            step.route_to(Some(&mut index), a, &running_hashes, 1600, 1.0);
+            step.route_to(Some(&mut index), a, &running_hashes, 1600, None, 1.0);
             if admission {
                 assert_eq!(step.admission().unwrap().pinned_blocks(a), 100);
             }
@@ -468,11 +513,72 @@ mod tests {
                 &cached_hashes,
                 1600,
                 None,
+                None,
                 1.1,
             );
             (r.worker == b, r.ticket)
         };
         assert_eq!(run(false), (false, None));
         assert_eq!(run(true), (true, Some(2)));
+    }
+
+    #[test]
+    fn the_step_models_lora_slots_from_its_own_and_its_peers_decisions() {
+        use crate::policies::adapter_id;
+        let hasher = BlockHasher::new(16, DEFAULT_HASH_SEED).unwrap();
+        let mut index = KvIndex::new(hasher, Some(100.0), None, None).unwrap();
+        let mut policy = Policy::KvAware(Box::new(
+            KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap(),
+        ));
+        let mut step = RoutingStep::new(16);
+        step.track_adapters(Some(1));
+        let (a, b) = (step.add_worker("a"), step.add_worker("b"));
+        let (sql, chat) = (Some(adapter_id("sql")), Some(adapter_id("chat")));
+        let prompt = |start: u32| {
+            hasher.hash_blocks(&(start..start + 64).collect::<Vec<_>>(), None, 0, None)
+        };
+        // A peer replica sent an `sql` request to `a` (still running), and a `chat` one to `b`
+        // (finished): their only slots hold `sql` and `chat`.
+        step.route_to(Some(&mut index), a, &prompt(0), 64, sql, 0.0);
+        let r = step.route_to(Some(&mut index), b, &prompt(500), 64, chat, 0.0);
+        step.first_token(b, r.prefill_tokens);
+        step.finished(b, r.ticket, 0.05);
+        assert_eq!(step.state(a).adapters, vec![sql.unwrap()]);
+        // A new `sql` prompt goes to `a` though `b` is idle: there it would displace `chat`.
+        let r = step.route(
+            Some(&mut index),
+            &mut policy,
+            &prompt(1000),
+            64,
+            sql,
+            None,
+            0.1,
+        );
+        assert_eq!(r.worker, a);
+        // A `chat` prompt goes to `b`, which still holds `chat` only.
+        let r = step.route(
+            Some(&mut index),
+            &mut policy,
+            &prompt(2000),
+            64,
+            chat,
+            None,
+            0.2,
+        );
+        assert_eq!(r.worker, b);
+        assert_eq!(step.state(b).adapters, vec![chat.unwrap()]);
+        // Without the slots modelled, the policy sees no adapter: the idle worker wins.
+        step.track_adapters(None);
+        assert!(step.state(a).adapters.is_empty());
+        let r = step.route(
+            Some(&mut index),
+            &mut policy,
+            &prompt(3000),
+            64,
+            sql,
+            None,
+            0.3,
+        );
+        assert_eq!(r.worker, b);
     }
 }

@@ -46,7 +46,7 @@ pub struct PyPolicy {
 #[pymethods]
 impl PyPolicy {
     #[new]
-    #[pyo3(signature = (kind, rng = None, *, block_size = 16, overlap_weight = 3.0, request_weight = 128.0, load_factor = None, share_factor = Some(0.35), share_window = 24.0, share_weight = 4.0, admission_wait = None, key_blocks = 1))]
+    #[pyo3(signature = (kind, rng = None, *, block_size = 16, overlap_weight = 3.0, request_weight = 128.0, load_factor = None, share_factor = Some(0.35), share_window = 24.0, share_weight = 4.0, admission_wait = None, adapter_weight = policies::ADAPTER_WEIGHT, key_blocks = 1))]
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,
@@ -60,6 +60,7 @@ impl PyPolicy {
         share_window: f64,
         share_weight: f64,
         admission_wait: Option<f64>,
+        adapter_weight: f64,
         key_blocks: i64,
     ) -> PyResult<Self> {
         let rng = rng_of(py, rng)?;
@@ -80,6 +81,7 @@ impl PyPolicy {
             share_window,
             share_weight,
             admission_wait,
+            adapter_weight,
         };
         let prefix_hash = PrefixHashConfig {
             key_blocks: count(key_blocks, "key blocks", "prefix-hash")?,
@@ -177,6 +179,10 @@ impl PyPolicy {
     #[getter]
     fn share_weight(&self) -> PyResult<f64> {
         Ok(self.kv_aware()?.config().share_weight)
+    }
+    #[getter]
+    fn adapter_weight(&self) -> PyResult<f64> {
+        Ok(self.kv_aware()?.config().adapter_weight)
     }
     #[getter]
     fn admission_wait(&self) -> PyResult<Option<f64>> {

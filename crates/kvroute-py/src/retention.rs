@@ -168,7 +168,9 @@ impl PyRetention {
     /// Where among ``slots`` a prompt of these block hashes goes, or None where the policy
     /// decides (``Retention::room_for``): a prompt ``routing``'s index finds cached nowhere
     /// goes to the worker home to the fewest prefix families; route it with
-    /// ``RoutingStep.route_to``.
+    /// ``RoutingStep.route_to``. ``adapter``: the prompt's LoRA adapter (its name), which
+    /// breaks ties toward a worker holding it.
+    #[pyo3(signature = (routing, slots, block_hashes, now, adapter = None))]
     fn room_for(
         &self,
         py: Python<'_>,
@@ -176,6 +178,7 @@ impl PyRetention {
         slots: Vec<usize>,
         block_hashes: Vec<u64>,
         now: f64,
+        adapter: Option<&str>,
     ) -> PyResult<Option<usize>> {
         let step = routing.borrow();
         for &slot in &slots {
@@ -188,6 +191,7 @@ impl PyRetention {
             index.as_deref_mut(),
             &slots,
             &block_hashes,
+            adapter.map(kvroute_core::policies::adapter_id),
             now,
         ))
     }

@@ -2,7 +2,7 @@
 //! run per request.
 
 use kvroute_core::blocks;
-use kvroute_core::policies::Choose;
+use kvroute_core::policies::{Choose, adapter_id};
 use kvroute_core::routing::{self, JournalEntry};
 use kvroute_io::lock_index;
 use pyo3::exceptions::{PyIndexError, PyValueError};
@@ -26,6 +26,9 @@ use crate::workers::WorkerState;
 ///         ``needs_admission`` the step then keeps its KV-admission model
 ///         (``kvroute_core::admission``), which only the native simulator drives (``route``
 ///         here refuses to: its ticket would be lost).
+///     max_loras: the workers' LoRA slots (vLLM's ``--max-loras``): the step models the
+///         adapters in each worker's slots as the last this many distinct adapters routed
+///         there, for kv-aware's adapter term (None: not modelled, the term is off).
 #[pyclass(module = "kvroute._native")]
 pub struct RoutingStep {
     pub(crate) inner: routing::RoutingStep,
@@ -37,15 +40,19 @@ pub struct RoutingStep {
 #[pymethods]
 impl RoutingStep {
     #[new]
-    #[pyo3(signature = (policy, index = None, block_size = blocks::GPU_BLOCK_SIZE, kv_capacity_blocks = None))]
+    #[pyo3(signature = (policy, index = None, block_size = blocks::GPU_BLOCK_SIZE, kv_capacity_blocks = None, max_loras = None))]
     fn new(
         policy: Bound<'_, PyAny>,
         index: Option<Bound<'_, PyKvIndex>>,
         block_size: usize,
         kv_capacity_blocks: Option<usize>,
+        max_loras: Option<usize>,
     ) -> PyResult<Self> {
         if block_size == 0 {
             return Err(PyValueError::new_err("block size must be positive, got 0"));
+        }
+        if max_loras == Some(0) {
+            return Err(PyValueError::new_err("max_loras must be >= 1, got 0"));
         }
         let needs_admission = policy
             .cast::<PyPolicy>()
@@ -55,6 +62,7 @@ impl RoutingStep {
         if let (Some(c), true) = (kv_capacity_blocks, needs_admission) {
             inner.track_admission(Some(c));
         }
+        inner.track_adapters(max_loras);
         Ok(Self {
             inner,
             policy: policy.unbind(),
@@ -106,10 +114,11 @@ impl RoutingStep {
         })
     }
 
-    /// Route one request among ``candidates`` (slots; None: every worker) at ``now``:
-    /// returns ``(slot, overlap_blocks, prefill_tokens)``, already counted in that worker's
-    /// load until ``first_token`` / ``finished``.
-    #[pyo3(signature = (block_hashes, prompt_tokens, now, candidates = None))]
+    /// Route one request under LoRA ``adapter`` (its name; None: a base model) among
+    /// ``candidates`` (slots; None: every worker) at ``now``: returns ``(slot,
+    /// overlap_blocks, prefill_tokens)``, already counted in that worker's load until
+    /// ``first_token`` / ``finished``.
+    #[pyo3(signature = (block_hashes, prompt_tokens, now, candidates = None, adapter = None))]
     fn route(
         &mut self,
         py: Python<'_>,
@@ -117,7 +126,9 @@ impl RoutingStep {
         prompt_tokens: usize,
         now: f64,
         candidates: Option<Vec<usize>>,
+        adapter: Option<&str>,
     ) -> PyResult<(usize, usize, usize)> {
+        let adapter = adapter.map(adapter_id);
         if let Some(c) = &candidates {
             for &s in c {
                 self.check_slot(s)?;
@@ -144,6 +155,7 @@ impl RoutingStep {
                 &mut policy.inner,
                 &block_hashes,
                 prompt_tokens,
+                adapter,
                 candidates.as_deref(),
                 now,
             )
@@ -160,6 +172,7 @@ impl RoutingStep {
                 &mut foreign,
                 &block_hashes,
                 prompt_tokens,
+                adapter,
                 candidates.as_deref(),
                 now,
             );
@@ -174,6 +187,7 @@ impl RoutingStep {
     /// Route one request to ``slot``, chosen by the caller (the policy is not asked: see
     /// ``Retention.room_for``): returns ``(slot, overlap_blocks, prefill_tokens)`` as
     /// ``route`` does.
+    #[pyo3(signature = (slot, block_hashes, prompt_tokens, now, adapter = None))]
     fn route_to(
         &mut self,
         py: Python<'_>,
@@ -181,6 +195,7 @@ impl RoutingStep {
         block_hashes: Vec<u64>,
         prompt_tokens: usize,
         now: f64,
+        adapter: Option<&str>,
     ) -> PyResult<(usize, usize, usize)> {
         self.check_slot(slot)?;
         let index_ref = self.index.as_ref().map(|i| i.borrow(py));
@@ -190,6 +205,7 @@ impl RoutingStep {
             slot,
             &block_hashes,
             prompt_tokens,
+            adapter.map(adapter_id),
             now,
         );
         Ok((routed.worker, routed.overlap, routed.prefill_tokens))
@@ -247,6 +263,7 @@ impl RoutingStep {
                     candidates,
                     now,
                     routed,
+                    ..
                 } => (
                     "route",
                     block_hashes.clone(),

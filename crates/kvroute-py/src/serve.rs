@@ -72,6 +72,7 @@ fn policy_spec(
             ("kv-aware", "share_window") => spec.kv_aware.share_window = need()?,
             ("kv-aware", "share_weight") => spec.kv_aware.share_weight = need()?,
             ("kv-aware", "admission_wait") => spec.kv_aware.admission_wait = number,
+            ("kv-aware", "adapter_weight") => spec.kv_aware.adapter_weight = need()?,
             ("prefix-hash", "load_factor") => spec.prefix_hash.load_factor = number,
             ("prefix-hash", "key_blocks") => spec.prefix_hash.key_blocks = need()? as usize,
             // The router's own block size is the policy's.
@@ -167,7 +168,7 @@ impl NativeRouter {
         health_timeout_s, eject_after_failures, eject_base_s, api_key, metrics_public,
         worker_api_key, forward_authorization, events_topic, retention, retention_capacity_blocks,
         kv_capacity_blocks, grpc_port = None, mesh_bind = None, peers = Vec::new(),
-        mesh_liveness_s = 3.0
+        mesh_liveness_s = 3.0, max_loras = None
     ))]
     #[allow(clippy::too_many_arguments)]
     fn new(
@@ -215,7 +216,11 @@ impl NativeRouter {
         mesh_bind: Option<String>,
         peers: Vec<String>,
         mesh_liveness_s: f64,
+        max_loras: Option<usize>,
     ) -> PyResult<Self> {
+        if max_loras == Some(0) {
+            return Err(PyValueError::new_err("max_loras must be >= 1, got 0"));
+        }
         let mesh = match mesh_bind {
             Some(bind) => Some(MeshSettings {
                 bind,
@@ -278,6 +283,7 @@ impl NativeRouter {
             forward_authorization,
             retention,
             kv_capacity_blocks,
+            max_loras,
             mesh,
         };
         // With a gRPC port: the Endpoint Picker (`port` serves its /metrics).

@@ -25,6 +25,7 @@ impl RequestView {
             prompt_tokens: self.prompt_tokens,
             overlap_blocks: self.overlap_blocks.as_deref(),
             admission_wait: None,
+            adapter: None,
         }
     }
 }
@@ -93,6 +94,8 @@ impl WorkerState {
                 in_flight,
                 in_flight_tokens,
                 cached_blocks,
+                adapters: Vec::new(),
+                lora_slots: 0,
             },
         }
     }

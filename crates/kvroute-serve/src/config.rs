@@ -182,6 +182,10 @@ pub struct ServeConfig {
     /// (`vllm:cache_config_info`'s `num_gpu_blocks` less the null block): until it is known
     /// the guard leaves that worker alone and retention assumes `retention`'s blocks.
     pub kv_capacity_blocks: Option<usize>,
+    /// The workers' LoRA slots (vLLM's `--max-loras`): the routing step models the adapters
+    /// in each worker's slots as the last this many distinct adapters sent there, for
+    /// kv-aware's adapter term; None: not modelled (the term is off).
+    pub max_loras: Option<usize>,
     /// The replica mesh (`crate::mesh`): where this replica publishes its decisions and whom
     /// it hears theirs from; None: a lone router.
     pub mesh: Option<crate::mesh::MeshSettings>,
@@ -226,6 +230,7 @@ impl Default for ServeConfig {
             forward_authorization: false,
             retention: None,
             kv_capacity_blocks: None,
+            max_loras: None,
             mesh: None,
         }
     }

@@ -31,7 +31,7 @@ use std::sync::{Arc, Mutex};
 use kvroute_core::blocks::BlockHasher;
 use kvroute_core::engine::pool::usable_blocks;
 use kvroute_core::index::{KvIndex, MemoryBound};
-use kvroute_core::policies::{Choose, Policy, WorkerState};
+use kvroute_core::policies::{Choose, Policy, WorkerState, adapter_id};
 use kvroute_core::retention::{Refresh, Retention, RetentionConfig, RetentionStats};
 use kvroute_core::routing::RoutingStep;
 use kvroute_io::consumer::{SharedIndex, lock_index};
@@ -236,6 +236,7 @@ impl Fleet {
         if policy.needs_admission() {
             routing.track_admission(config.kv_capacity_blocks);
         }
+        routing.track_adapters(config.max_loras);
         let mut fleet = Self {
             members: Vec::new(),
             routing,
@@ -336,6 +337,12 @@ impl Fleet {
         Ok(membership)
     }
 
+    /// The adapter id of a request for `model`, when `model` names a LoRA adapter some
+    /// worker serves (None: a base model, or none named).
+    pub fn adapter_of(&self, model: Option<&str>) -> Option<u64> {
+        model.filter(|m| self.adapters.contains(m)).map(adapter_id)
+    }
+
     /// Keep `adapters` (the prompt parser's) equal to the adapters the workers serve.
     pub fn set_adapter_names(&mut self, adapters: AdapterNames) {
         self.adapters = adapters;
@@ -407,6 +414,7 @@ impl Fleet {
         if self.candidates.is_empty() {
             return None;
         }
+        let adapter = self.adapter_of(model);
         let mut index = self.index_lock.lock(&self.index);
         let retention = self.retention.as_mut().zip(retained);
         let room = retention.as_ref().and_then(|(r, _)| {
@@ -415,19 +423,25 @@ impl Fleet {
                 Some(&mut index),
                 &self.candidates,
                 block_hashes,
+                adapter,
                 now,
             )
         });
         let routed = match room {
-            Some(slot) => {
-                self.routing
-                    .route_to(Some(&mut index), slot, block_hashes, prompt_tokens, now)
-            }
+            Some(slot) => self.routing.route_to(
+                Some(&mut index),
+                slot,
+                block_hashes,
+                prompt_tokens,
+                adapter,
+                now,
+            ),
             None => self.routing.route(
                 Some(&mut index),
                 &mut self.policy,
                 block_hashes,
                 prompt_tokens,
+                adapter,
                 Some(&self.candidates),
                 now,
             ),
@@ -902,6 +916,56 @@ mod tests {
         assert_eq!(overlaps(&f, "B", "s"), vec![0, 0]);
         assert_eq!(overlaps(&f, "A", "other"), vec![0, 0]);
         assert_eq!(overlaps(&f, "base", "s"), vec![0, 0]);
+    }
+
+    #[test]
+    fn a_tenant_stays_where_its_adapter_is_loaded_and_a_peers_decision_counts() {
+        let mut spec = PolicySpec::named("kv-aware");
+        spec.seed = Some(1);
+        let config = ServeConfig {
+            workers: vec![
+                WorkerSpec::url("http://w0:1"),
+                WorkerSpec::url("http://w1:1"),
+            ],
+            policy: spec,
+            block_size: 4,
+            max_loras: Some(1),
+            ..ServeConfig::default()
+        };
+        let mut f = Fleet::new(&config).unwrap().0;
+        let prompts =
+            Prompts::new(BlockHasher::new(4, 0).unwrap(), None, 1 << 20, 8, false).unwrap();
+        f.set_adapter_names(prompts.adapter_names());
+        let served = ServedModels::parse(
+            br#"{"data":[{"id":"base","parent":null},{"id":"A","parent":"base"},{"id":"B","parent":"base"}]}"#,
+        )
+        .unwrap();
+        let names: Vec<String> = f.members().iter().map(|m| m.name.clone()).collect();
+        for name in &names {
+            f.set_models(name, served.clone());
+        }
+        // A peer replica sent a request for adapter B to w1, which has ended: w1's one slot
+        // holds B.
+        let peer = kvroute_core::mesh::PeerDecision {
+            block_hashes: &[50, 51],
+            prompt: &[],
+            prompt_tokens: 8,
+            output_tokens: 4,
+            overlap: 0,
+            adapter: None,
+        };
+        let tenant = RefreshTenant::named("B", "");
+        let (handle, _) = f.apply_peer_routed(&names[1], &peer, tenant, 0.0);
+        f.peer_finished(handle.expect("w1 is known"), 0.01);
+        // Requests for A go to w0, the second although w0 is busy and w1 idle: on w1, A would
+        // displace B.
+        for (i, hashes) in [[1, 2], [3, 4]].iter().enumerate() {
+            let a = f.route(hashes, 8, &[], 0.02, None, Some("A")).unwrap();
+            assert_eq!(a.name, names[0], "request {i} for A");
+        }
+        // A base-model request takes no slot: it goes to the idle w1.
+        let base = f.route(&[5, 6], 8, &[], 0.03, None, Some("base")).unwrap();
+        assert_eq!(base.name, names[1]);
     }
 
     #[test]

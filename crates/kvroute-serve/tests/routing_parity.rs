@@ -258,10 +258,12 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
                 block_hashes,
                 prompt_tokens,
                 candidates,
+                adapter,
                 now,
                 routed,
             } => {
                 assert_eq!(*candidates, None, "the simulator routes among every worker");
+                assert_eq!(*adapter, None, "the cases run base-model requests");
                 let choice = fleet
                     .route(block_hashes, *prompt_tokens, &[], *now, None, None)
                     .expect("every worker is available");

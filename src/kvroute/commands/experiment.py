@@ -43,7 +43,7 @@ from kvroute.trace.format import missing_trace, trace_path
 from kvroute.units import parse_bytes, parse_tokens
 from kvroute.vllm_setup import VllmInstall
 from kvroute.workers import VllmServeOptions, external, launch_emulated, launch_vllm
-from kvroute.workload import adapter_name, parse_int_list
+from kvroute.workload import emulated_lora_args, parse_int_list
 
 ENGINES = ("emulator", "vllm", "urls")
 #: ``vllm serve --max-model-len``: room for the reference's 2,435-token requests and more.
@@ -230,6 +230,7 @@ def _plan(args: argparse.Namespace) -> ExperimentPlan:
         max_model_len=args.max_model_len or (VLLM_MAX_MODEL_LEN if args.engine == "vllm" else DEFAULT_MAX_MODEL_LEN),
         router_replicas=args.router_replicas,
         router_mesh=not args.no_mesh,
+        max_loras=args.max_loras,
     )
 
 
@@ -271,9 +272,7 @@ def run(args: argparse.Namespace) -> int:
     if {"router", "gateway"} & set(plan.topologies):
         emulate_args += ["--kv-events-config", EMULATED_KV_EVENTS]
     adapters = max(spec.adapters for spec in plan.specs) if plan.specs else 0
-    if adapters:
-        modules = [f"{adapter_name(i)}=/adapters/{adapter_name(i)}" for i in range(adapters)]
-        emulate_args += ["--enable-lora", "--max-loras", str(args.max_loras), "--lora-modules", *modules]
+    emulate_args += emulated_lora_args(adapters, plan.max_loras)
     if args.engine == "vllm":
         install, vllm_options = _vllm_options(args, plan)
 

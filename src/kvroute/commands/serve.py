@@ -227,6 +227,12 @@ def add_arguments(parser: argparse.ArgumentParser, *, epp: bool = False) -> None
                          "vllm:cache_config_info; retention assumes --predicted-capacity-blocks, or "
                          "the reference worker's, less the null block)")
 
+    routing.add_argument("--max-loras", type=int, default=1, metavar="N",
+                         help="the workers' LoRA slots, as vLLM's flag (set it to theirs): the router "
+                         "models the adapters in each worker's slots as the last N it sent there, "
+                         "and kv-aware charges adapter_weight where a request's adapter would "
+                         "displace another from full slots (default %(default)s, vLLM's)")
+
     events.add_argument("--index-max-bytes", default=f"{DEFAULT_INDEX_MAX_BYTES >> 20}MiB", metavar="SIZE",
                         help="memory bound of the index of cached blocks (128 bytes per worker and "
                         "block; the least recently touched are dropped beyond it, metric "
@@ -379,6 +385,8 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         raise UserError(f"--block-size must be >= 1, got {args.block_size}")
     if args.max_attempts < 1:
         raise UserError(f"--max-attempts must be >= 1, got {args.max_attempts}")
+    if args.max_loras < 1:
+        raise UserError(f"--max-loras must be >= 1, got {args.max_loras}")
     if args.kv_capacity_blocks is not None and args.kv_capacity_blocks < 1:
         raise UserError(f"--kv-capacity-blocks must be >= 1, got {args.kv_capacity_blocks}")
     if (args.peer or args.peer_k8s_service) and not args.mesh_bind:
@@ -447,6 +455,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         worker_api_key=args.worker_api_key,
         retention=args.retention,
         kv_capacity_blocks=args.kv_capacity_blocks,
+        max_loras=args.max_loras,
         threads=threads,
         grpc_port=getattr(args, "grpc_port", None),
         mesh_bind=args.mesh_bind,

@@ -136,6 +136,9 @@ class RouterConfig:
             null block), for retention's model and kv-aware's admission guard. None: the guard
             reads each worker's own from its ``/metrics`` (``vllm:cache_config_info``), and
             retention assumes ``predicted_capacity_blocks`` (or its default) less the null block.
+        max_loras: the workers' LoRA slots (vLLM's ``--max-loras``, default 1 as vLLM's):
+            the router models the adapters in each worker's slots as the last this many it
+            sent there, for kv-aware's ``adapter_weight`` (idle without adapters).
         threads: the threads serving requests (``kvroute serve`` defaults to one per core).
         grpc_port: serve Envoy's ext_proc on this port as a Gateway API Inference Extension
             Endpoint Picker (``kvroute epp``; 0 picks a free one) instead of proxying; ``port``
@@ -188,6 +191,7 @@ class RouterConfig:
     prompt_cache_bytes: int = DEFAULT_PROMPT_CACHE_BYTES
     retention: str | None = None
     kv_capacity_blocks: int | None = None
+    max_loras: int = 1
     threads: int = _SERVE["threads"]
     grpc_port: int | None = None
     mesh_bind: str | None = None

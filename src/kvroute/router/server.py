@@ -61,7 +61,7 @@ def native_arguments(config: RouterConfig) -> dict[str, Any]:
     return dict(
         retention=None if retention == "off" else retention,
         retention_capacity_blocks=retention_capacity(config),
-        kv_capacity_blocks=config.kv_capacity_blocks,
+        kv_capacity_blocks=config.kv_capacity_blocks, max_loras=config.max_loras,
         host=config.host, port=config.port, threads=config.threads, policy=config.policy,
         policy_options=dict(config.policy_options) or None, seed=config.seed,
         block_size=config.block_size, hash_seed=config.hash_seed, tokenizer=config.tokenizer,

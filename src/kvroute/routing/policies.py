@@ -198,6 +198,9 @@ class KvAwarePolicy(_NativePolicy):
         admission_wait: the admission guard's bound, a fraction of a typical request's
             duration (routed to finished); None (the default) turns it off. 0.2 is about a
             miss's extra prefill on the reference fleet.
+        adapter_weight: prefill-token equivalent charged to a worker whose full LoRA slots (the
+            routing step's model, ``RoutingStep(max_loras=)``) hold other adapters than the
+            request's; None: the native default, 512 (``docs/router.md``, adapter affinity).
 
     Defaults (block_size 16, overlap_weight 3, request_weight 128, load_factor 1.5,
     share_factor 0.35, share_window 24, share_weight 4, no admission guard), chosen on the simulator (reference
@@ -236,12 +239,16 @@ class KvAwarePolicy(_NativePolicy):
         share_window: float = 24.0,
         share_weight: float = 4.0,
         admission_wait: float | None = None,
+        adapter_weight: float | None = None,
     ):
+        # None: the native default (kvroute_core::policies::ADAPTER_WEIGHT), its one owner.
+        adapter = {} if adapter_weight is None else {"adapter_weight": adapter_weight}
         try:
             return super().__new__(
                 cls, cls.name, rng, block_size=block_size, overlap_weight=overlap_weight,
                 request_weight=request_weight, load_factor=load_factor, share_factor=share_factor,
                 share_window=share_window, share_weight=share_weight, admission_wait=admission_wait,
+                **adapter,
             )
         except ValueError as exc:
             raise UserError(str(exc)) from None

@@ -38,6 +38,7 @@ pub fn apply_peer_decision(
         slot,
         decision.block_hashes,
         decision.prompt_tokens,
+        decision.adapter,
         now,
     );
     if let Some(chosen) = candidates.iter().position(|&s| s == slot) {

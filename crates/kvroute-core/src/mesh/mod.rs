@@ -111,6 +111,9 @@ pub struct PeerDecision<'a> {
     pub output_tokens: usize,
     /// Blocks of the prompt the peer's index credited the worker with.
     pub overlap: usize,
+    /// The request's LoRA adapter (`crate::policies::adapter_id`): None as decoded, since
+    /// only the receiver knows whether the body's `model` names an adapter; it sets it.
+    pub adapter: Option<u64>,
 }
 
 /// What a received message asks of the router's state.
@@ -375,6 +378,7 @@ impl Mesh {
                         prompt_tokens: *prompt_tokens as usize,
                         output_tokens: *output_tokens as usize,
                         overlap: *overlap as usize,
+                        adapter: None,
                     },
                     model,
                     cache_salt,

@@ -313,8 +313,10 @@ impl Retention {
     /// decides: a prompt of at least `min_prefix_blocks` blocks that the index finds cached on
     /// none of them goes to the slot that is home to the fewest prefix families (its own
     /// family's home counting it one less), among those running at most
-    /// `room_slack_requests` more than the mean; then the least loaded, then the first (see
-    /// the module docs). The policy is not asked: it would see only part of the fleet, and a
+    /// `room_slack_requests` more than the mean; then one whose LoRA slots (the step's model,
+    /// `WorkerState::adapters`) hold the prompt's `adapter`, so that a tenant's prefixes
+    /// gather where its adapter is loaded; then the least loaded, then the first (see the
+    /// module docs). The policy is not asked: it would see only part of the fleet, and a
     /// policy that keeps state per worker (kv-aware's recent shares) forgets the others.
     pub fn room_for(
         &self,
@@ -322,6 +324,7 @@ impl Retention {
         index: Option<&mut KvIndex>,
         slots: &[usize],
         block_hashes: &[u64],
+        adapter: Option<u64>,
         now: f64,
     ) -> Option<usize> {
         let min_blocks = self.config.min_prefix_blocks.max(1);
@@ -380,7 +383,9 @@ impl Retention {
                 } else {
                     homed
                 };
-                (homed, step.state(w).in_flight)
+                let state = step.state(w);
+                let displaces = adapter.is_some_and(|a| state.displaces_adapter(a));
+                (homed, displaces, state.in_flight)
             })
     }
 
@@ -969,7 +974,7 @@ mod tests {
         for i in 0..60u32 {
             let (tokens, _) = prompt(i % 4, 10, 2 * BS, i);
             let hashes = hasher.hash_blocks(&tokens, None, 0, None);
-            let routed = step.route_to(Some(&mut index), 0, &hashes, tokens.len(), 0.0);
+            let routed = step.route_to(Some(&mut index), 0, &hashes, tokens.len(), None, 0.0);
             r.poll_step(&step, Some(&mut index), 0, 3, 0.0, &mut ahead);
             r.routed(0, &hashes, &tokens, routed.overlap, BS, 0.0);
             // Still running: nothing.
@@ -1031,9 +1036,9 @@ mod tests {
         for p in 0..6u32 {
             let hashes = family(p);
             let w = r
-                .room_for(&step, Some(&mut index), &slots, &hashes, 0.0)
+                .room_for(&step, Some(&mut index), &slots, &hashes, None, 0.0)
                 .expect("cached nowhere");
-            let routed = step.route_to(Some(&mut index), w, &hashes, 44, 0.0);
+            let routed = step.route_to(Some(&mut index), w, &hashes, 44, None, 0.0);
             assert_eq!(routed.overlap, 0);
             step.finished(w, routed.ticket, 0.0);
             r.routed(w, &hashes, &prompt(p, 10, BS, p).0, 0, BS, 0.0);
@@ -1044,32 +1049,32 @@ mod tests {
         );
         // Held somewhere (the prediction of that routing): the policy decides.
         assert_eq!(
-            r.room_for(&step, Some(&mut index), &slots, &family(0), 0.0),
+            r.room_for(&step, Some(&mut index), &slots, &family(0), None, 0.0),
             None
         );
         // Evicted everywhere: back to its own home, which counts it one less.
         index = KvIndex::new(hasher, Some(1e9), None, None).unwrap();
         let home = r.homes.home(family(4)[1]).unwrap();
         assert_eq!(
-            r.room_for(&step, Some(&mut index), &slots, &family(4), 0.0),
+            r.room_for(&step, Some(&mut index), &slots, &family(4), None, 0.0),
             Some(home)
         );
         // Unless that worker runs more than 2 requests above the mean: the next fewest.
         for _ in 0..4 {
-            step.route_to(None, home, &[], 1, 0.0);
+            step.route_to(None, home, &[], 1, None, 0.0);
         }
         let other = r
-            .room_for(&step, Some(&mut index), &slots, &family(4), 0.0)
+            .room_for(&step, Some(&mut index), &slots, &family(4), None, 0.0)
             .unwrap();
         assert_ne!(other, home);
         // Off, or a prompt shorter than a tracked prefix: the policy decides.
         let off = Retention::new(RetentionConfig::new(RetentionMode::Off, BS, 45));
         assert_eq!(
-            off.room_for(&step, Some(&mut index), &slots, &family(4), 0.0),
+            off.room_for(&step, Some(&mut index), &slots, &family(4), None, 0.0),
             None
         );
         assert_eq!(
-            r.room_for(&step, Some(&mut index), &slots, &family(4)[..1], 0.0),
+            r.room_for(&step, Some(&mut index), &slots, &family(4)[..1], None, 0.0),
             None
         );
     }

@@ -33,6 +33,7 @@ use std::sync::Arc;
 use crate::blocks::{BlockHasher, BlockKeys};
 use crate::engine::cost::CostModel;
 use crate::engine::scheduler::{Engine, NewRequest, PrefixCacheStats, StepResult};
+use crate::policies::adapter_id;
 use crate::retention::Refresh;
 
 pub mod placement;
@@ -499,9 +500,10 @@ impl<'p> Simulation<'p> {
         }
         let (keys, lora_id) =
             tenant.map_or((BlockKeys::PLAIN, None), |t| (t.keys.clone(), t.lora_id));
+        let adapter = keys.lora_name.as_deref().map(adapter_id);
         let placed = self
             .placement
-            .place_request(&hashes, &prefix, suffix, out, self.now);
+            .place_request(&hashes, &prefix, suffix, out, adapter, self.now);
         // Refreshes the placement sends ahead of this request reach the engine first.
         self.send_refreshes();
         let arrival = self.now + self.config.cost.frontend_s;
@@ -1128,5 +1130,87 @@ mod tests {
         assert_eq!(cached(&[0, 1]), [0, 0]);
         assert_eq!(cached(&[0, 2]), [0, 0]);
         assert_eq!(cached(&[2, 2]), [0, full]);
+    }
+
+    #[test]
+    fn the_adapter_term_keeps_each_adapter_on_one_worker() {
+        use crate::engine::scheduler::LoraSlots;
+        use crate::policies::{KvAware, KvAwareConfig, Policy};
+        use crate::pyrandom::PyRandom;
+        use crate::routing::RoutingStep;
+        use placement::StepPlacement;
+
+        let g = &parse()[0];
+        // Eight prefixes of two tenants (adapters a0, a1 in turn) on two workers with one LoRA
+        // slot each, drawn at random three at a time: the LoRA loads the engines made.
+        let loads = |adapter_weight: f64| {
+            let config = KvAwareConfig {
+                adapter_weight,
+                ..KvAwareConfig::default()
+            };
+            let mut policy = Policy::KvAware(Box::new(
+                KvAware::new(config, PyRandom::from_seed(0)).unwrap(),
+            ));
+            let mut step = RoutingStep::new(g.config.hasher.block_size());
+            step.track_adapters(Some(1));
+            step.add_worker("w0");
+            step.add_worker("w1");
+            let mut placement = StepPlacement {
+                step: &mut step,
+                index: None,
+                policy: &mut policy,
+            };
+            let engines = (0..2)
+                .map(|_| {
+                    let c = &g.config;
+                    let mut e = Engine::new(
+                        c.num_blocks,
+                        c.cost.clone(),
+                        c.hasher,
+                        c.enable_caching,
+                        false,
+                    );
+                    e.set_lora_slots(LoraSlots::new(1, 0.01));
+                    e
+                })
+                .collect();
+            let prefixes: Vec<Arc<[u32]>> = (0..8).map(|i| tokens(20 + i, 64).into()).collect();
+            let output: Arc<[u32]> = (1000..1004).collect();
+            let mut sim = Simulation::with_engines(
+                engines,
+                0.0,
+                g.config.clone(),
+                &mut placement,
+                prefixes,
+                output,
+            );
+            sim.set_tenants(
+                (0..8)
+                    .map(|i| Tenant {
+                        keys: BlockKeys::new(Some(&format!("a{}", i % 2)), None),
+                        lora_id: Some(i % 2 + 1),
+                    })
+                    .collect(),
+            );
+            let n = 40;
+            let set = RequestSet {
+                prefix_ids: (0..n as u64).map(|i| (splitmix64(i) % 8) as u32).collect(),
+                suffix_tokens: tokens(9, 5 * n),
+                suffix_offsets: (0..=n).map(|i| 5 * i).collect(),
+                output_tokens: vec![4; n],
+            };
+            sim.run_closed_loop(&set, 3).unwrap();
+            sim.engines()
+                .iter()
+                .map(|e| e.lora_slots().unwrap().loads)
+                .sum::<u64>()
+        };
+        let (with, without) = (loads(KvAwareConfig::default().adapter_weight), loads(0.0));
+        // Each adapter loaded once per worker it starts on, then kept there.
+        assert!(with <= 3, "{with} loads with the term");
+        assert!(
+            without >= 4 * with,
+            "{without} loads without it: adapters move"
+        );
     }
 }

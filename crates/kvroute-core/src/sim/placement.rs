@@ -59,14 +59,16 @@ pub trait Placement {
     /// events (called instead of `apply_events` only when `wants_hash_events`).
     fn apply_hash_events(&mut self, _worker: usize, _events: &HashEvents, _now: f64) {}
     /// [`Placement::place`] with the prompt's tokens (its shared head, then the rest: the
-    /// simulator never joins them) and output budget, for a placement that keeps more than
-    /// hashes (retention's refresh prompts).
+    /// simulator never joins them), output budget and LoRA adapter
+    /// (`crate::policies::adapter_id`; None: the base model), for a placement that keeps more
+    /// than hashes (retention's refresh prompts, the workers' LoRA slots).
     fn place_request(
         &mut self,
         block_hashes: &[u64],
         prompt_head: &[u32],
         prompt_tail: &[u32],
         _output_tokens: usize,
+        _adapter: Option<u64>,
         now: f64,
     ) -> Placed {
         self.place(block_hashes, prompt_head.len() + prompt_tail.len(), now)
@@ -88,21 +90,48 @@ pub struct StepPlacement<'a> {
     pub policy: &'a mut dyn Choose,
 }
 
+impl StepPlacement<'_> {
+    /// The step's decision for a request under `adapter`.
+    fn route(
+        &mut self,
+        block_hashes: &[u64],
+        prompt_tokens: usize,
+        adapter: Option<u64>,
+        now: f64,
+    ) -> Placed {
+        let r = self.step.route(
+            self.index.as_deref_mut(),
+            self.policy,
+            block_hashes,
+            prompt_tokens,
+            adapter,
+            None,
+            now,
+        );
+        Placed::from_routed(&r, 0)
+    }
+}
+
 impl Placement for StepPlacement<'_> {
     fn wants_events(&self) -> bool {
         self.index.is_some()
     }
 
     fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
-        let r = self.step.route(
-            self.index.as_deref_mut(),
-            self.policy,
-            block_hashes,
-            prompt_tokens,
-            None,
-            now,
-        );
-        Placed::from_routed(&r, 0)
+        self.route(block_hashes, prompt_tokens, None, now)
+    }
+
+    fn place_request(
+        &mut self,
+        block_hashes: &[u64],
+        prompt_head: &[u32],
+        prompt_tail: &[u32],
+        _output_tokens: usize,
+        adapter: Option<u64>,
+        now: f64,
+    ) -> Placed {
+        let prompt_tokens = prompt_head.len() + prompt_tail.len();
+        self.route(block_hashes, prompt_tokens, adapter, now)
     }
 
     fn first_token(&mut self, placed: Placed) {
@@ -177,6 +206,7 @@ impl Placement for RetainingPlacement<'_> {
         prompt_head: &[u32],
         prompt_tail: &[u32],
         output_tokens: usize,
+        adapter: Option<u64>,
         now: f64,
     ) -> Placed {
         // The model keeps prefix tokens for refresh prompts: the whole prompt, joined here
@@ -189,6 +219,7 @@ impl Placement for RetainingPlacement<'_> {
             block_hashes,
             &prompt,
             output_tokens,
+            adapter,
             now,
             &mut self.pending,
         );
@@ -241,17 +272,26 @@ pub(crate) fn route_retaining(
     block_hashes: &[u64],
     prompt: &[u32],
     output_tokens: usize,
+    adapter: Option<u64>,
     now: f64,
     refreshes: &mut Vec<Refresh>,
 ) -> Routed {
     let bs = retention.config().block_size;
     let live = p.step.live_slots();
-    let r = match retention.room_for(p.step, p.index.as_deref_mut(), live, block_hashes, now) {
+    let r = match retention.room_for(
+        p.step,
+        p.index.as_deref_mut(),
+        live,
+        block_hashes,
+        adapter,
+        now,
+    ) {
         Some(worker) => p.step.route_to(
             p.index.as_deref_mut(),
             worker,
             block_hashes,
             prompt.len(),
+            adapter,
             now,
         ),
         None => p.step.route(
@@ -259,6 +299,7 @@ pub(crate) fn route_retaining(
             p.policy,
             block_hashes,
             prompt.len(),
+            adapter,
             None,
             now,
         ),

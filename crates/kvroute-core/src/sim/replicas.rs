@@ -44,6 +44,7 @@ enum Delivery {
         prompt: Vec<u32>,
         output_tokens: usize,
         overlap: usize,
+        adapter: Option<u64>,
     },
     FirstToken {
         decision: u64,
@@ -172,6 +173,7 @@ impl<'a> ReplicaPlacement<'a> {
                 prompt,
                 output_tokens,
                 overlap,
+                adapter,
             } => {
                 let candidates = p.step.live_slots().to_vec();
                 let handle = apply_peer_decision(
@@ -188,6 +190,7 @@ impl<'a> ReplicaPlacement<'a> {
                         prompt_tokens: prompt.len(),
                         output_tokens: *output_tokens,
                         overlap: *overlap,
+                        adapter: *adapter,
                     },
                     now,
                     &mut self.pending,
@@ -239,7 +242,7 @@ impl Placement for ReplicaPlacement<'_> {
     }
 
     fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
-        self.place_request(block_hashes, &[], &vec![0; prompt_tokens], 1, now)
+        self.place_request(block_hashes, &[], &vec![0; prompt_tokens], 1, None, now)
     }
 
     fn place_request(
@@ -248,6 +251,7 @@ impl Placement for ReplicaPlacement<'_> {
         prompt_head: &[u32],
         prompt_tail: &[u32],
         output_tokens: usize,
+        adapter: Option<u64>,
         now: f64,
     ) -> Placed {
         self.deliver(now);
@@ -276,6 +280,7 @@ impl Placement for ReplicaPlacement<'_> {
                     block_hashes,
                     &prompt,
                     output_tokens,
+                    adapter,
                     now,
                     &mut self.pending,
                 )
@@ -287,6 +292,7 @@ impl Placement for ReplicaPlacement<'_> {
                     p.policy,
                     block_hashes,
                     prompt_tokens,
+                    adapter,
                     None,
                     now,
                 )
@@ -303,6 +309,7 @@ impl Placement for ReplicaPlacement<'_> {
                 prompt,
                 output_tokens,
                 overlap: r.overlap,
+                adapter,
             },
             now,
         );

@@ -50,6 +50,8 @@ impl Fleet {
         };
         let (slot, name, url) = (member.slot, member.name.clone(), member.url.clone());
         let owned = self.owns_retention(slot);
+        // The body names the model; whether it is an adapter is this fleet's knowledge.
+        let adapter = self.adapter_of(tenant.model.as_deref());
         if self.retention.is_some() && !peer.prompt.is_empty() && !peer.block_hashes.is_empty() {
             remember_tenant(&mut self.tenants, peer.block_hashes[0], tenant);
         }
@@ -60,6 +62,7 @@ impl Fleet {
             .filter(|m| m.available(now))
             .map(|m| m.slot)
             .collect();
+        let peer = &PeerDecision { adapter, ..*peer };
         let mut refreshes = Vec::new();
         let mut index = lock_index(&self.index);
         let handle = apply_peer_decision(
