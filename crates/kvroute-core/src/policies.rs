@@ -808,6 +808,7 @@ mod tests {
                 prompt_tokens: 64,
                 overlap_blocks: Some(&overlap),
                 admission_wait: None,
+                adapter: None,
             };
             let refs: Vec<&WorkerState> = workers.iter().collect();
             p.choose(&view, &refs)

@@ -75,7 +75,9 @@ pub fn apply_peer_decision(
 /// A decision in flight that an adopted snapshot lists (`super::adopt`), applied to `slot`
 /// at `now`: its load and prediction as when its `Routed` is applied, with its prefill
 /// released at once if its first token came; the policy's shares and the retention model
-/// are left as the snapshot's shares have them.
+/// are left as the snapshot's shares have them. A snapshot names no adapter, so the
+/// decision leaves the worker's modelled LoRA slots as they are (the next decisions for it
+/// fill them).
 pub fn adopt_open_decision(
     step: &mut RoutingStep,
     index: Option<&mut KvIndex>,
@@ -88,6 +90,7 @@ pub fn adopt_open_decision(
         slot,
         &entry.block_hashes,
         entry.prompt_tokens as usize,
+        None,
         now,
     );
     let handle = DecisionHandle {
