@@ -27,6 +27,8 @@ adapters, so it is refused there)
     its CPU time per request: user + system time of the router's process tree
     (``/proc/<pid>/stat``) over the window ÷ requests, with the system (kernel) share beside
     it: loopback TCP, polling and scheduling, which every router pays for the same sockets.
+    A router of several processes has each one's share beside its total (the gateway:
+    ``kvroute-epp`` and ``envoy``), each measured on its own process tree.
 
 Routers (``--routers NAME[:SETTING],...``; ``--list-settings`` shows every setting's flags):
 
@@ -671,8 +673,12 @@ class RouterRun:
 
     def cpu_times(self) -> tuple[float, float]:
         """(user, system) CPU seconds so far of the router's processes."""
-        times = [cpu_times(p.pid) for p in self.processes if p.proc.returncode is None]
+        times = self.cpu_seconds_by_process().values()
         return sum(t[0] for t in times), sum(t[1] for t in times)
+
+    def cpu_seconds_by_process(self) -> dict[str, tuple[float, float]]:
+        """(user, system) CPU seconds so far of each live process of the router, by name."""
+        return {p.name: cpu_times(p.pid) for p in self.processes if p.proc.returncode is None}
 
     async def close(self) -> None:
         await asyncio.gather(*(p.stop() for p in self.processes), return_exceptions=True)
@@ -1151,6 +1157,9 @@ class OverheadRow:
     machine_load: float | None = None  # 1-minute load average after measuring (shared CPUs)
     #: With ``--rounds N``: each round's CPU µs per request; the other figures are medians.
     cpu_rounds: list[float] = field(default_factory=list)
+    #: A router of several processes (the gateway: Envoy and the EPP): each one's share of
+    #: ``cpu_us_per_request``, measured on its own rather than as a difference of two runs.
+    cpu_us_by_process: dict[str, float] = field(default_factory=dict)
 
     def added(self, which: str) -> tuple[float, float] | None:
         direct, routed = getattr(self, f"direct_{which}_ms"), getattr(self, f"router_{which}_ms")
@@ -1172,6 +1181,10 @@ def median_row(rows: Sequence[OverheadRow]) -> OverheadRow:
         values = [getattr(r, name) for r in rows if getattr(r, name) is not None]
         if values:
             setattr(merged, name, float(np.median(values)))
+    names = {name for r in rows for name in r.cpu_us_by_process}
+    merged.cpu_us_by_process = {
+        name: float(np.median([r.cpu_us_by_process[name] for r in rows if name in r.cpu_us_by_process]))
+        for name in sorted(names)}
     merged.requests = sum(r.requests for r in rows)
     merged.failed = sum(r.failed for r in rows)
     merged.error = next((r.error for r in rows if r.error), None)
@@ -1230,9 +1243,12 @@ async def run_overhead(entry: RouterEntry, env: Env, workload: BenchWorkload, lo
             ok = [r for r in routed if r.ok]
             row.router_ttft_ms = _p50_p99([r.ttft_s for r in ok if r.ttft_s is not None])
             row.router_e2e_ms = _p50_p99([r.e2e_s for r in ok if r.e2e_s is not None])
-            (user0, sys0), t0 = run.cpu_times(), time.perf_counter()
+            before, t0 = run.cpu_seconds_by_process(), time.perf_counter()
             loaded = await _collect(via, loaded_requests, loaded_concurrency)
-            (user1, sys1), t1 = run.cpu_times(), time.perf_counter()
+            after, t1 = run.cpu_seconds_by_process(), time.perf_counter()
+            (user0, sys0), (user1, sys1) = (
+                (sum(t[0] for t in times.values()), sum(t[1] for t in times.values()))
+                for times in (before, after))
         row.machine_load = os.getloadavg()[0]
         done = [r for r in loaded if r.ok]
         row.requests = len(loaded_requests)
@@ -1240,6 +1256,10 @@ async def run_overhead(entry: RouterEntry, env: Env, workload: BenchWorkload, lo
         if done:
             row.cpu_us_per_request = (user1 - user0 + sys1 - sys0) / len(done) * 1e6
             row.system_us_per_request = (sys1 - sys0) / len(done) * 1e6
+            if len(after) > 1:
+                row.cpu_us_by_process = {
+                    name: (sum(after[name]) - sum(before[name])) / len(done) * 1e6
+                    for name in after if name in before}
             row.loaded_rps = len(done) / (t1 - t0)
         if row.failed:
             first = next(r for r in routed + loaded if not r.ok)
@@ -1379,7 +1399,8 @@ def overhead_table(rows: Sequence[OverheadRow]) -> list[list[str]]:
         out.append([r.router, pair(r.added("ttft")), pair(r.added("e2e")), pair(r.router_e2e_ms),
                     pair(r.direct_e2e_ms),
                     _f(r.cpu_us_per_request, 0) + (
-                        f" ({', '.join(f'{c:.0f}' for c in r.cpu_rounds)})" if len(r.cpu_rounds) > 1 else ""),
+                        f" ({', '.join(f'{c:.0f}' for c in r.cpu_rounds)})" if len(r.cpu_rounds) > 1 else "")
+                    + "".join(f"; {name} {us:.0f}" for name, us in r.cpu_us_by_process.items()),
                     _f(r.system_us_per_request, 0),
                     _f(r.loaded_rps, 1),
                     _f(r.machine_load), (r.error or r.note)[:100]])
