@@ -273,6 +273,20 @@ def test_rounds_merge_into_medians_keeping_each_cpu_figure():
     assert peers.overhead_table([merged])[1][5] == "1150 (1300, 1100, 1150)"
 
 
+def test_a_gateways_processes_keep_their_own_cpu_through_the_rounds():
+    rounds = [
+        peers.OverheadRow("gateway", cpu_us_per_request=1000.0,
+                          cpu_us_by_process={"kvroute-epp": 300.0, "envoy": 700.0}),
+        peers.OverheadRow("gateway", cpu_us_per_request=1100.0,
+                          cpu_us_by_process={"kvroute-epp": 320.0, "envoy": 780.0}),
+        peers.OverheadRow("gateway", cpu_us_per_request=1040.0,
+                          cpu_us_by_process={"kvroute-epp": 290.0, "envoy": 750.0}),
+    ]
+    merged = peers.median_row(rounds)
+    assert merged.cpu_us_by_process == {"envoy": 750.0, "kvroute-epp": 300.0}
+    assert peers.overhead_table([merged])[1][5] == "1040 (1000, 1100, 1040); envoy 750; kvroute-epp 300"
+
+
 def test_dynamo_borrows_the_emulated_direct_baseline():
     rows = [peers.OverheadRow("sglang", direct_e2e_ms=(10.0, 20.0), direct_ttft_ms=(5.0, 6.0)),
             peers.OverheadRow("kvroute", direct_e2e_ms=(12.0, 30.0), direct_ttft_ms=(7.0, 8.0)),
