@@ -18,12 +18,13 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
+from kv_events import EVENTS, events_for
 
 from kvroute.blocks import BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.errors import UserError
 from kvroute.gateway import envoy_binary, envoy_config, free_port, run_envoy
-from kvroute.router import EventsSettings, EventsSource, RouterConfig, start_router
+from kvroute.router import RouterConfig, start_router
 
 try:
     envoy_binary()
@@ -32,16 +33,6 @@ except UserError as exc:  # the test extra brings it; say so rather than fail ob
 
 BS = 16
 UPSTREAM = "x-gateway-upstream-host"
-EVENTS = json.dumps({
-    "enable_kv_cache_events": True, "publisher": "zmq",
-    "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
-})
-
-
-def events_for(workers) -> EventsSettings:
-    return EventsSettings(per_worker={
-        w.url: EventsSource(w.kv_events_endpoint, w.kv_events_replay_endpoint) for w in workers
-    })
 
 
 def endpoint(worker) -> str:

@@ -5,22 +5,18 @@ routing only among the workers that serve a model, vLLM's 404 for an unknown one
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
 import pytest
+from kv_events import EVENTS, events_for
 
 from kvroute.blocks import BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.engine import BlockStored
-from kvroute.router import WORKER_HEADER, EventsSettings, EventsSource, RouterConfig, start_router
+from kvroute.router import WORKER_HEADER, RouterConfig, start_router
 
 BS = 16
-EVENTS = json.dumps({
-    "enable_kv_cache_events": True, "publisher": "zmq",
-    "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
-})
 ADAPTERS = (("sql", "/adapters/sql"), ("chat", "/adapters/chat"))
 
 
@@ -141,10 +137,7 @@ async def test_the_router_routes_salted_and_adapter_traffic_on_the_hits_it_can_g
     try:
         config = RouterConfig(
             workers=[w.url for w in workers], predicted_ttl_s=0.0, health_interval_s=0.1,
-            events=EventsSettings(per_worker={
-                w.url: EventsSource(w.kv_events_endpoint, w.kv_events_replay_endpoint)
-                for w in workers
-            }),
+            events=events_for(workers),
         )
         async with start_router(config) as router, aiohttp.ClientSession() as s:
             names = list(router.worker_statuses())

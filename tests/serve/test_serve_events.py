@@ -5,13 +5,13 @@ router's native event consumer against pyzmq sockets)."""
 from __future__ import annotations
 
 import asyncio
-import json
 import time
 
 import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
+from kv_events import EVENTS, events_for
 
 from kvroute.blocks import BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers
@@ -21,16 +21,6 @@ from kvroute.kvevents.wire import END_SEQ, encode_batch, encode_seq
 from kvroute.router import WORKER_HEADER, EventsSettings, EventsSource, RouterConfig, start_router
 
 BS = 16
-EVENTS = json.dumps({
-    "enable_kv_cache_events": True, "publisher": "zmq",
-    "endpoint": "tcp://127.0.0.1:*", "replay_endpoint": "tcp://127.0.0.1:*",
-})
-
-
-def events_for(workers) -> EventsSettings:
-    return EventsSettings(per_worker={
-        w.url: EventsSource(w.kv_events_endpoint, w.kv_events_replay_endpoint) for w in workers
-    })
 
 
 async def until(predicate, timeout: float = 5.0) -> None:
