@@ -21,6 +21,7 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
+from fake_kube import END, FakeKubeApi, Handler
 from lightkube import KubeConfig
 from lightkube.models.discovery_v1 import EndpointSlice as SliceModel
 
@@ -32,7 +33,6 @@ NS = "llm"
 SERVICE = "kv-kvroute-workers-headless"
 PATH = f"/apis/discovery.k8s.io/v1/namespaces/{NS}/endpointslices"
 TOKEN = "service-account-token"
-END = object()  # ends a watch stream (the server closes the response)
 
 # One slice of the chart's headless Service as the API server returns it, with two vLLM pods.
 RECORDED_SLICE = {
@@ -125,40 +125,19 @@ def expired(version: int) -> dict:
                            "reason": "Expired", "code": 410})
 
 
-class FakeApiServer:
+class FakeApiServer(FakeKubeApi):
     """LIST answers come from ``lists`` in order (a body, or an HTTP status to fail with); a
     WATCH request fails with the next status of ``watch_failures`` if any, else opens a new
     stream fed from ``watches[i]``."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.lists: list[dict | int] = []
-        self.watches: list[asyncio.Queue] = []
         self.watch_failures: list[int] = []
         self.requests: list[dict[str, str]] = []
-        self._watch_opened = asyncio.Condition()
-        self.runner: web.AppRunner | None = None
-        self.url = ""
 
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get(PATH, self._endpointslices)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    async def close(self) -> None:
-        for q in self.watches:
-            q.put_nowait(END)
-        assert self.runner is not None
-        await self.runner.cleanup()
-
-    async def watch_stream(self, index: int, timeout: float = 5.0) -> asyncio.Queue:
-        """The queue of watch request ``index`` (0-based), once the client has opened it."""
-        async with self._watch_opened:
-            await asyncio.wait_for(self._watch_opened.wait_for(lambda: len(self.watches) > index), timeout)
-        return self.watches[index]
+    def routes(self) -> dict[str, Handler]:
+        return {PATH: self._endpointslices}
 
     async def _endpointslices(self, request: web.Request) -> web.StreamResponse:
         query = dict(request.query)
@@ -175,15 +154,7 @@ class FakeApiServer:
             status = self.watch_failures.pop(0)
             return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                       "message": "injected", "code": status}, status=status)
-        stream: asyncio.Queue = asyncio.Queue()
-        async with self._watch_opened:
-            self.watches.append(stream)
-            self._watch_opened.notify_all()
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        while (item := await stream.get()) is not END:
-            await resp.write(json.dumps(item).encode() + b"\n")
-        return resp
+        return await self.stream_watch(request)
 
 
 @pytest.fixture

@@ -7,11 +7,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import copy
-import json
 from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
+from fake_kube import FakeKubeApi, Handler
 from lightkube import KubeConfig
 
 from kvroute.errors import UserError
@@ -27,7 +27,6 @@ POOL_OBJECT = {
     "spec": {"selector": {"matchLabels": LABELS}, "targetPorts": [{"number": 8000}],
              "endpointPickerRef": {"name": "kv-kvroute-epp", "port": {"number": 9002}, "failureMode": "FailClose"}},
 }
-END = object()
 
 
 def pod(name: str, ip: str | None, *, ready: bool = True, deleting: bool = False) -> dict:
@@ -49,30 +48,21 @@ def pod(name: str, ip: str | None, *, ready: bool = True, deleting: bool = False
     return obj
 
 
-class FakeApiServer:
+class FakeApiServer(FakeKubeApi):
     """Answers GET of the pool, LIST of pods (the next of ``lists``) and WATCH of pods (a stream
     fed from a queue per watch); records each pod request's query."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.pool = copy.deepcopy(POOL_OBJECT)
         self.lists: list[list[dict]] = []
-        self.watches: list[asyncio.Queue] = []
         self.pod_queries: list[dict] = []
-        self.url = ""
 
-    async def start(self) -> None:
-        app = web.Application()
-        app.router.add_get(f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/{POOL}", self._pool)
-        app.router.add_get(f"/api/v1/namespaces/{NS}/pods", self._pods)
-        self.runner = web.AppRunner(app, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        self.url = f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    async def close(self) -> None:
-        for q in self.watches:
-            q.put_nowait(END)
-        await self.runner.cleanup()
+    def routes(self) -> dict[str, Handler]:
+        return {
+            f"/apis/inference.networking.k8s.io/v1/namespaces/{NS}/inferencepools/{POOL}": self._pool,
+            f"/api/v1/namespaces/{NS}/pods": self._pods,
+        }
 
     async def _pool(self, request: web.Request) -> web.Response:
         assert request.headers.get("Authorization") == f"Bearer {TOKEN}"
@@ -84,13 +74,7 @@ class FakeApiServer:
         if query.get("watch") != "true":
             return web.json_response({"kind": "PodList", "apiVersion": "v1", "metadata": {"resourceVersion": "900"},
                                       "items": self.lists.pop(0)})
-        stream: asyncio.Queue = asyncio.Queue()
-        self.watches.append(stream)
-        resp = web.StreamResponse(headers={"Content-Type": "application/json"})
-        await resp.prepare(request)
-        while (item := await stream.get()) is not END:
-            await resp.write(json.dumps(item).encode() + b"\n")
-        return resp
+        return await self.stream_watch(request)
 
 
 @pytest.fixture
@@ -131,14 +115,6 @@ class Follower:
             await self.task
 
 
-async def until_watching(api: FakeApiServer, n: int = 1) -> asyncio.Queue:
-    for _ in range(250):
-        if len(api.watches) >= n:
-            return api.watches[n - 1]
-        await asyncio.sleep(0.02)
-    raise AssertionError("the discovery never watched")
-
-
 async def test_the_pools_ready_pods_are_followed(api):
     api.lists.append([pod("w-a", "10.244.1.17"), pod("w-b", "10.244.2.9", ready=False), pod("w-c", None)])
     lists = Follower(discovery_for(api))
@@ -147,7 +123,7 @@ async def test_the_pools_ready_pods_are_followed(api):
         # The pods were selected by the pool's labels.
         selector = api.pod_queries[0]["labelSelector"]
         assert set(selector.split(",")) == {f"{k}={v}" for k, v in LABELS.items()}
-        watch = await until_watching(api)
+        watch = await api.watch_stream(0)
         watch.put_nowait({"type": "MODIFIED", "object": pod("w-b", "10.244.2.9")})
         assert [e.name for e in await lists.next()] == ["w-a", "w-b"]
         # Terminating (deletionTimestamp set): no new requests; then gone.
