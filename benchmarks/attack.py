@@ -44,6 +44,7 @@ import time
 import zlib
 from collections import Counter
 from pathlib import Path
+from typing import TextIO
 
 from kvroute.gateway import free_port, run_envoy
 from kvroute.workers import launch_emulated
@@ -63,7 +64,29 @@ def pct(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
-class RouterProcess:
+class KvrouteProcess:
+    """A ``kvroute`` process under attack: its stderr goes to ``log``; stopped as an operator
+    would (SIGTERM, then SIGKILL after 20 s)."""
+
+    proc: asyncio.subprocess.Process
+    log: Path
+    log_file: TextIO
+
+    async def stop(self) -> None:
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self.proc.wait(), 20)
+        except TimeoutError:
+            self.proc.kill()
+            await self.proc.wait()
+        self.log_file.close()
+
+    def tracebacks(self) -> int:
+        """Python tracebacks the process wrote to its log."""
+        return self.log.read_text(errors="replace").count("Traceback")
+
+
+class RouterProcess(KvrouteProcess):
     def __init__(self, workers: list[str], extra: list[str], log: Path, nofile: int | None = None) -> None:
         self.workers, self.extra, self.log, self.nofile = workers, extra, log, nofile
 
@@ -93,16 +116,7 @@ class RouterProcess:
         return self
 
     async def __aexit__(self, *exc: object) -> None:
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.proc.wait(), 20)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-        self.log_file.close()
-
-    def tracebacks(self) -> int:
-        return self.log.read_text(errors="replace").count("Traceback")
+        await self.stop()
 
 
 async def send(host: str, port: int, data: bytes, timeout: float = 30.0) -> int:
@@ -273,7 +287,7 @@ async def _health_under_load(router: RouterProcess, path: bytes, big: bytes, slo
           f"max {max(held):.1f} s ({len(held)} closed)")
 
 
-class EppGateway:
+class EppGateway(KvrouteProcess):
     """``kvroute epp`` (its own process) behind a real Envoy configured as an Inference Gateway
     (``kvroute.gateway``): ``host``/``port`` are Envoy's."""
 
@@ -299,16 +313,7 @@ class EppGateway:
 
     async def __aexit__(self, *exc: object) -> None:
         await self._envoy.__aexit__(None, None, None)
-        self.proc.send_signal(signal.SIGTERM)
-        try:
-            await asyncio.wait_for(self.proc.wait(), 20)
-        except TimeoutError:
-            self.proc.kill()
-            await self.proc.wait()
-        self.log_file.close()
-
-    def tracebacks(self) -> int:
-        return self.log.read_text(errors="replace").count("Traceback")
+        await self.stop()
 
 
 async def part_gateway(router: RouterProcess, workers: list[str], log: Path) -> None:
