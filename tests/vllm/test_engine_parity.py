@@ -30,16 +30,8 @@ OUTPUT_TOKENS = 16
 
 
 def engine_cached_tokens(prompts: list[np.ndarray], num_blocks: int, block_size: int) -> list[int]:
-    engine = Engine(num_blocks, block_size, INSTANT)
-    cached = []
-    for i, prompt in enumerate(prompts):
-        request = EngineRequest(str(i), prompt, VOCAB[:OUTPUT_TOKENS], 0.0)
-        engine.add_request(request)
-        now = 0.0
-        while engine.has_work:
-            now = engine.step(now).end
-        cached.append(request.num_cached_tokens)
-    return cached
+    """The engine model's cached tokens per prompt, sent one at a time under the base model."""
+    return engine_cached_tokens_keyed(prompts, [(None, None)] * len(prompts), num_blocks, block_size)
 
 
 async def test_engine_model_finds_the_cached_tokens_real_vllm_finds(vllm_fleet):
