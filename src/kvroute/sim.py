@@ -92,7 +92,7 @@ class TrialResult:
 
 class Simulation:
     """Workers, a routing step and a virtual clock; each :meth:`run` is the native event loop
-    (``kvroute_core::sim``) over these engines and this step, which keep their state between
+    (``kvroute_sim::sim``) over these engines and this step, which keep their state between
     runs (a warmup, then the measured requests).
 
     Args:
@@ -107,7 +107,7 @@ class Simulation:
         retention: ``off``, ``on`` or ``auto`` (see ``kvroute_core::retention``): the router
             refreshes the prefixes each worker's LRU would evict; the refreshes run on the
             engines as requests and are counted in ``refresh_stats``, not in the records.
-        replica_policies: the policies of router replicas 2..N (``kvroute_core::sim::replicas``):
+        replica_policies: the policies of router replicas 2..N (``kvroute_sim::sim::replicas``):
             ``policy`` is replica 1's; each replica gets its own routing step, index and
             retention model, and a balancer draws a replica per request (seeded with
             ``balancer_seed``), as the Service in front of live replicas does. Empty: one router.

@@ -326,6 +326,14 @@ impl BlockHasher {
     }
 }
 
+/// The blocks of a vLLM pool of `num_blocks` that can hold KV: all but the reserved null
+/// block (block 0). The one owner of that rule: the router counts a worker's
+/// `num_gpu_blocks` by it, the engine model sizes its pool by it, and the Python side takes it
+/// as `kvroute._native.usable_blocks`.
+pub const fn usable_blocks(num_blocks: usize) -> usize {
+    num_blocks.saturating_sub(1)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

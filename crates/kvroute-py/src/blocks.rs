@@ -1,8 +1,8 @@
 //! `BlockHasher` for Python: the chained block hashes of `kvroute_core::blocks`; and the
-//! token synthesis of trace hash ids (`kvroute_core::trace`).
+//! token synthesis of trace hash ids (`kvroute_sim::trace`).
 
 use kvroute_core::blocks::{self, DEFAULT_HASH_SEED};
-use kvroute_core::trace;
+use kvroute_sim::trace;
 use pyo3::exceptions::PyValueError;
 use pyo3::prelude::*;
 use pyo3::types::PyByteArray;
@@ -132,7 +132,7 @@ impl BlockHasher {
     }
 }
 
-/// The synthesized tokens of trace hash ids (``kvroute_core::trace``): a ``bytearray`` of
+/// The synthesized tokens of trace hash ids (``kvroute_sim::trace``): a ``bytearray`` of
 /// ``len(hash_ids) * 512`` native-endian ``uint32`` token ids, block after block, for
 /// ``numpy.frombuffer``.
 ///

@@ -1,5 +1,5 @@
 //! The engine model for Python: `CostModel` helpers, `BlockPool`, `EngineRequest`, `Engine`,
-//! `StepResult`, `RequestOutput` and `PrefixCacheStats` over `kvroute_core::engine`.
+//! `StepResult`, `RequestOutput` and `PrefixCacheStats` over `kvroute_sim::engine`.
 //!
 //! KV events come back as the dataclasses of `kvroute.engine.events` (the Python face of
 //! events, which the publisher and the index consume). An `EngineRequest` is the Python
@@ -11,10 +11,10 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use kvroute_core::blocks::{self, BlockKeys, DEFAULT_HASH_SEED};
-use kvroute_core::engine::cost;
-use kvroute_core::engine::pool::{self, TokenSeq};
-use kvroute_core::engine::scheduler::{self, NewRequest, RequestKey, RequestSummary};
 use kvroute_core::kvevents::events::EventBatch as CoreBatch;
+use kvroute_sim::engine::cost;
+use kvroute_sim::engine::pool::{self, TokenSeq};
+use kvroute_sim::engine::scheduler::{self, NewRequest, RequestKey, RequestSummary};
 use pyo3::exceptions::{PyKeyError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
@@ -72,10 +72,10 @@ fn cost_scaled(cost: &Bound<'_, PyAny>, factor: f64) -> PyResult<CostFields> {
 }
 
 /// The blocks of a pool of ``num_blocks`` that can hold KV: all but vLLM's null block
-/// (``kvroute_core::engine::pool::usable_blocks``).
+/// (``kvroute_core::blocks::usable_blocks``).
 #[pyfunction]
 fn usable_blocks(num_blocks: usize) -> usize {
-    pool::usable_blocks(num_blocks)
+    kvroute_core::blocks::usable_blocks(num_blocks)
 }
 
 /// The fields of every timing preset, in listing order.

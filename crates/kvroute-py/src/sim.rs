@@ -1,4 +1,4 @@
-//! The simulator's native event loop (`kvroute_core::sim`) for Python: `simulate` runs one
+//! The simulator's native event loop (`kvroute_sim::sim`) for Python: `simulate` runs one
 //! request set on the engines and routing step of a `kvroute.sim.Simulation`, all in Rust.
 //!
 //! The Python objects keep their state between runs: the engines are taken out of their
@@ -9,11 +9,11 @@ use kvroute_io::lock_index;
 use std::sync::Arc;
 
 use kvroute_core::blocks::BlockKeys;
-use kvroute_core::engine::scheduler;
 use kvroute_core::policies::Choose;
-use kvroute_core::sim::placement::{Placement, RetainingPlacement, StepPlacement};
-use kvroute_core::sim::replicas::{Replica, ReplicaPlacement};
-use kvroute_core::sim::{
+use kvroute_sim::engine::scheduler;
+use kvroute_sim::sim::placement::{Placement, RetainingPlacement, StepPlacement};
+use kvroute_sim::sim::replicas::{Replica, ReplicaPlacement};
+use kvroute_sim::sim::{
     RefreshStats, RequestRecord, RequestSet, SimError, Simulation, Tenant, WorkerConfig,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
@@ -68,7 +68,7 @@ type TenantTuple = (Option<String>, Option<i64>, Option<String>);
 ///     prefixes: the shared prefixes' token arrays, by prefix id, or a ``PromptTable``
 ///         (its prompts shared, not copied).
 ///     prefix_ids, suffix_tokens, suffix_offsets, output_tokens: the requests (see
-///         ``kvroute_core::sim::RequestSet``); ``suffix_tokens`` may also be a list of one
+///         ``kvroute_sim::sim::RequestSet``); ``suffix_tokens`` may also be a list of one
 ///         token array per request.
 ///     output: the tokens every request generates (request ``i`` the first ``output_tokens[i]``).
 ///     concurrency: closed-loop clients, or None with ``send_times`` (open loop).
@@ -78,7 +78,7 @@ type TenantTuple = (Option<String>, Option<i64>, Option<String>);
 ///     tenants: per prefix id, ``(lora_name, lora_id, cache_salt)`` (each may be None): the
 ///         adapter and salt its requests' blocks hash under and the adapter that takes a LoRA
 ///         slot on its worker; None (or a prefix past the end): plain requests.
-///     replicas: N router replicas instead of ``routing`` (``kvroute_core::sim::replicas``):
+///     replicas: N router replicas instead of ``routing`` (``kvroute_sim::sim::replicas``):
 ///         one ``RoutingStep`` per replica (each its own index and native policy), behind a
 ///         balancer that draws a replica per request (seeded with ``balancer_seed``).
 ///     replica_retention: with ``replicas``, one ``Retention`` per replica (or None: off).

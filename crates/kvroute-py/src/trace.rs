@@ -8,7 +8,7 @@
 
 use std::sync::Arc;
 
-use kvroute_core::trace;
+use kvroute_sim::trace;
 use pyo3::buffer::PyBuffer;
 use pyo3::exceptions::{PyIndexError, PyValueError};
 use pyo3::prelude::*;

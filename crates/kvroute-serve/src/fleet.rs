@@ -29,7 +29,7 @@ use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
 use kvroute_core::blocks::BlockHasher;
-use kvroute_core::engine::pool::usable_blocks;
+use kvroute_core::blocks::usable_blocks;
 use kvroute_core::index::{KvIndex, MemoryBound};
 use kvroute_core::policies::{Choose, Policy, WorkerState, adapter_id};
 use kvroute_core::retention::{Refresh, Retention, RetentionConfig, RetentionStats};

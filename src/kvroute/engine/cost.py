@@ -1,6 +1,6 @@
 """Cost model: how long one engine step takes, and the fixed front-end time of a request.
 
-The model itself is native (``kvroute-core``'s ``engine::cost``, which documents the formula
+The model itself is native (``kvroute-sim``'s ``engine::cost``, which documents the formula
 and calibrates the presets); this module is its Python face. ``CostModel`` stays a frozen
 dataclass of the parameters, so configuration code can ``dataclasses.replace`` it, and the
 engine reads those fields. Presets:

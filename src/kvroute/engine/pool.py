@@ -1,5 +1,5 @@
 """BlockPool: the KV block allocator and prefix cache of one vLLM v1 worker (native:
-``kvroute-core``'s ``engine::pool``, which documents vLLM's rules it follows: null block 0,
+``kvroute-sim``'s ``engine::pool``, which documents vLLM's rules it follows: null block 0,
 LRU free queue with tail-first freeing and uncached blocks reused first, touch on hit, eviction on reuse, no dedup).
 
 ``BlockPool`` here is a standalone pool (tests, benchmarks); an ``Engine`` owns its own and

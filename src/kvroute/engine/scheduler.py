@@ -1,6 +1,6 @@
 """The engine model: a vLLM v1 scheduler over a BlockPool, with a cost model for time.
 
-Native (``kvroute-core``'s ``engine::scheduler``, which documents the scheduling rules it
+Native (``kvroute-sim``'s ``engine::scheduler``, which documents the scheduling rules it
 follows from vLLM's ``scheduler.py``); this module is its Python face. Pure by design: no
 clock, no sockets. A driver hands it requests and the current time and asks it to run a step;
 it answers what happened and how long the step took. The simulator drives it on virtual time,

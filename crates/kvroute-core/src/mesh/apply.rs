@@ -1,6 +1,6 @@
 //! A peer replica's decision applied to this replica's routing state as if it had made it:
 //! the one rule both the live router (`kvroute-serve`'s fleet) and the simulator's replicas
-//! (`crate::sim::replicas`) follow.
+//! (`kvroute_sim::sim::replicas`) follow.
 //!
 //! The decision goes through [`RoutingStep::route_to`] (the same accounting as the replica's
 //! own: the prediction in the index, the load, the admission ticket); the policy counts the

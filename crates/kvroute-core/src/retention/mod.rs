@@ -34,7 +34,7 @@
 //! comes before the eviction, not after.
 //!
 //! Placement counts the model too ([`Retention::room_for`], used by the simulator's
-//! `crate::sim::placement::RetainingPlacement`
+//! `kvroute_sim::sim::placement::RetainingPlacement`
 //! and the live router): a prompt cached nowhere (its prefix new, or evicted everywhere) is
 //! sent to the worker that is home to the fewest prefix families, among those running at most
 //! `room_slack_requests` above the mean, so that a re-computed prefix lands where it displaces

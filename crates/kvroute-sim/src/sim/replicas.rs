@@ -7,8 +7,8 @@
 //! replica knows only its own decisions and refreshes; with it (`mesh_lag` given), every
 //! decision, its first token and end, and every refresh reach the other replicas `mesh_lag`
 //! seconds later and are applied there by the rule the live router follows
-//! (`crate::mesh::apply`), and each worker's retention is sent by one replica only: its owner
-//! by rendezvous hashing over the replicas (`crate::mesh::retention_owner`).
+//! (`kvroute_core::mesh::apply`), and each worker's retention is sent by one replica only: its owner
+//! by rendezvous hashing over the replicas (`kvroute_core::mesh::retention_owner`).
 //!
 //! Deliveries due by a callback's time are applied at its start (a callback without a time,
 //! the first token, uses the last time seen, which is at most one engine step old).
@@ -16,14 +16,14 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use crate::kvevents::events::{HashEvents, KvCacheEvent};
-use crate::mesh::apply::{
+use kvroute_core::kvevents::events::{HashEvents, KvCacheEvent};
+use kvroute_core::mesh::apply::{
     apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
 };
-use crate::mesh::retention_owner;
-use crate::mesh::{DecisionHandle, PeerDecision};
-use crate::pyrandom::PyRandom;
-use crate::retention::{Refresh, Retention};
+use kvroute_core::mesh::retention_owner;
+use kvroute_core::mesh::{DecisionHandle, PeerDecision};
+use kvroute_core::pyrandom::PyRandom;
+use kvroute_core::retention::{Refresh, Retention};
 
 use super::placement::{Placed, Placement, StepPlacement, route_retaining};
 
@@ -391,14 +391,14 @@ impl Placement for ReplicaPlacement<'_> {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::blocks::{BlockHasher, DEFAULT_HASH_SEED};
     use crate::engine::cost::CostModel;
-    use crate::index::KvIndex;
-    use crate::policies::{KvAware, KvAwareConfig, Policy};
-    use crate::retention::{RetentionConfig, RetentionMode};
-    use crate::routing::RoutingStep;
     use crate::sim::placement::RetainingPlacement;
     use crate::sim::{RequestSet, Trial, TrialResult, WorkerConfig};
+    use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
+    use kvroute_core::index::KvIndex;
+    use kvroute_core::policies::{KvAware, KvAwareConfig, Policy};
+    use kvroute_core::retention::{RetentionConfig, RetentionMode};
+    use kvroute_core::routing::RoutingStep;
 
     const BS: usize = 16;
     const WORKERS: usize = 6;

@@ -20,18 +20,18 @@ use std::collections::HashSet;
 use std::sync::Arc;
 
 use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
-use kvroute_core::engine::cost::CostModel;
 use kvroute_core::index::KvIndex;
 use kvroute_core::kvevents::codec::{self, WireFormat};
 use kvroute_core::kvevents::events::EventBatch;
 use kvroute_core::policies::{Choose, KvAwareConfig, Policy, PrefixHashConfig, WorkerState};
 use kvroute_core::pyrandom::PyRandom;
 use kvroute_core::routing::{JournalEntry, RoutingStep};
-use kvroute_core::sim::placement::StepPlacement;
-use kvroute_core::sim::{RequestSet, Simulation, WorkerConfig};
 use kvroute_io::consumer::lock_index;
 use kvroute_serve::fleet::Fleet;
 use kvroute_serve::{EventSource, PolicySpec, ServeConfig, WorkerSpec};
+use kvroute_sim::engine::cost::CostModel;
+use kvroute_sim::sim::placement::StepPlacement;
+use kvroute_sim::sim::{RequestSet, Simulation, WorkerConfig};
 
 /// The reference experiment's fleet: 6 workers of 585 blocks of 16 tokens.
 const WORKERS: usize = 6;

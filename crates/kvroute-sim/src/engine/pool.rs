@@ -22,29 +22,22 @@
 //!   request that computed it), and each is stored and later removed with its own event. A
 //!   lookup answers the oldest holder.
 //!
-//! Events are collected as data (`crate::kvevents::events`) when `emit_events` is on, for the
+//! Events are collected as data (`kvroute_core::kvevents::events`) when `emit_events` is on, for the
 //! engine to hand out per step: full [`KvCacheEvent`]s, or, for the simulator's own index
 //! ([`BlockPool::set_hash_events`]), the same events as [`HashEvents`] (hashes only).
 
 use std::collections::VecDeque;
 
-use crate::blocks::BlockKeys;
-use crate::hash_keyed::HashKeyed;
-use crate::kvevents::codec::encode_text_extra_keys;
-use crate::kvevents::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
+use kvroute_core::blocks::{BlockKeys, usable_blocks};
+use kvroute_core::hash_keyed::HashKeyed;
+use kvroute_core::kvevents::codec::encode_text_extra_keys;
+use kvroute_core::kvevents::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
 
 /// A KV block's id: its index in the pool.
 pub type BlockId = u32;
 
 /// The reserved null block.
 pub const NULL_BLOCK: BlockId = 0;
-
-/// The blocks of a pool of `num_blocks` that can hold KV: all but the null block. The one
-/// owner of that rule: the router counts a worker's `num_gpu_blocks` by it, and the Python side
-/// takes it as `kvroute._native.usable_blocks`.
-pub const fn usable_blocks(num_blocks: usize) -> usize {
-    num_blocks.saturating_sub(1)
-}
 
 /// End of the free queue's links, and an empty slot of the hash table.
 const NIL: u32 = u32::MAX;

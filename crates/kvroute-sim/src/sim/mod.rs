@@ -30,11 +30,11 @@ use std::cmp::Ordering;
 use std::collections::BinaryHeap;
 use std::sync::Arc;
 
-use crate::blocks::{BlockHasher, BlockKeys};
 use crate::engine::cost::CostModel;
 use crate::engine::scheduler::{Engine, NewRequest, PrefixCacheStats, StepResult};
-use crate::policies::adapter_id;
-use crate::retention::Refresh;
+use kvroute_core::blocks::{BlockHasher, BlockKeys};
+use kvroute_core::policies::adapter_id;
+use kvroute_core::retention::Refresh;
 
 pub mod placement;
 pub mod replicas;
@@ -130,7 +130,7 @@ pub struct TrialResult {
     pub refreshes: RefreshStats,
 }
 
-/// What retention's refreshes cost the engines (see `crate::retention`).
+/// What retention's refreshes cost the engines (see `kvroute_core::retention`).
 #[derive(Clone, Copy, Debug, Default, PartialEq)]
 pub struct RefreshStats {
     /// Refresh requests sent.
@@ -797,8 +797,8 @@ mod tests {
     //! Python simulator, re-recorded once for vLLM 0.32's free order (see `tests/data/golden/sim_round_robin.py` for the format and the
     //! token formula rebuilt here).
     use super::*;
-    use crate::blocks::DEFAULT_HASH_SEED;
-    use crate::kvevents::events::KvCacheEvent;
+    use kvroute_core::blocks::DEFAULT_HASH_SEED;
+    use kvroute_core::kvevents::events::KvCacheEvent;
 
     const GOLDEN: &str = include_str!("../../../../tests/data/golden/sim_round_robin.txt");
     const SUFFIX_BASE: u64 = 1 << 40;
@@ -1135,9 +1135,9 @@ mod tests {
     #[test]
     fn the_adapter_term_keeps_each_adapter_on_one_worker() {
         use crate::engine::scheduler::LoraSlots;
-        use crate::policies::{KvAware, KvAwareConfig, Policy};
-        use crate::pyrandom::PyRandom;
-        use crate::routing::RoutingStep;
+        use kvroute_core::policies::{KvAware, KvAwareConfig, Policy};
+        use kvroute_core::pyrandom::PyRandom;
+        use kvroute_core::routing::RoutingStep;
         use placement::StepPlacement;
 
         let g = &parse()[0];

@@ -9,10 +9,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
-use kvroute_core::engine::cost::CostModel;
 use kvroute_core::kvevents::events::KvCacheEvent;
-use kvroute_core::sim::placement::{Placed, Placement};
-use kvroute_core::sim::{RequestSet, Trial, WorkerConfig};
+use kvroute_sim::engine::cost::CostModel;
+use kvroute_sim::sim::placement::{Placed, Placement};
+use kvroute_sim::sim::{RequestSet, Trial, WorkerConfig};
 
 /// Cycle through workers (the round-robin policy, without the routing step around it).
 struct RoundRobin {

@@ -26,10 +26,10 @@
 use std::collections::VecDeque;
 use std::sync::Arc;
 
-use crate::blocks::{BlockHasher, BlockKeys};
 use crate::engine::cost::CostModel;
 use crate::engine::pool::{BlockId, BlockPool, TokenSeq};
-use crate::kvevents::events::{EventBatch, HashEvents};
+use kvroute_core::blocks::{BlockHasher, BlockKeys};
+use kvroute_core::kvevents::events::{EventBatch, HashEvents};
 
 /// A request's handle inside one engine, given by `Engine::add_request`. Handles of finished
 /// or aborted requests are reused.
@@ -364,7 +364,7 @@ impl Engine {
         self.pool.set_hash_events(on);
     }
     /// The events the pool collected outside a step (a reset on an idle engine).
-    pub fn take_pool_events(&mut self) -> Vec<crate::kvevents::events::KvCacheEvent> {
+    pub fn take_pool_events(&mut self) -> Vec<kvroute_core::kvevents::events::KvCacheEvent> {
         self.pool.take_events()
     }
     /// The cost model.
@@ -807,8 +807,8 @@ fn extend_hashes(hasher: &BlockHasher, r: &mut Request, num_full: usize) {
 mod tests {
     //! As the engine half of tests/unit/test_engine_pool.py.
     use super::*;
-    use crate::blocks::DEFAULT_HASH_SEED;
-    use crate::kvevents::events::{HashEvents, KvCacheEvent};
+    use kvroute_core::blocks::DEFAULT_HASH_SEED;
+    use kvroute_core::kvevents::events::{HashEvents, KvCacheEvent};
 
     const BS: usize = 4;
 
@@ -901,7 +901,7 @@ mod tests {
         let keys = s.extra_keys.as_ref().unwrap();
         assert_eq!(keys.len(), 3);
         let text = |k: &Option<Vec<u8>>| {
-            crate::kvevents::codec::text_extra_keys(k.as_deref().unwrap())
+            kvroute_core::kvevents::codec::text_extra_keys(k.as_deref().unwrap())
                 .unwrap()
                 .join(",")
         };
@@ -909,9 +909,13 @@ mod tests {
             (text(&keys[0]), text(&keys[1])),
             ("sql,t9".into(), "sql".into())
         );
-        let mut index =
-            crate::index::KvIndex::new(BlockHasher::new(BS, 1).unwrap(), Some(1.0), None, None)
-                .unwrap();
+        let mut index = kvroute_core::index::KvIndex::new(
+            BlockHasher::new(BS, 1).unwrap(),
+            Some(1.0),
+            None,
+            None,
+        )
+        .unwrap();
         index.apply("w", &stored);
         let mine = BlockHasher::new(BS, 1).unwrap().hash_blocks_keyed(
             &(1..14).collect::<Vec<u32>>(),

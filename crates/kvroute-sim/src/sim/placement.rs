@@ -1,12 +1,12 @@
 //! The seam between a driver that runs engines (the simulator) and whatever decides which
-//! worker gets each request (`crate::routing::RoutingStep`, the step the live router runs
+//! worker gets each request (`kvroute_core::routing::RoutingStep`, the step the live router runs
 //! too). The driver tells it about the life of each request, it answers where to send it.
 
-use crate::index::KvIndex;
-use crate::kvevents::events::{HashEvents, KvCacheEvent};
-use crate::policies::Choose;
-use crate::retention::{Refresh, Retention};
-use crate::routing::{Routed, RoutingStep};
+use kvroute_core::index::KvIndex;
+use kvroute_core::kvevents::events::{HashEvents, KvCacheEvent};
+use kvroute_core::policies::Choose;
+use kvroute_core::retention::{Refresh, Retention};
+use kvroute_core::routing::{Routed, RoutingStep};
 
 /// Where a request was placed, and what the placement charged to that worker's load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -60,7 +60,7 @@ pub trait Placement {
     fn apply_hash_events(&mut self, _worker: usize, _events: &HashEvents, _now: f64) {}
     /// [`Placement::place`] with the prompt's tokens (its shared head, then the rest: the
     /// simulator never joins them), output budget and LoRA adapter
-    /// (`crate::policies::adapter_id`; None: the base model), for a placement that keeps more
+    /// (`kvroute_core::policies::adapter_id`; None: the base model), for a placement that keeps more
     /// than hashes (retention's refresh prompts, the workers' LoRA slots).
     fn place_request(
         &mut self,
@@ -73,7 +73,7 @@ pub trait Placement {
     ) -> Placed {
         self.place(block_hashes, prompt_head.len() + prompt_tail.len(), now)
     }
-    /// Refreshes to send now (see `crate::retention`), appended to `out`; none by default.
+    /// Refreshes to send now (see `kvroute_core::retention`), appended to `out`; none by default.
     fn refreshes(&mut self, _now: f64, _out: &mut Vec<Refresh>) {}
 }
 
@@ -331,9 +331,9 @@ pub(crate) fn route_retaining(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::blocks::{BlockHasher, DEFAULT_HASH_SEED};
-    use crate::policies::{KvAware, KvAwareConfig, Policy};
-    use crate::pyrandom::PyRandom;
+    use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
+    use kvroute_core::policies::{KvAware, KvAwareConfig, Policy};
+    use kvroute_core::pyrandom::PyRandom;
 
     #[test]
     fn load_accounting_follows_the_overlap() {
