@@ -339,7 +339,7 @@ async def test_a_worker_leaving_the_pool_gets_no_request_after_the_update():
         _, _, owner = await complete(s, envoy.url, prefix)
         leaving = next(w for w in workers if endpoint(w) == owner)
         # Discovery's next list no longer has the prefix's owner.
-        epp.native.set_workers([w.url for w in workers if w is not leaving])
+        epp.native.set_workers([{"url": w.url} for w in workers if w is not leaving])
         served = set()
         for i in range(12):
             status, body, upstream = await complete(s, envoy.url, prefix + [i])

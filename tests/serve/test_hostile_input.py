@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -505,11 +506,39 @@ def test_serve_flags_for_timeouts_ejection_and_auth(monkeypatch):
     monkeypatch.setenv("KVROUTE_WORKER_API_KEY", "worker-env")
     config = serve_config([])
     assert (config.api_key, config.worker_api_key) == ("from-env", "worker-env")
-    for bad in (["--first-byte-timeout", "-1"], ["--stream-idle-timeout", "-1"], ["--send-timeout", "-1"],
-                ["--eject-after", "-1"],
-                ["--api-key", " "], ["--header-timeout", "0"], ["--max-connections", "0"]):
-        with pytest.raises(UserError):
+    for bad, message in (
+            (["--first-byte-timeout", "-1"], "--first-byte-timeout must be positive (0: no limit), got -1"),
+            (["--stream-idle-timeout", "-1"], "--stream-idle-timeout must be positive"),
+            (["--send-timeout", "-1"], "--send-timeout must be positive"),
+            (["--eject-after", "-1"], "--eject-after must be a whole number >= 0"),
+            (["--eject-base", "-2"], "--eject-base must be a number of seconds >= 0, got -2"),
+            (["--api-key", " "], "--api-key must not be empty"),
+            (["--header-timeout", "0"], "--header-timeout must be positive, got 0"),
+            (["--max-connections", "0"], "--max-connections must be >= 1, got 0"),
+            (["--max-attempts", "0"], "--max-attempts must be >= 1, got 0"),
+            (["--max-loras", "0"], "--max-loras must be >= 1, got 0"),
+            (["--block-size", "0"], "--block-size must be >= 1, got 0"),
+            (["--policy-option", "speed=1"], "--policy-option kv-aware: unknown field `speed`"),
+            (["--policy-option", "load_factor=-1"], "--policy-option"),
+    ):
+        with pytest.raises(UserError) as refused:
             serve_config(bad)
+        assert str(refused.value).startswith(message), (bad, str(refused.value))
+
+
+def test_every_setting_the_router_refuses_is_named_by_a_flag_serve_has():
+    """``CONFIG_FLAGS`` names a flag of ``kvroute serve`` for settings of ``RouterConfig``,
+    and every field with a flag that the data plane checks maps to one."""
+    parser = argparse.ArgumentParser()
+    serve.add_arguments(parser)
+    flags = {option for action in parser._actions for option in action.option_strings}
+    assert set(serve.CONFIG_FLAGS.values()) <= flags
+    assert set(serve.CONFIG_FLAGS) <= {f.name for f in dataclasses.fields(RouterConfig)}
+    checked = {"threads", "block_size", "max_attempts", "max_connections", "max_body_bytes",
+               "kv_capacity_blocks", "max_loras", "header_timeout_s", "keepalive_timeout_s",
+               "body_timeout_s", "send_timeout_s", "first_byte_timeout_s", "stream_idle_timeout_s",
+               "api_key", "workers", "policy", "worker_api_key", "max_buffered_body_bytes", "mesh_bind"}
+    assert checked <= set(serve.CONFIG_FLAGS)
 
 
 def test_serve_kv_events_take_tcp_or_ipc_endpoints():

@@ -20,7 +20,7 @@ from aiohttp import web
 from kvroute.bench.router_metrics import RouterRefreshes, read_router, router_metrics_url
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.router import RouterConfig, start_router
-from kvroute.router.server import native_arguments
+from kvroute.router.server import native_config
 from kvroute.tokens import SyntheticTokenizer
 
 MODEL = "Qwen/Qwen3-0.6B"
@@ -277,8 +277,8 @@ async def test_auto_sends_nothing_ahead_of_a_request_to_an_idle_worker_but_once_
 
 
 @pytest.mark.parametrize(("policy", "retention", "runs"), [
-    ("kv-aware", None, "auto"), ("kv-aware", "off", None), ("kv-aware", "on", "on"),
-    ("round-robin", None, None), ("round-robin", "auto", "auto")])
+    ("kv-aware", None, "auto"), ("kv-aware", "off", "off"), ("kv-aware", "on", "on"),
+    ("round-robin", None, "off"), ("round-robin", "auto", "auto")])
 async def test_kv_aware_retains_by_default_and_the_other_policies_only_when_asked(
         policy, retention, runs):
     """``kvroute serve`` with no ``--retention`` runs ``auto`` with kv-aware, ``off`` with the
@@ -286,6 +286,6 @@ async def test_kv_aware_retains_by_default_and_the_other_policies_only_when_aske
     async with _emulated_worker() as worker:
         config = RouterConfig(workers=[worker.url], policy=policy, retention=retention,
                               health_interval_s=0)
-        assert native_arguments(config)["retention"] == runs
+        assert native_config(config, [])["retention"] == runs
         async with start_router(config) as router:
-            assert (router.retention_stats() is not None) == (runs is not None)
+            assert (router.retention_stats() is not None) == (runs != "off")

@@ -19,6 +19,7 @@ from kvroute.routing.policies import (
     RequestView,
     WorkerState,
     make_policy,
+    policy_defaults,
 )
 from kvroute.sim import SweepPoint, WorkerConfig, run_point, run_trial
 from kvroute.workload import WorkloadSpec, generate
@@ -191,8 +192,15 @@ def test_options_are_checked():
         make_policy("kv-aware", share_factor=-0.1)
     with pytest.raises(UserError, match="share window"):
         make_policy("kv-aware", share_window=0)
-    with pytest.raises(UserError, match="option share_factor takes a number or none, got 'abc'"):
+    with pytest.raises(UserError, match="option share_factor takes a number, got 'abc'"):
         make_policy("kv-aware", share_factor="abc")  # --policy-option share_factor=abc
+    with pytest.raises(UserError, match="policy 'kv-aware'"):
+        make_policy("kv-aware", overlap_weight=None)  # only the guards turn off
+    # One owner of the defaults: the native options, which the policy object reports.
+    defaults = policy_defaults("kv-aware")
+    assert defaults["load_factor"] == make_policy("kv-aware").load_factor == 1.5
+    assert policy_defaults("prefix-hash") == {"key_blocks": 1, "load_factor": None}
+    assert policy_defaults("random") == {}
     # The adapter term: the native default unless given, never negative.
     assert make_policy("kv-aware").adapter_weight == 512
     assert make_policy("kv-aware", adapter_weight=0).adapter_weight == 0

@@ -167,8 +167,10 @@ pub fn least_loaded(workers: &[&WorkerState], rng: &mut PyRandom, among: &[usize
     rng.choice(&tied)
 }
 
-/// Options of [`PrefixHash`].
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// Options of [`PrefixHash`] (read by serde by their field names, absent ones as in
+/// `Default`: `kvroute serve --policy-option` and the Python policies name them so).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct PrefixHashConfig {
     /// How many leading blocks identify a prefix.
     pub key_blocks: usize,
@@ -236,8 +238,10 @@ impl Choose for PrefixHash {
     }
 }
 
-/// Options of [`KvAware`] (see its documentation for what each does and why the defaults).
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// Options of [`KvAware`] (see its documentation for what each does and why the defaults),
+/// read by serde by their field names, absent ones as in `Default` (their one owner).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct KvAwareConfig {
     /// Tokens per KV block; must be the index's.
     pub block_size: usize,

@@ -93,11 +93,11 @@ impl Epp {
         let rt = router.runtime().clone();
         let bind = |port: u16| {
             rt.block_on(TcpListener::bind((host.as_str(), port)))
-                .map_err(|e| ConfigError(format!("cannot listen on {host}:{port}: {e}")))
+                .map_err(|e| ConfigError::new(format!("cannot listen on {host}:{port}: {e}")))
         };
         let grpc = bind(grpc_port)?;
         let http = bind(port)?;
-        let addr = |l: &TcpListener| l.local_addr().map_err(|e| ConfigError(e.to_string()));
+        let addr = |l: &TcpListener| l.local_addr().map_err(|e| ConfigError::new(e.to_string()));
         let (grpc_addr, http_addr) = (addr(&grpc)?, addr(&http)?);
         let counters = Arc::new(Counters::default());
         let pipeline = router.pipeline();

@@ -77,10 +77,8 @@ impl BlockHasher {
         token_ids, parent_hash = None, start_block = 0, stop_block = None, *, lora_name = None,
         cache_salt = None
     ))]
-    #[allow(clippy::too_many_arguments)]
     fn hash_blocks(
         &self,
-        py: Python<'_>,
         token_ids: &Bound<'_, PyAny>,
         parent_hash: Option<u64>,
         start_block: usize,
@@ -88,7 +86,7 @@ impl BlockHasher {
         lora_name: Option<&str>,
         cache_salt: Option<&str>,
     ) -> PyResult<Vec<u64>> {
-        let tokens = extract_tokens(py, token_ids)?;
+        let tokens = extract_tokens(token_ids.py(), token_ids)?;
         let keys = blocks::BlockKeys::new(lora_name, cache_salt);
         Ok(self
             .inner

@@ -66,10 +66,8 @@ impl ChatTemplate {
     ///         failed to render.
     ///     TypeError: a value that is not JSON-like (str, int, float, bool, None, list, dict).
     #[pyo3(signature = (messages, add_generation_prompt = true, kwargs = None, now = None, tools = None, documents = None))]
-    #[allow(clippy::too_many_arguments)]
     fn render(
         &self,
-        py: Python<'_>,
         messages: &Bound<'_, PyAny>,
         add_generation_prompt: bool,
         kwargs: Option<&Bound<'_, PyDict>>,
@@ -77,6 +75,7 @@ impl ChatTemplate {
         tools: Option<&Bound<'_, PyAny>>,
         documents: Option<&Bound<'_, PyAny>>,
     ) -> PyResult<String> {
+        let py = messages.py();
         let messages = to_value(messages, 0)?;
         let tools = tools.map_or(Ok(Value::from(())), |t| to_value(t, 0))?;
         let documents = documents.map_or(Ok(Value::from(())), |d| to_value(d, 0))?;

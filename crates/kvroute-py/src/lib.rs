@@ -11,6 +11,7 @@ use pyo3::prelude::*;
 mod bench;
 mod blocks;
 mod chat;
+mod config;
 mod consumer;
 mod engine;
 mod events;

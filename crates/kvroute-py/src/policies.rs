@@ -2,13 +2,42 @@
 //! classes), a Python-written policy inside the native step, and `NativeRandom` (CPython's
 //! generator, which seeds them).
 
-use kvroute_core::policies::{self, Choose, KvAwareConfig, PrefixHashConfig};
+use kvroute_core::policies::{self, Choose};
 use kvroute_core::pyrandom::PyRandom;
+use kvroute_serve::PolicySpec;
 use pyo3::exceptions::{PyIndexError, PyTypeError, PyValueError};
 use pyo3::prelude::*;
-use pyo3::types::PyList;
+use pyo3::types::{PyDict, PyList};
 
+use crate::config::user_words;
 use crate::workers::{RequestView, WorkerState, states_of};
+
+/// Policy `kind` with `options` (its option names to values; absent ones at their defaults,
+/// None turns a guard off): `PolicySpec::with_options`, the one reader of policy options.
+fn policy_spec(kind: &str, options: Option<&Bound<'_, PyDict>>) -> PyResult<PolicySpec> {
+    let spec = match options {
+        Some(options) => {
+            let mut de = pythonize::Depythonizer::from_object(options.as_any());
+            PolicySpec::with_options(kind, &mut de)
+                .map_err(|e| PyValueError::new_err(user_words(&e)))?
+        }
+        None => PolicySpec::named(kind),
+    };
+    Ok(spec)
+}
+
+/// The options policy ``kind`` takes, with their defaults (empty for a policy that takes
+/// none): ``kvroute.routing.policies`` reads them from here, their one owner.
+#[pyfunction]
+pub fn policy_defaults<'py>(py: Python<'py>, kind: &str) -> PyResult<Bound<'py, PyAny>> {
+    let spec = PolicySpec::named(kind);
+    let options = match kind {
+        "kv-aware" => pythonize::pythonize(py, &spec.kv_aware),
+        "prefix-hash" => pythonize::pythonize(py, &spec.prefix_hash),
+        _ => Ok(PyDict::new(py).into_any()),
+    };
+    options.map_err(|e| PyValueError::new_err(e.to_string()))
+}
 
 /// `random.Random`'s generator state copied into a native one (a fresh unseeded
 /// `random.Random()` when None): the policy then draws what that object would have drawn.
@@ -46,49 +75,18 @@ pub struct PyPolicy {
 #[pymethods]
 impl PyPolicy {
     #[new]
-    #[pyo3(signature = (kind, rng = None, *, block_size = 16, overlap_weight = 3.0, request_weight = 128.0, load_factor = None, share_factor = Some(0.35), share_window = 24.0, share_weight = 4.0, admission_wait = None, adapter_weight = policies::ADAPTER_WEIGHT, key_blocks = 1))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (kind, rng = None, **options))]
     fn new(
         py: Python<'_>,
         kind: &str,
         rng: Option<&Bound<'_, PyAny>>,
-        block_size: i64,
-        overlap_weight: f64,
-        request_weight: f64,
-        load_factor: Option<f64>,
-        share_factor: Option<f64>,
-        share_window: f64,
-        share_weight: f64,
-        admission_wait: Option<f64>,
-        adapter_weight: f64,
-        key_blocks: i64,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<Self> {
         let rng = rng_of(py, rng)?;
-        // A negative count is refused (with the number given) by the kind that reads it.
-        let count = |value: i64, what: &str, read_by: &str| match usize::try_from(value) {
-            Ok(n) => Ok(n),
-            Err(_) if kind == read_by => Err(PyValueError::new_err(format!(
-                "{what} must be >= 1, got {value}"
-            ))),
-            Err(_) => Ok(0),
-        };
-        let kv_aware = KvAwareConfig {
-            block_size: count(block_size, "block size", "kv-aware")?,
-            overlap_weight,
-            request_weight,
-            load_factor,
-            share_factor,
-            share_window,
-            share_weight,
-            admission_wait,
-            adapter_weight,
-        };
-        let prefix_hash = PrefixHashConfig {
-            key_blocks: count(key_blocks, "key blocks", "prefix-hash")?,
-            load_factor,
-        };
-        let inner = policies::Policy::from_name(kind, rng, kv_aware, prefix_hash)
-            .map_err(|e| PyValueError::new_err(e.0))?;
+        let spec = policy_spec(kind, options)?;
+        let inner = spec
+            .build_with(spec.kv_aware.block_size, rng)
+            .map_err(|e| PyValueError::new_err(e.message))?;
         Ok(Self { inner })
     }
 
@@ -342,6 +340,7 @@ impl NativeRandom {
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<PyPolicy>()?;
     m.add_class::<NativeRandom>()?;
+    m.add_function(wrap_pyfunction!(policy_defaults, m)?)?;
     m.add("POLICY_NAMES", policies::POLICY_NAMES.to_vec())?;
     Ok(())
 }

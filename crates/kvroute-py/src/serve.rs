@@ -1,128 +1,28 @@
 //! `NativeRouter` for Python: the native data plane (`kvroute_serve`) that `kvroute serve`
 //! starts, or the same router behind the Endpoint Picker's gRPC front (`kvroute_epp`) that
-//! `kvroute epp` starts. Python parses the command line and hands the values over;
-//! everything per request runs on the server's own threads, without the GIL.
+//! `kvroute epp` starts. Python parses the command line and hands the configuration over
+//! whole (a dict of `ServeConfig`'s fields, read by serde and checked once by
+//! `ServeConfig::validate`); everything per request runs on the server's own threads,
+//! without the GIL.
 
-use std::path::PathBuf;
 use std::sync::Mutex;
 use std::time::Duration;
 
-use kvroute_core::mesh::MeshConfig;
-use kvroute_core::retention::RetentionMode;
+use crate::config::{config_error, read_config};
+use crate::index::PyKvIndex;
+use crate::retention::retention_stats_dict;
 use kvroute_epp::Epp;
-use kvroute_serve::mesh::MeshSettings;
-use kvroute_serve::{EventSource, PolicySpec, Router, ServeConfig, Server, WorkerSpec};
+use kvroute_serve::{Router, ServeConfig, Server, WorkerSpec};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::index::PyKvIndex;
-use crate::retention::retention_stats_dict;
-
-fn seconds(value: f64, name: &str) -> PyResult<Duration> {
-    Duration::try_from_secs_f64(value)
-        .map_err(|_| PyValueError::new_err(format!("{name} must be >= 0 seconds, got {value}")))
-}
-
-fn positive(value: f64, name: &str) -> PyResult<Duration> {
-    if value <= 0.0 {
-        return Err(PyValueError::new_err(format!(
-            "{name} must be positive, got {value}"
-        )));
-    }
-    seconds(value, name)
-}
-
-/// A limit that None turns off.
-fn limit(value: Option<f64>, name: &str) -> PyResult<Option<Duration>> {
-    value
-        .map(|v| {
-            positive(v, name).map_err(|_| {
-                PyValueError::new_err(format!(
-                    "{name} must be positive (or None for no limit), got {v}"
-                ))
-            })
-        })
-        .transpose()
-}
-
-/// `policy`'s options from a dict of ``name: value`` (None turns a guard off).
-fn policy_spec(
-    name: &str,
-    options: Option<&Bound<'_, PyDict>>,
-    seed: Option<u64>,
-) -> PyResult<PolicySpec> {
-    let mut spec = PolicySpec::named(name);
-    spec.seed = seed;
-    let Some(options) = options else {
-        return Ok(spec);
-    };
-    for (key, value) in options.iter() {
-        let key: String = key.extract()?;
-        let number: Option<f64> = value.extract()?;
-        let need = || {
-            number
-                .ok_or_else(|| PyValueError::new_err(format!("policy option {key} needs a number")))
-        };
-        match (name, key.as_str()) {
-            ("kv-aware", "overlap_weight") => spec.kv_aware.overlap_weight = need()?,
-            ("kv-aware", "request_weight") => spec.kv_aware.request_weight = need()?,
-            ("kv-aware", "load_factor") => spec.kv_aware.load_factor = number,
-            ("kv-aware", "share_factor") => spec.kv_aware.share_factor = number,
-            ("kv-aware", "share_window") => spec.kv_aware.share_window = need()?,
-            ("kv-aware", "share_weight") => spec.kv_aware.share_weight = need()?,
-            ("kv-aware", "admission_wait") => spec.kv_aware.admission_wait = number,
-            ("kv-aware", "adapter_weight") => spec.kv_aware.adapter_weight = need()?,
-            ("prefix-hash", "load_factor") => spec.prefix_hash.load_factor = number,
-            ("prefix-hash", "key_blocks") => spec.prefix_hash.key_blocks = need()? as usize,
-            // The router's own block size is the policy's.
-            (_, "block_size") => {}
-            _ => {
-                return Err(PyValueError::new_err(format!(
-                    "policy {name} takes no option {key}"
-                )));
-            }
-        }
-    }
-    Ok(spec)
-}
-
-/// Worker specs from URLs or ``(url, name, events_endpoint | None, replay_endpoint | None,
-/// ready)`` tuples.
-fn worker_specs(workers: &Bound<'_, PyAny>) -> PyResult<Vec<WorkerSpec>> {
-    let mut out = Vec::new();
-    for item in workers.try_iter()? {
-        let item = item?;
-        if let Ok(url) = item.extract::<String>() {
-            out.push(WorkerSpec::url(url));
-            continue;
-        }
-        let (url, name, endpoint, replay_endpoint, ready): (
-            String,
-            String,
-            Option<String>,
-            Option<String>,
-            bool,
-        ) = item.extract()?;
-        out.push(WorkerSpec {
-            url,
-            name,
-            events: endpoint.map(|endpoint| EventSource {
-                endpoint,
-                replay_endpoint,
-            }),
-            ready,
-        });
-    }
-    Ok(out)
-}
-
-/// The native router, serving from the moment it is made (see ``kvroute.router.server``).
-/// Every argument is required: ``kvroute.router.server.native_arguments`` passes them all, with
-/// the defaults ``serve_defaults`` reports.
+/// The native router, serving from the moment it is made (see ``kvroute.router.server``,
+/// whose ``native_config`` builds its configuration).
 ///
 /// Raises:
-///     ValueError: a bad configuration, or the address cannot be bound (the message says which).
+///     ValueError: a bad configuration (arguments ``(field, message)``), or one the router
+///         cannot start with, such as an address it cannot bind (the message).
 #[pyclass(module = "kvroute._native", frozen)]
 pub struct NativeRouter {
     server: Mutex<Option<Front>>,
@@ -158,141 +58,20 @@ impl NativeRouter {
 
 #[pymethods]
 impl NativeRouter {
+    /// Start a router with ``config`` (a dict of ``ServeConfig``'s fields; absent ones at
+    /// ``serve_defaults()``), behind the Endpoint Picker's gRPC front on ``grpc_port`` when
+    /// given (``port`` then serves its ``/metrics`` and ``/health`` only).
     #[new]
-    #[pyo3(signature = (
-        workers, *, host, port, threads, policy, policy_options, seed, block_size, hash_seed,
-        tokenizer, prompt_cache_bytes, predicted_ttl_s, predicted_capacity_blocks, index_max_bytes,
-        max_body_bytes, max_buffered_body_bytes, max_json_depth, offload_bytes, header_timeout_s,
-        keepalive_timeout_s, send_timeout_s, body_timeout_s, max_connections, connect_timeout_s,
-        first_byte_timeout_s, stream_idle_timeout_s, max_attempts, health_interval_s,
-        health_timeout_s, eject_after_failures, eject_base_s, api_key, metrics_public,
-        worker_api_key, forward_authorization, events_topic, retention, retention_capacity_blocks,
-        kv_capacity_blocks, grpc_port = None, mesh_bind = None, peers = Vec::new(),
-        mesh_liveness_s = 3.0, max_loras = None
-    ))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        py: Python<'_>,
-        workers: &Bound<'_, PyAny>,
-        host: String,
-        port: u16,
-        threads: usize,
-        policy: String,
-        policy_options: Option<&Bound<'_, PyDict>>,
-        seed: Option<u64>,
-        block_size: usize,
-        hash_seed: u64,
-        tokenizer: Option<PathBuf>,
-        prompt_cache_bytes: usize,
-        predicted_ttl_s: Option<f64>,
-        predicted_capacity_blocks: Option<usize>,
-        index_max_bytes: Option<usize>,
-        max_body_bytes: Option<usize>,
-        max_buffered_body_bytes: usize,
-        max_json_depth: usize,
-        offload_bytes: usize,
-        header_timeout_s: f64,
-        keepalive_timeout_s: f64,
-        send_timeout_s: Option<f64>,
-        body_timeout_s: f64,
-        max_connections: usize,
-        connect_timeout_s: f64,
-        first_byte_timeout_s: Option<f64>,
-        stream_idle_timeout_s: Option<f64>,
-        max_attempts: usize,
-        health_interval_s: f64,
-        health_timeout_s: f64,
-        eject_after_failures: u32,
-        eject_base_s: f64,
-        api_key: Option<String>,
-        metrics_public: bool,
-        worker_api_key: Option<String>,
-        forward_authorization: bool,
-        events_topic: String,
-        retention: Option<String>,
-        retention_capacity_blocks: usize,
-        kv_capacity_blocks: Option<usize>,
-        grpc_port: Option<u16>,
-        mesh_bind: Option<String>,
-        peers: Vec<String>,
-        mesh_liveness_s: f64,
-        max_loras: Option<usize>,
-    ) -> PyResult<Self> {
-        if max_loras == Some(0) {
-            return Err(PyValueError::new_err("max_loras must be >= 1, got 0"));
-        }
-        let mesh = match mesh_bind {
-            Some(bind) => Some(MeshSettings {
-                bind,
-                peers,
-                config: MeshConfig {
-                    liveness_s: positive(mesh_liveness_s, "mesh_liveness_s")?.as_secs_f64(),
-                    ..MeshConfig::default()
-                },
-            }),
-            None if !peers.is_empty() => {
-                return Err(PyValueError::new_err(
-                    "peers need a mesh address of this replica's own (mesh_bind)",
-                ));
-            }
-            None => None,
-        };
-        let mode = match retention.as_deref() {
-            None => RetentionMode::Off,
-            Some(name) => name.parse().map_err(PyValueError::new_err)?,
-        };
-        let retention = (mode != RetentionMode::Off).then_some((mode, retention_capacity_blocks));
-        let config = ServeConfig {
-            host: host.clone(),
-            port,
-            threads,
-            workers: worker_specs(workers)?,
-            events_topic,
-            policy: policy_spec(&policy, policy_options, seed)?,
-            block_size,
-            hash_seed,
-            tokenizer,
-            prompt_cache_bytes,
-            predicted_ttl_s,
-            predicted_capacity_blocks,
-            index_max_bytes,
-            max_body_bytes,
-            max_buffered_body_bytes,
-            max_json_depth,
-            offload_bytes,
-            header_timeout: positive(header_timeout_s, "header_timeout_s")?,
-            keepalive_timeout: positive(keepalive_timeout_s, "keepalive_timeout_s")?,
-            send_timeout: limit(send_timeout_s, "send_timeout_s")?,
-            body_timeout: positive(body_timeout_s, "body_timeout_s")?,
-            max_connections,
-            connect_timeout: positive(connect_timeout_s, "connect_timeout_s")?,
-            first_byte_timeout: limit(first_byte_timeout_s, "first_byte_timeout_s")?,
-            stream_idle_timeout: limit(stream_idle_timeout_s, "stream_idle_timeout_s")?,
-            max_attempts,
-            health_interval: if health_interval_s > 0.0 {
-                Some(seconds(health_interval_s, "health_interval_s")?)
-            } else {
-                None
-            },
-            health_timeout: positive(health_timeout_s, "health_timeout_s")?,
-            eject_after_failures,
-            eject_base: seconds(eject_base_s, "eject_base_s")?,
-            api_key,
-            metrics_public,
-            worker_api_key,
-            forward_authorization,
-            retention,
-            kv_capacity_blocks,
-            max_loras,
-            mesh,
-        };
-        // With a gRPC port: the Endpoint Picker (`port` serves its /metrics).
+    #[pyo3(signature = (config, *, grpc_port = None))]
+    fn new(py: Python<'_>, config: &Bound<'_, PyAny>, grpc_port: Option<u16>) -> PyResult<Self> {
+        let config: ServeConfig = read_config(config)?;
+        let host = config.host.clone();
         let front = py
             .detach(|| match grpc_port {
                 None => Server::start(config).map(Front::Serve),
                 Some(grpc) => Epp::start(config, grpc).map(Front::Epp),
             })
-            .map_err(|e| PyValueError::new_err(e.0))?;
+            .map_err(config_error)?;
         let (port, grpc_port) = match &front {
             Front::Serve(s) => (s.local_addr().port(), None),
             Front::Epp(e) => (e.http_addr().port(), Some(e.grpc_addr().port())),
@@ -323,15 +102,16 @@ impl NativeRouter {
         self.port
     }
 
-    /// Replace the worker list (a discovery source's complete list): URLs, or
-    /// ``(url, name, events_endpoint | None, replay_endpoint | None, ready)`` tuples.
+    /// Replace the worker list (a discovery source's complete list): dicts of
+    /// ``WorkerSpec``'s fields (``url``; ``name``, ``events`` as ``{endpoint,
+    /// replay_endpoint}``, ``ready``).
     fn set_workers(&self, workers: &Bound<'_, PyAny>) -> PyResult<()> {
-        let specs = worker_specs(workers)?;
+        let specs: Vec<WorkerSpec> = read_config(workers)?;
         self.with(|f| match f {
             Front::Serve(s) => s.set_workers(&specs),
             Front::Epp(e) => e.set_workers(&specs),
         })?
-        .map_err(|e| PyValueError::new_err(e.0))
+        .map_err(config_error)
     }
 
     /// ``host:port`` of the replica mesh's PUB socket (the one bound when asked for port 0);
@@ -410,7 +190,9 @@ impl NativeRouter {
     /// Refuse new requests and wait up to ``timeout_s`` for those in flight; True when they
     /// all finished.
     fn drain(&self, py: Python<'_>, timeout_s: f64) -> PyResult<bool> {
-        let timeout = seconds(timeout_s, "timeout_s")?;
+        let timeout = Duration::try_from_secs_f64(timeout_s).map_err(|_| {
+            PyValueError::new_err(format!("timeout_s must be >= 0 seconds, got {timeout_s}"))
+        })?;
         py.detach(|| {
             self.with(|f| match f {
                 Front::Serve(s) => s.drain(timeout),
@@ -430,39 +212,29 @@ impl NativeRouter {
     }
 }
 
-/// `ServeConfig::default()` in the units `NativeRouter` takes (seconds as floats, sizes in
-/// bytes, None for a limit that is off): `kvroute.router.config` takes its defaults from here,
-/// so that they are written once, in the data plane.
+/// Read and check ``config`` as ``NativeRouter`` would, without starting anything: the CLI
+/// refuses a bad setting before it binds a port or follows a discovery source.
+///
+/// Raises:
+///     ValueError: as ``NativeRouter`` does.
 #[pyfunction]
-fn serve_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyDict>> {
-    let d = ServeConfig::default();
-    let secs = |t: Duration| t.as_secs_f64();
-    let out = PyDict::new(py);
-    out.set_item("host", d.host)?;
-    out.set_item("threads", d.threads)?;
-    out.set_item("prompt_cache_bytes", d.prompt_cache_bytes)?;
-    out.set_item("predicted_capacity_blocks", d.predicted_capacity_blocks)?;
-    out.set_item("index_max_bytes", d.index_max_bytes)?;
-    out.set_item("max_buffered_body_bytes", d.max_buffered_body_bytes)?;
-    out.set_item("max_json_depth", d.max_json_depth)?;
-    out.set_item("offload_bytes", d.offload_bytes)?;
-    out.set_item("header_timeout_s", secs(d.header_timeout))?;
-    out.set_item("keepalive_timeout_s", secs(d.keepalive_timeout))?;
-    out.set_item("send_timeout_s", d.send_timeout.map(secs))?;
-    out.set_item("body_timeout_s", secs(d.body_timeout))?;
-    out.set_item("connect_timeout_s", secs(d.connect_timeout))?;
-    out.set_item("first_byte_timeout_s", d.first_byte_timeout.map(secs))?;
-    out.set_item("stream_idle_timeout_s", d.stream_idle_timeout.map(secs))?;
-    out.set_item("max_attempts", d.max_attempts)?;
-    out.set_item("health_interval_s", d.health_interval.map_or(0.0, secs))?;
-    out.set_item("health_timeout_s", secs(d.health_timeout))?;
-    out.set_item("eject_after_failures", d.eject_after_failures)?;
-    out.set_item("eject_base_s", secs(d.eject_base))?;
-    Ok(out)
+fn check_serve_config(config: &Bound<'_, PyAny>) -> PyResult<()> {
+    let config: ServeConfig = read_config(config)?;
+    config.validate().map_err(config_error)
+}
+
+/// `ServeConfig::default()` as ``NativeRouter`` takes a configuration (seconds as floats,
+/// sizes in bytes, None for a limit that is off): `kvroute.router.config` takes its defaults
+/// from here, so that they are written once, in the data plane.
+#[pyfunction]
+fn serve_defaults(py: Python<'_>) -> PyResult<Bound<'_, PyAny>> {
+    pythonize::pythonize(py, &ServeConfig::default())
+        .map_err(|e| PyRuntimeError::new_err(e.to_string()))
 }
 
 pub fn register(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(serve_defaults, m)?)?;
+    m.add_function(wrap_pyfunction!(check_serve_config, m)?)?;
     m.add(
         "DEFAULT_MAX_BODY_BYTES",
         kvroute_serve::edge::DEFAULT_MAX_BODY_BYTES,

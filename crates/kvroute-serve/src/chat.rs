@@ -97,7 +97,7 @@ pub fn load_template(dir: &Path) -> Result<Option<ChatTemplates>, ConfigError> {
         return Ok(None); // a tokenizer.json alone: no template to render with
     };
     let config: Json = serde_json::from_str(&text)
-        .map_err(|e| ConfigError(format!("cannot read {}: {e}", file.display())))?;
+        .map_err(|e| ConfigError::new(format!("cannot read {}: {e}", file.display())))?;
     let named = |name: &str| match config.get("chat_template") {
         Some(Json::Array(named)) => named
             .iter()
@@ -133,7 +133,7 @@ pub fn load_template(dir: &Path) -> Result<Option<ChatTemplates>, ConfigError> {
     }
     let compile = |source: &str| {
         Template::new(source, special.clone()).map_err(|e| {
-            ConfigError(format!(
+            ConfigError::new(format!(
                 "{}: chat template does not parse: {}",
                 dir.display(),
                 e.0

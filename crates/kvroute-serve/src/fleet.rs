@@ -28,9 +28,7 @@ mod peers;
 use std::collections::{HashMap, HashSet};
 use std::sync::{Arc, Mutex};
 
-use kvroute_core::blocks::BlockHasher;
 use kvroute_core::blocks::usable_blocks;
-use kvroute_core::index::{KvIndex, MemoryBound};
 use kvroute_core::policies::{Choose, Policy, WorkerState, adapter_id};
 use kvroute_core::retention::{Refresh, Retention, RetentionConfig, RetentionStats};
 use kvroute_core::routing::RoutingStep;
@@ -222,15 +220,7 @@ impl Fleet {
     /// A fleet of `config.workers` (all healthy until a check says otherwise), and the streams
     /// to follow for them.
     pub fn new(config: &ServeConfig) -> Result<(Self, Membership), ConfigError> {
-        let hasher = BlockHasher::new(config.block_size, config.hash_seed)
-            .map_err(|e| ConfigError(e.to_string()))?;
-        let index = KvIndex::new(
-            hasher,
-            config.predicted_ttl_s,
-            config.predicted_capacity_blocks,
-            config.index_max_bytes.map(MemoryBound::Bytes),
-        )
-        .map_err(|e| ConfigError(e.0))?;
+        let index = config.index()?;
         let policy = config.policy.build(config.block_size)?;
         let mut routing = RoutingStep::new(config.block_size);
         if policy.needs_admission() {
@@ -245,7 +235,7 @@ impl Fleet {
             eject_after_failures: config.eject_after_failures,
             eject_base_s: config.eject_base.as_secs_f64(),
             candidates: Vec::new(),
-            retention: config.retention.map(|(mode, capacity)| {
+            retention: config.retention().map(|(mode, capacity)| {
                 Retention::new(RetentionConfig::new(mode, config.block_size, capacity))
             }),
             kv_capacity_blocks: config.kv_capacity_blocks,
@@ -699,7 +689,7 @@ mod tests {
     use super::*;
     use crate::config::PolicySpec;
     use crate::prompt::Prompts;
-    use kvroute_core::blocks::BlockKeys;
+    use kvroute_core::blocks::{BlockHasher, BlockKeys};
     use kvroute_core::kvevents::codec::encode_text_extra_keys;
     use kvroute_core::kvevents::events::{BlockStored, KvCacheEvent};
 

@@ -51,12 +51,15 @@ pub type OnMessage = Arc<dyn Fn(u64, LinkEvent<'_>) + Send + Sync>;
 static NEXT_LINK: AtomicU64 = AtomicU64::new(1);
 
 /// `kvroute serve --mesh-bind/--peer`: where this replica publishes, whom it follows.
-#[derive(Clone, Debug, PartialEq)]
+#[derive(Clone, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct MeshSettings {
     /// `host:port` of this replica's PUB socket (port 0: an ephemeral port).
     pub bind: String,
     /// Peers' PUB sockets, `host:port`; a host name is resolved, every address a peer.
+    #[serde(default)]
     pub peers: Vec<String>,
+    #[serde(default)]
     pub config: MeshConfig,
 }
 

@@ -195,7 +195,7 @@ impl Prompts {
             Some(dir) => {
                 let file = dir.join("tokenizer.json");
                 let tokenizer = Tokenizer::from_file(&file).map_err(|e| {
-                    ConfigError(format!("cannot load the tokenizer {}: {e}", file.display()))
+                    ConfigError::new(format!("cannot load the tokenizer {}: {e}", file.display()))
                 })?;
                 longest_token_bytes = tokenizer.get_vocab(true).keys().map(String::len).max();
                 let config = ChunkerConfig {

@@ -34,8 +34,8 @@ from kvroute.router.config import (
 )
 from kvroute.router.discovery import DnsDiscovery, FileDiscovery, normalize_worker_url
 from kvroute.router.resources import FD_RESERVE, raise_fd_limit, return_freed_memory_promptly
-from kvroute.router.server import Router
-from kvroute.routing.policies import POLICIES, make_policy
+from kvroute.router.server import ConfigError, Router, check_config
+from kvroute.routing.policies import POLICIES
 from kvroute.service import parse_hostport
 from kvroute.units import parse_bytes
 
@@ -378,17 +378,6 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
             )
         per_worker[normalize_worker_url(worker)] = EventsSource(endpoint, replay or None)
     options = parse_policy_options(args.policy_option)
-    make_policy(args.policy, **options)  # a bad option or value: one line now, not a traceback later
-    if not 0 <= args.port <= 65535:
-        raise UserError(f"--port must be 0-65535 (0: a free one), got {args.port}")
-    if args.block_size < 1:
-        raise UserError(f"--block-size must be >= 1, got {args.block_size}")
-    if args.max_attempts < 1:
-        raise UserError(f"--max-attempts must be >= 1, got {args.max_attempts}")
-    if args.max_loras < 1:
-        raise UserError(f"--max-loras must be >= 1, got {args.max_loras}")
-    if args.kv_capacity_blocks is not None and args.kv_capacity_blocks < 1:
-        raise UserError(f"--kv-capacity-blocks must be >= 1, got {args.kv_capacity_blocks}")
     if (args.peer or args.peer_k8s_service) and not args.mesh_bind:
         raise UserError("--peer and --peer-k8s-service need --mesh-bind: peers subscribe to this "
                         "replica's decisions there")
@@ -404,22 +393,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     for flag, value in (("--first-byte-timeout", args.first_byte_timeout),
                         ("--stream-idle-timeout", args.stream_idle_timeout),
                         ("--send-timeout", args.send_timeout)):
-        if value is not None and value < 0:
+        if value is not None and value < 0:  # 0 is the flag's "no limit", None the setting's
             raise UserError(f"{flag} must be positive (0: no limit), got {value:g}")
-    for flag, value in (("--header-timeout", args.header_timeout), ("--body-timeout", args.body_timeout),
-                        ("--keepalive-timeout", args.keepalive_timeout)):
-        if not value > 0:
-            raise UserError(f"{flag} must be positive, got {value:g}")
-    if args.max_connections is not None and args.max_connections < 1:
-        raise UserError(f"--max-connections must be >= 1, got {args.max_connections}")
-    if args.eject_after < 0 or args.eject_base < 0:
-        raise UserError("--eject-after and --eject-base must be >= 0")
-    if args.api_key is not None and not args.api_key.strip():
-        raise UserError("--api-key must not be empty")
     threads = args.threads if args.threads is not None else (os.cpu_count() or 1)
-    if threads < 1:
-        raise UserError(f"--threads must be >= 1, got {threads}")
-    return RouterConfig(
+    config = RouterConfig(
         workers=args.worker,
         discovery=discovery,
         policy=args.policy,
@@ -462,6 +439,39 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         peers=tuple(args.peer),
         peer_discovery=peer_discovery,
     )
+    try:
+        check_config(config)
+    except ConfigError as exc:
+        raise UserError(flag_message(exc)) from None
+    return config
+
+
+#: The flag that sets each ``RouterConfig`` field, for the messages of settings the router
+#: refuses (``ConfigError.field``; a field without a flag is named as it is); a test checks
+#: every flag is one of the parser's.
+CONFIG_FLAGS: dict[str, str] = {
+    "workers": "--worker", "policy": "--policy-option", "seed": "--seed", "host": "--host",
+    "port": "--port", "tokenizer": "--tokenizer", "block_size": "--block-size",
+    "events": "--kv-events-topic", "predicted_ttl_s": "--predicted-ttl",
+    "predicted_capacity_blocks": "--predicted-capacity-blocks", "index_max_bytes": "--index-max-bytes",
+    "health_interval_s": "--health-interval", "max_attempts": "--max-attempts",
+    "max_body_bytes": "--max-body-bytes", "max_buffered_body_bytes": "--max-buffered-body-bytes",
+    "first_byte_timeout_s": "--first-byte-timeout", "stream_idle_timeout_s": "--stream-idle-timeout",
+    "header_timeout_s": "--header-timeout", "body_timeout_s": "--body-timeout",
+    "keepalive_timeout_s": "--keepalive-timeout", "send_timeout_s": "--send-timeout",
+    "max_connections": "--max-connections",
+    "offload_bytes": "--offload-bytes", "eject_after_failures": "--eject-after", "eject_base_s": "--eject-base",
+    "api_key": "--api-key", "worker_api_key": "--worker-api-key", "prompt_cache_bytes": "--prompt-cache-bytes",
+    "retention": "--retention", "kv_capacity_blocks": "--kv-capacity-blocks", "max_loras": "--max-loras",
+    "threads": "--threads", "mesh_bind": "--mesh-bind",
+}
+
+
+def flag_message(exc: ConfigError) -> str:
+    """``exc`` said of the flag that sets its field (the field's name where no flag does)."""
+    if exc.field is None:
+        return exc.message
+    return f"{CONFIG_FLAGS.get(exc.field, exc.field)} {exc.message}"
 
 
 async def _serve(config: RouterConfig, name: str = "serve") -> None:
@@ -475,7 +485,10 @@ async def _serve(config: RouterConfig, name: str = "serve") -> None:
     try:
         raise_fd_limit()  # before start: the connection limit is derived from it
         return_freed_memory_promptly()  # a 50 MB body's buffers go back to the system when freed
-        router = Router(config)
+        try:
+            router = Router(config)
+        except ConfigError as exc:
+            raise UserError(flag_message(exc)) from None
         await router.start()
         workers = ", ".join(router.worker_statuses()) or "none yet"
         # The first line names the bound port(s), so a script that asked for port 0 can read it.

@@ -26,7 +26,7 @@ from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
-from kvroute._native import NativeRouter
+from kvroute._native import NativeRouter, check_serve_config
 from kvroute.errors import UserError
 from kvroute.kvevents import EventsSettings
 from kvroute.router.config import RouterConfig, predicted_settings, retention_capacity
@@ -41,49 +41,77 @@ logger = logging.getLogger(__name__)
 WORKER_HEADER = "x-kvroute-worker"
 
 
-def worker_specs(config: RouterConfig, endpoints: Sequence[Endpoint]) -> list[tuple]:
-    """``(url, name, events endpoint, replay endpoint, ready)`` per endpoint, as
-    ``NativeRouter`` takes them."""
+def worker_specs(config: RouterConfig, endpoints: Sequence[Endpoint]) -> list[dict[str, Any]]:
+    """``kvroute_serve::WorkerSpec``'s fields per endpoint, as ``NativeRouter`` takes them."""
     events = config.events or EventsSettings()
     specs = []
     for e in endpoints:
         source = events.source_for(e) if events.enabled else None
-        specs.append((e.url, e.name, source.endpoint if source else None,
-                      source.replay_endpoint if source else None, e.ready))
+        sockets = None if source is None else {"endpoint": source.endpoint, "replay_endpoint": source.replay_endpoint}
+        specs.append({"url": e.url, "name": e.name, "events": sockets, "ready": e.ready})
     return specs
 
 
-def native_arguments(config: RouterConfig) -> dict[str, Any]:
-    """``NativeRouter``'s keyword arguments for ``config`` (the workers apart)."""
+def native_config(config: RouterConfig, workers: list[dict[str, Any]]) -> dict[str, Any]:
+    """``config`` as ``NativeRouter`` takes it: ``kvroute_serve::ServeConfig``'s fields, with
+    the choices that depend on several settings made here (the predicted entries' TTL and
+    capacity, retention's mode and capacity, the connection limit)."""
     events = config.events or EventsSettings()
     ttl, capacity = predicted_settings(config)
-    retention = config.retention_mode()
+    meshed = config.mesh_bind is not None or config.peers
+    mesh = {"bind": config.mesh_bind, "peers": list(config.peers)} if meshed else None
     return dict(
-        retention=None if retention == "off" else retention,
-        retention_capacity_blocks=retention_capacity(config),
-        kv_capacity_blocks=config.kv_capacity_blocks, max_loras=config.max_loras,
-        host=config.host, port=config.port, threads=config.threads, policy=config.policy,
-        policy_options=dict(config.policy_options) or None, seed=config.seed,
-        block_size=config.block_size, hash_seed=config.hash_seed, tokenizer=config.tokenizer,
-        prompt_cache_bytes=config.prompt_cache_bytes, predicted_ttl_s=ttl,
-        predicted_capacity_blocks=capacity, index_max_bytes=config.index_max_bytes,
+        host=config.host, port=config.port, threads=config.threads, workers=workers,
         events_topic=events.topic,
-        max_body_bytes=config.max_body_bytes, max_buffered_body_bytes=config.max_buffered_body_bytes,
-        max_json_depth=config.max_json_depth,
+        policy={"name": config.policy, "seed": config.seed, "options": dict(config.policy_options)},
+        block_size=config.block_size, hash_seed=config.hash_seed, tokenizer=config.tokenizer,
+        prompt_cache_bytes=config.prompt_cache_bytes, predicted_ttl_s=ttl, predicted_capacity_blocks=capacity,
+        index_max_bytes=config.index_max_bytes, max_body_bytes=config.max_body_bytes,
+        max_buffered_body_bytes=config.max_buffered_body_bytes, max_json_depth=config.max_json_depth,
         offload_bytes=config.offload_bytes, header_timeout_s=config.header_timeout_s,
         keepalive_timeout_s=config.keepalive_timeout_s, send_timeout_s=config.send_timeout_s,
         body_timeout_s=config.body_timeout_s,
-        max_connections=config.max_connections or default_max_connections(),
-        connect_timeout_s=config.connect_timeout_s,
-        first_byte_timeout_s=config.first_byte_timeout_s,
+        max_connections=default_max_connections() if config.max_connections is None else config.max_connections,
+        connect_timeout_s=config.connect_timeout_s, first_byte_timeout_s=config.first_byte_timeout_s,
         stream_idle_timeout_s=config.stream_idle_timeout_s, max_attempts=config.max_attempts,
-        health_interval_s=config.health_interval_s, health_timeout_s=config.health_timeout_s,
+        health_interval_s=config.health_interval_s or None, health_timeout_s=config.health_timeout_s,
         eject_after_failures=config.eject_after_failures, eject_base_s=config.eject_base_s,
         api_key=config.api_key, metrics_public=config.metrics_public,
         worker_api_key=config.worker_api_key, forward_authorization=config.forward_authorization,
-        grpc_port=config.grpc_port,
-        mesh_bind=config.mesh_bind, peers=list(config.peers),
+        retention=config.retention_mode(), retention_capacity_blocks=retention_capacity(config),
+        kv_capacity_blocks=config.kv_capacity_blocks, max_loras=config.max_loras, mesh=mesh,
     )
+
+
+def check_config(config: RouterConfig) -> None:
+    """Refuse ``config`` as the router would (:class:`ConfigError`), without starting one: the
+    data plane's ``ServeConfig::validate`` is the one check of the settings."""
+    try:
+        check_serve_config(native_config(config, []))
+    except ValueError as exc:
+        raise _config_error(exc) from None
+
+
+class ConfigError(UserError):
+    """A setting the router cannot run with: :attr:`field` is its ``RouterConfig`` name (None
+    when the failure is no one setting's, such as an address in use); the CLI names its flag."""
+
+    def __init__(self, field: str | None, message: str) -> None:
+        super().__init__(message if field is None else f"{field} {message}")
+        self.field = field
+        self.message = message
+
+
+def _config_error(exc: ValueError) -> ConfigError:
+    """The native router's refusal (``ValueError((field, message))`` or ``ValueError(message)``)."""
+    if len(exc.args) == 2:
+        field, message = exc.args
+        return ConfigError(_NATIVE_FIELDS.get(field, field), message)
+    return ConfigError(None, str(exc))
+
+
+#: ``ServeConfig`` fields whose ``RouterConfig`` setting has another name (``native_config``).
+_NATIVE_FIELDS = {"events_topic": "events", "mesh": "mesh_bind", "retention_capacity_blocks": "kv_capacity_blocks"}
 
 
 class Router:
@@ -100,16 +128,16 @@ class Router:
 
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
-        arguments = native_arguments(config)
         discovery = config.discovery or StaticDiscovery(config.workers)  # validates the URLs
         if isinstance(discovery, StaticDiscovery):
             workers, self._discovery = worker_specs(config, discovery.endpoints), None
         else:
             workers, self._discovery = [], discovery
+        native = native_config(config, workers)
         try:
-            self.native = NativeRouter(workers, **arguments)
+            self.native = NativeRouter(native, grpc_port=config.grpc_port)
         except ValueError as exc:
-            raise UserError(str(exc)) from None
+            raise _config_error(exc) from None
         self._follow_task: asyncio.Task | None = None
         self._peers_task: asyncio.Task | None = None
         host = f"[{config.host}]" if ":" in config.host else config.host
@@ -118,7 +146,7 @@ class Router:
         self.grpc_address: str | None = None if grpc is None else f"{host}:{grpc}"
         self.max_body_bytes: int = self.native.max_body_bytes
         self.max_body_source: str = self.native.max_body_source
-        self.max_connections = arguments["max_connections"]
+        self.max_connections: int = native["max_connections"]
 
     async def start(self) -> None:
         """Follow the peer discovery (if any), and the worker discovery (if any) until its

@@ -37,18 +37,19 @@ given, so a seed names the same choices it always did.
 
 from __future__ import annotations
 
-import inspect
 import random
 from collections.abc import Sequence
 from typing import Protocol
 
 from kvroute._native import Policy as _NativePolicy
 from kvroute._native import RequestView, WorkerState
+from kvroute._native import policy_defaults as _native_policy_defaults
 from kvroute.errors import UserError
 
 __all__ = [
     "POLICIES", "KvAwarePolicy", "LeastLoadedPolicy", "Policy", "PrefixHashPolicy", "RandomPolicy",
-    "RequestView", "RoundRobinPolicy", "WorkerState", "make_policy", "policy_parameters",
+    "RequestView", "RoundRobinPolicy", "WorkerState", "make_policy", "policy_defaults",
+    "policy_parameters",
 ]
 
 
@@ -92,7 +93,7 @@ class LeastLoadedPolicy(_NativePolicy):
 
 
 class PrefixHashPolicy(_NativePolicy):
-    """Args:
+    """Options (defaults: :func:`policy_defaults`):
         key_blocks: how many leading blocks identify a prefix (1: prompts that share their
             first block share an owner).
         load_factor: ε of bounded-load hashing; None never spills.
@@ -101,8 +102,8 @@ class PrefixHashPolicy(_NativePolicy):
     name = "prefix-hash"
     needs_overlap = False
 
-    def __new__(cls, rng: random.Random | None = None, key_blocks: int = 1, load_factor: float | None = None):
-        return super().__new__(cls, cls.name, rng, key_blocks=key_blocks, load_factor=load_factor)
+    def __new__(cls, rng: random.Random | None = None, **options: float | None):
+        return _make(cls, rng, options)
 
 
 class KvAwarePolicy(_NativePolicy):
@@ -185,7 +186,7 @@ class KvAwarePolicy(_NativePolicy):
     same requests, events and loads therefore make the same decisions. A worker absent from a
     call (it left, or a retry excludes it) is forgotten and comes back at the fair share.
 
-    Args:
+    Args (the options; their defaults: :func:`policy_defaults`):
         rng: for prompts shorter than a block only.
         block_size: tokens per KV block; must be the index's.
         overlap_weight: weight of the new request's prefill against the load terms.
@@ -200,7 +201,7 @@ class KvAwarePolicy(_NativePolicy):
             miss's extra prefill on the reference fleet.
         adapter_weight: prefill-token equivalent charged to a worker whose full LoRA slots (the
             routing step's model, ``RoutingStep(max_loras=)``) hold other adapters than the
-            request's; None: the native default, 512 (``docs/router.md``, adapter affinity).
+            request's (``docs/router.md``, adapter affinity).
 
     Defaults (block_size 16, overlap_weight 3, request_weight 128, load_factor 1.5,
     share_factor 0.35, share_window 24, share_weight 4, no admission guard), chosen on the simulator (reference
@@ -228,30 +229,17 @@ class KvAwarePolicy(_NativePolicy):
     name = "kv-aware"
     needs_overlap = True
 
-    def __new__(
-        cls,
-        rng: random.Random | None = None,
-        block_size: int = 16,
-        overlap_weight: float = 3.0,
-        request_weight: float = 128.0,
-        load_factor: float | None = 1.5,
-        share_factor: float | None = 0.35,
-        share_window: float = 24.0,
-        share_weight: float = 4.0,
-        admission_wait: float | None = None,
-        adapter_weight: float | None = None,
-    ):
-        # None: the native default (kvroute_core::policies::ADAPTER_WEIGHT), its one owner.
-        adapter = {} if adapter_weight is None else {"adapter_weight": adapter_weight}
-        try:
-            return super().__new__(
-                cls, cls.name, rng, block_size=block_size, overlap_weight=overlap_weight,
-                request_weight=request_weight, load_factor=load_factor, share_factor=share_factor,
-                share_window=share_window, share_weight=share_weight, admission_wait=admission_wait,
-                **adapter,
-            )
-        except ValueError as exc:
-            raise UserError(str(exc)) from None
+    def __new__(cls, rng: random.Random | None = None, **options: float | None):
+        return _make(cls, rng, options)
+
+
+def _make(cls: type, rng: random.Random | None, options: dict[str, float | None]) -> _NativePolicy:
+    """The native policy ``cls`` names, with ``options`` (absent ones at the native defaults,
+    their one owner: ``kvroute_core::policies``, read by ``kvroute_serve::PolicySpec``)."""
+    try:
+        return _NativePolicy.__new__(cls, cls.name, rng, **options)
+    except ValueError as exc:
+        raise UserError(f"policy {cls.name!r}: {exc}") from None
 
 
 POLICIES: dict[str, type] = {
@@ -260,23 +248,25 @@ POLICIES: dict[str, type] = {
 }
 
 
+def policy_defaults(name: str) -> dict[str, float | None]:
+    """The options policy ``name`` takes, with their defaults (the native policies' own,
+    ``kvroute._native.policy_defaults``); empty for a policy without options or an unknown
+    name."""
+    return dict(_native_policy_defaults(name)) if name in POLICIES else {}
+
+
 def policy_parameters(name: str) -> set[str]:
-    """The options policy ``name`` takes (its class's keyword arguments but ``rng``); empty
-    for an unknown name."""
-    cls = POLICIES.get(name)
-    return set(inspect.signature(cls).parameters) - {"rng"} if cls is not None else set()
+    """The options policy ``name`` takes; empty for an unknown name."""
+    return set(policy_defaults(name))
 
 
-def _check_numbers(name: str, cls: type, options: dict[str, object]) -> None:
-    """Refuse text (or a boolean) given for a numeric option, naming the option, before the
-    native policy sees it (its own error names neither the option nor the value)."""
-    parameters = inspect.signature(cls).parameters
+def _check_numbers(name: str, options: dict[str, object]) -> None:
+    """Refuse text (or a boolean) given for an option, naming the option, before the native
+    policy sees it: every policy option is a number (or none, where the option is a guard
+    that none turns off, which the native reader checks)."""
     for key, value in options.items():
-        annotation = str(parameters[key].annotation)
-        wants_number = "float" in annotation or "int" in annotation
-        if wants_number and (isinstance(value, (str, bool)) or (value is None and "None" not in annotation)):
-            kind = "a number" + (" or none" if "None" in annotation else "")
-            raise UserError(f"policy {name!r}: option {key} takes {kind}, got {value!r}")
+        if isinstance(value, (str, bool)):
+            raise UserError(f"policy {name!r}: option {key} takes a number, got {value!r}")
 
 
 def make_policy(name: str, rng: random.Random | None = None, **options) -> Policy:
@@ -293,10 +283,5 @@ def make_policy(name: str, rng: random.Random | None = None, **options) -> Polic
             f"policy {name!r} takes no option {', '.join(unknown)}"
             f" (it takes: {', '.join(sorted(accepted)) or 'none'})"
         )
-    _check_numbers(name, cls, options)
-    try:
-        return cls(rng=rng, **options)
-    except TypeError as exc:  # a text where a number belongs, and the like
-        raise UserError(f"policy {name!r}: an option value has the wrong type ({exc})") from None
-    except ValueError as exc:
-        raise UserError(f"policy {name!r}: {exc}") from None
+    _check_numbers(name, options)
+    return cls(rng=rng, **options)

@@ -35,8 +35,9 @@ use xxhash_rust::xxh3::xxh3_64;
 
 pub use message::{DecodeError, MeshBody, MeshMessage, OpenEntry, Snapshot};
 
-/// The mesh's knobs.
-#[derive(Clone, Copy, Debug, PartialEq)]
+/// The mesh's knobs (by field name in a configuration, absent ones as in `Default`).
+#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
+#[serde(default, deny_unknown_fields)]
 pub struct MeshConfig {
     /// A peer not heard from for this long is gone: its open decisions are released and it no
     /// longer owns workers. Replicas send a heartbeat at a third of it when quiet.

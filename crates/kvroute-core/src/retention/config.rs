@@ -1,7 +1,8 @@
 //! Retention's configuration: the mode (when the router refreshes prefixes) and its knobs.
 
-/// When the router refreshes prefixes.
-#[derive(Clone, Copy, Debug, PartialEq, Eq, Default)]
+/// When the router refreshes prefixes (by name in a configuration: `off`, `on`, `auto`).
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum RetentionMode {
     /// Never (the router only places requests).
     #[default]

@@ -50,7 +50,9 @@ impl MeshLink {
         let counters = Arc::new(WireCounters::default());
         let publisher = runtime
             .block_on(Publisher::start(&settings.bind, counters.clone(), stopped))
-            .map_err(|e| ConfigError(format!("cannot bind the mesh on {}: {e}", settings.bind)))?;
+            .map_err(|e| {
+                ConfigError::new(format!("cannot bind the mesh on {}: {e}", settings.bind))
+            })?;
         Ok(Self {
             state: Mutex::new(Mesh::new(instance, settings.config)),
             publisher,

@@ -61,10 +61,10 @@ impl Server {
         let listener = router
             .runtime()
             .block_on(TcpListener::bind((host.as_str(), port)))
-            .map_err(|e| ConfigError(format!("cannot listen on {host}:{port}: {e}")))?;
+            .map_err(|e| ConfigError::new(format!("cannot listen on {host}:{port}: {e}")))?;
         let addr = listener
             .local_addr()
-            .map_err(|e| ConfigError(e.to_string()))?;
+            .map_err(|e| ConfigError::new(e.to_string()))?;
         router.runtime().spawn(accept::accept_loop(
             listener,
             router.shared(),

@@ -37,20 +37,20 @@ impl Router {
     pub fn start(config: ServeConfig) -> Result<Self, ConfigError> {
         config.validate()?;
         let hasher = BlockHasher::new(config.block_size, config.hash_seed)
-            .map_err(|e| ConfigError(e.to_string()))?;
+            .map_err(|e| ConfigError::new(e.to_string()))?;
         let prompts = Prompts::new(
             hasher,
             config.tokenizer.as_deref(),
             config.prompt_cache_bytes,
             config.max_json_depth,
-            config.retention.is_some(),
+            config.retention().is_some(),
         )?;
         let (mut fleet, membership) = Fleet::new(&config)?;
         fleet.set_adapter_names(prompts.adapter_names());
         let worker_authorization =
             match &config.worker_api_key {
                 Some(key) => Some(HeaderValue::from_str(&format!("Bearer {key}")).map_err(
-                    |_| ConfigError("the worker API key is not a valid header value".into()),
+                    |_| ConfigError::field("worker_api_key", "is not a valid header value"),
                 )?),
                 None => None,
             };
@@ -59,16 +59,19 @@ impl Router {
             .thread_name("kvroute-serve")
             .enable_all()
             .build()
-            .map_err(|e| ConfigError(format!("cannot start the runtime: {e}")))?;
+            .map_err(|e| ConfigError::new(format!("cannot start the runtime: {e}")))?;
         let upstream = runtime.block_on(async { relay::client(config.connect_timeout) });
         let refresh_upstream = runtime.block_on(async { relay::client(config.connect_timeout) });
         let body_limit = edge::BodyLimit::new(config.max_body_bytes, prompts.tokenizer_limits());
         if config.max_buffered_body_bytes < body_limit.bytes {
-            return Err(ConfigError(format!(
-                "max buffered body bytes ({}) is below the body limit ({} bytes, {}): a body \
-                 that large could never be read",
-                config.max_buffered_body_bytes, body_limit.bytes, body_limit.source
-            )));
+            return Err(ConfigError::field(
+                "max_buffered_body_bytes",
+                format!(
+                    "({}) is below the body limit ({} bytes, {}): a body that large could never \
+                     be read",
+                    config.max_buffered_body_bytes, body_limit.bytes, body_limit.source
+                ),
+            ));
         }
         let (stop, stopped) = watch::channel(false);
         let metrics = Metrics::default();

@@ -80,7 +80,7 @@ impl Shared {
             if consumer.is_none() {
                 let index = self.fleet().index().clone();
                 *consumer = Some(Consumer::start(Some(index), EVENTS_COALESCE).map_err(|e| {
-                    ConfigError(format!("cannot start the KV event consumer: {e}"))
+                    ConfigError::new(format!("cannot start the KV event consumer: {e}"))
                 })?);
             }
             let subscription = Subscription {
@@ -93,7 +93,7 @@ impl Shared {
             };
             if let Some(c) = consumer.as_ref() {
                 c.add_worker(&url, subscription)
-                    .map_err(|e| ConfigError(format!("worker {url}: {e}")))?;
+                    .map_err(|e| ConfigError::new(format!("worker {url}: {e}")))?;
             }
         }
         Ok(())
