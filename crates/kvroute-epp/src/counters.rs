@@ -1,10 +1,11 @@
-//! The Endpoint Picker's own counters, beside serve's (`kvroute_serve::metrics`), in the
-//! Prometheus text format.
+//! The Endpoint Picker's own counters, written beside serve's through serve's one writer of
+//! the Prometheus text format (`kvroute_serve::metrics::exposition`).
 
 use std::collections::BTreeMap;
-use std::fmt::Write;
 use std::sync::Mutex;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
+
+use kvroute_serve::metrics::exposition::{Exposition, Kind};
 
 /// What the EPP counts of its exchanges with the gateway.
 #[derive(Default)]
@@ -55,54 +56,57 @@ impl Counters {
         StreamOpen(self.clone())
     }
 
-    /// The counters as Prometheus text.
-    pub fn render(&self) -> String {
-        let mut out = String::new();
-        let _ = writeln!(
-            out,
-            "# HELP kvroute_epp_picks_total Endpoints named to the gateway, by how they were chosen (prompt: the routing step; no_prompt: rotation).\n# TYPE kvroute_epp_picks_total counter"
+    /// A whole `/metrics` text: serve's (`serve_text`), then the EPP's own.
+    pub fn scrape(&self, serve_text: String) -> String {
+        let mut out = Exposition::new();
+        self.render(&mut out);
+        serve_text + &out.finish()
+    }
+
+    /// The counters.
+    fn render(&self, out: &mut Exposition) {
+        let load = |c: &AtomicU64| c.load(Ordering::Relaxed) as f64;
+        out.labelled(
+            "kvroute_epp_picks",
+            Kind::Counter,
+            "Endpoints named to the gateway, by how they were chosen (prompt: the routing step; no_prompt: rotation).",
+            &["how"],
+            [
+                (vec!["prompt"], load(&self.picks_prompt)),
+                (vec!["no_prompt"], load(&self.picks_no_prompt)),
+            ],
         );
-        for (how, c) in [
-            ("prompt", &self.picks_prompt),
-            ("no_prompt", &self.picks_no_prompt),
-        ] {
-            let _ = writeln!(
-                out,
-                "kvroute_epp_picks_total{{how=\"{how}\"}} {}",
-                c.load(Ordering::Relaxed)
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kvroute_epp_immediate_responses_total Requests the EPP answered itself through the gateway, by HTTP status.\n# TYPE kvroute_epp_immediate_responses_total counter"
+        let immediate = self.immediate.lock().unwrap_or_else(|p| p.into_inner());
+        let codes: Vec<String> = immediate.keys().map(u16::to_string).collect();
+        out.labelled(
+            "kvroute_epp_immediate_responses",
+            Kind::Counter,
+            "Requests the EPP answered itself through the gateway, by HTTP status.",
+            &["code"],
+            codes
+                .iter()
+                .zip(immediate.values())
+                .map(|(code, &n)| (vec![code.as_str()], n as f64)),
         );
-        for (code, n) in self
-            .immediate
-            .lock()
-            .unwrap_or_else(|p| p.into_inner())
-            .iter()
-        {
-            let _ = writeln!(
-                out,
-                "kvroute_epp_immediate_responses_total{{code=\"{code}\"}} {n}"
-            );
-        }
-        let _ = writeln!(
-            out,
-            "# HELP kvroute_epp_stream_errors_total ext_proc streams that ended in an error (reset by the gateway, or out of protocol).\n# TYPE kvroute_epp_stream_errors_total counter\nkvroute_epp_stream_errors_total {}",
-            self.stream_errors.load(Ordering::Relaxed)
+        drop(immediate);
+        out.scalar(
+            "kvroute_epp_stream_errors",
+            Kind::Counter,
+            "ext_proc streams that ended in an error (reset by the gateway, or out of protocol).",
+            load(&self.stream_errors),
         );
-        let _ = writeln!(
-            out,
-            "# HELP kvroute_epp_streams_open ext_proc streams open (requests at the gateway the EPP follows).\n# TYPE kvroute_epp_streams_open gauge\nkvroute_epp_streams_open {}",
-            self.streams_open.load(Ordering::Relaxed)
+        out.scalar(
+            "kvroute_epp_streams_open",
+            Kind::Gauge,
+            "ext_proc streams open (requests at the gateway the EPP follows).",
+            self.streams_open.load(Ordering::Relaxed) as f64,
         );
-        let _ = writeln!(
-            out,
-            "# HELP kvroute_epp_response_chunks_total Response body chunks the gateway passed through the EPP (none with response_body_mode NONE).\n# TYPE kvroute_epp_response_chunks_total counter\nkvroute_epp_response_chunks_total {}",
-            self.response_chunks.load(Ordering::Relaxed)
+        out.scalar(
+            "kvroute_epp_response_chunks",
+            Kind::Counter,
+            "Response body chunks the gateway passed through the EPP (none with response_body_mode NONE).",
+            load(&self.response_chunks),
         );
-        out
     }
 }
 

@@ -193,7 +193,7 @@ impl Epp {
 
     /// The text of `/metrics`: serve's, then the EPP's own.
     pub fn metrics_text(&self) -> String {
-        self.router.metrics_text() + &self.counters.render()
+        self.counters.scrape(self.router.metrics_text())
     }
 
     /// Report NOT_SERVING, answer new requests 503 and wait up to `timeout` for the ones in
@@ -256,7 +256,7 @@ fn answer<B>(front: &MetricsFront, request: &hyper::Request<B>) -> Response<Full
     let mut response = Response::new(Full::new(Bytes::new()));
     match (request.method(), request.uri().path()) {
         (&Method::GET, "/metrics") => {
-            let text = front.pipeline.metrics_text() + &front.counters.render();
+            let text = front.counters.scrape(front.pipeline.metrics_text());
             *response.body_mut() = Full::new(Bytes::from(text));
             response.headers_mut().insert(
                 CONTENT_TYPE,

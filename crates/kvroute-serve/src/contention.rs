@@ -6,6 +6,7 @@
 //! A lock is first tried without waiting; only when that fails is the wait timed, so an
 //! uncontended acquisition costs one atomic increment more than a plain `lock()`.
 
+use crate::metrics::exposition::{Exposition, Kind};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Mutex, MutexGuard, TryLockError};
 use std::time::Instant;
@@ -52,36 +53,31 @@ impl LockStats {
     }
 }
 
-/// The locks' counters in Prometheus text, one label value per lock.
-pub fn render(out: &mut String, locks: &[(&str, &LockStats)]) {
-    use std::fmt::Write as _;
+/// The locks' counters, one label value per lock.
+pub fn render(out: &mut Exposition, locks: &[(&str, &LockStats)]) {
     type Pick = fn((u64, u64, f64)) -> f64;
     let rows: [(&str, &str, Pick); 3] = [
         (
-            "kvroute_router_lock_acquisitions_total",
+            "kvroute_router_lock_acquisitions",
             "Times a router lock was taken",
             |s| s.0 as f64,
         ),
         (
-            "kvroute_router_lock_contentions_total",
+            "kvroute_router_lock_contentions",
             "Times a router lock was held by another thread when asked for",
             |s| s.1 as f64,
         ),
         (
-            "kvroute_router_lock_wait_seconds_total",
+            "kvroute_router_lock_wait_seconds",
             "Seconds threads waited for a router lock",
             |s| s.2,
         ),
     ];
     for (name, help, pick) in rows {
-        let _ = writeln!(out, "# HELP {name} {help}\n# TYPE {name} counter");
-        for (lock, stats) in locks {
-            let _ = writeln!(
-                out,
-                "{name}{{lock=\"{lock}\"}} {:?}",
-                pick(stats.snapshot())
-            );
-        }
+        let samples = locks
+            .iter()
+            .map(|(lock, stats)| (vec![*lock], pick(stats.snapshot())));
+        out.labelled(name, Kind::Counter, help, &["lock"], samples);
     }
 }
 

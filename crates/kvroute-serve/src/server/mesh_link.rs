@@ -1,7 +1,6 @@
 //! This replica's end of the replica mesh: its state, its publisher, the peers it follows and
 //! its counters (`super::mesh` applies what arrives).
 
-use std::fmt::Write as _;
 use std::sync::atomic::Ordering;
 use std::sync::{Arc, Mutex, MutexGuard};
 
@@ -14,7 +13,7 @@ use tokio::sync::watch;
 use crate::config::ConfigError;
 use crate::fleet::Choice;
 use crate::mesh::{MeshSettings, Publisher, WireCounters};
-use crate::metrics::Histogram;
+use crate::metrics::exposition::{Exposition, Histogram, Kind};
 use crate::prompt::Prompt;
 
 /// This replica's mesh: its state, its PUB socket, and the peers it follows.
@@ -143,109 +142,107 @@ impl MeshLink {
         self.lag.observe((unix_now() - sent_unix_s).max(0.0));
     }
 
-    /// The mesh's figures in Prometheus text.
-    pub(super) fn render(&self, out: &mut String, now: f64) {
+    /// The mesh's figures.
+    pub(super) fn render(&self, out: &mut Exposition, now: f64) {
         let state = self.state();
         let stats = state.stats();
         let lag = state.peers().map(|p| p.lag_s).fold(0.0, f64::max);
-        let rows: [(&str, &str, &str, f64); 13] = [
+        let rows: [(&str, Kind, &str, f64); 13] = [
             (
                 "kvroute_mesh_peers_live",
-                "gauge",
+                Kind::Gauge,
                 "Peer replicas heard within the liveness window",
                 state.live_peers(now) as f64,
             ),
             (
                 "kvroute_mesh_peer_connections",
-                "gauge",
+                Kind::Gauge,
                 "Connections to peers' PUB sockets up now",
                 self.counters.connected.load(Ordering::Relaxed) as f64,
             ),
             (
-                "kvroute_mesh_messages_sent_total",
-                "counter",
+                "kvroute_mesh_messages_sent",
+                Kind::Counter,
                 "Mesh messages published",
                 stats.sent as f64,
             ),
             (
-                "kvroute_mesh_messages_received_total",
-                "counter",
+                "kvroute_mesh_messages_received",
+                Kind::Counter,
                 "Mesh messages received from peers",
                 stats.received as f64,
             ),
             (
-                "kvroute_mesh_messages_lost_total",
-                "counter",
+                "kvroute_mesh_messages_lost",
+                Kind::Counter,
                 "Peer messages that never arrived (gaps in their sequence)",
                 stats.lost as f64,
             ),
             (
-                "kvroute_mesh_messages_dropped_total",
-                "counter",
+                "kvroute_mesh_messages_dropped",
+                Kind::Counter,
                 "Messages a slow subscriber of this replica lost (its queue was full)",
                 self.counters.dropped.load(Ordering::Relaxed) as f64,
             ),
             (
-                "kvroute_mesh_messages_malformed_total",
-                "counter",
+                "kvroute_mesh_messages_malformed",
+                Kind::Counter,
                 "Mesh payloads or connections that did not decode",
                 self.counters.malformed.load(Ordering::Relaxed) as f64,
             ),
             (
-                "kvroute_mesh_decisions_expired_total",
-                "counter",
+                "kvroute_mesh_decisions_expired",
+                Kind::Counter,
                 "Peer decisions released without their end (expired, or their peer gone)",
                 stats.expired as f64,
             ),
             (
                 "kvroute_mesh_decisions_open",
-                "gauge",
+                Kind::Gauge,
                 "Peer decisions applied here and not ended",
                 state.open_decisions() as f64,
             ),
             (
                 "kvroute_mesh_lag_seconds",
-                "gauge",
+                Kind::Gauge,
                 "Largest lag of a peer's last message (receipt minus sending, wall clocks)",
                 lag,
             ),
             (
-                "kvroute_mesh_snapshots_sent_total",
-                "counter",
+                "kvroute_mesh_snapshots_sent",
+                Kind::Counter,
                 "Snapshots of this replica's state sent to peers that had just started",
                 stats.snapshots_sent as f64,
             ),
             (
-                "kvroute_mesh_snapshots_adopted_total",
-                "counter",
+                "kvroute_mesh_snapshots_adopted",
+                Kind::Counter,
                 "Peer snapshots this replica adopted after its start (at most one)",
                 stats.snapshots_adopted as f64,
             ),
             (
-                "kvroute_mesh_snapshot_decisions_total",
-                "counter",
+                "kvroute_mesh_snapshot_decisions",
+                Kind::Counter,
                 "Open decisions taken from the adopted snapshot",
                 stats.adopted_decisions as f64,
             ),
         ];
         for (name, kind, help, value) in rows {
-            let _ = writeln!(
-                out,
-                "# HELP {name} {help}\n# TYPE {name} {kind}\n{name} {value:?}"
-            );
+            out.scalar(name, kind, help, value);
         }
         if let Some(after) = state.adopted_after() {
-            let name = "kvroute_mesh_snapshot_adopted_seconds";
-            let _ = writeln!(
-                out,
-                "# HELP {name} Seconds from this replica's first request for a snapshot (its mesh's start) to its adopting one\n# TYPE {name} gauge\n{name} {after:?}"
+            out.scalar(
+                "kvroute_mesh_snapshot_adopted_seconds",
+                Kind::Gauge,
+                "Seconds from this replica's first request for a snapshot (its mesh's start) to its adopting one",
+                after,
             );
         }
         drop(state);
-        self.lag.write(
-            out,
+        out.histogram(
             "kvroute_mesh_apply_lag_seconds",
             "Peer messages' lag from their sending to their being applied here (wall clocks)",
+            &self.lag,
         );
     }
 }

@@ -16,6 +16,7 @@ use crate::config::{ConfigError, ServeConfig};
 use crate::connections::Registry;
 use crate::edge;
 use crate::fleet::{Fleet, Membership};
+use crate::metrics::exposition::Exposition;
 use crate::metrics::{Metrics, OpenCounts};
 use crate::prompt::Prompts;
 use crate::relay::{Ending, RefreshUpstream, Upstream};
@@ -129,7 +130,9 @@ impl Shared {
             body_budget_bytes: self.body_budget.bytes(),
         };
         let now = self.now();
-        let mut out = self.metrics.render(&self.fleet(), now, &events, open);
+        let mut out = Exposition::new();
+        self.metrics
+            .render(&mut out, &self.fleet(), now, &events, open);
         if let Some(mesh) = &self.mesh {
             mesh.render(&mut out, now);
         }
@@ -138,7 +141,7 @@ impl Shared {
             &mut out,
             &[("fleet", &self.fleet_lock), ("index", fleet.index_lock())],
         );
-        out
+        out.finish()
     }
 }
 
