@@ -3,10 +3,10 @@
 //! that share a prefix share most of their pieces and each piece is tokenized once.
 //!
 //! Why: a KV-aware router must know a text prompt's token ids to hash its blocks, and Hugging
-//! Face's whole-text pipeline costs ~4–5 µs per token (alignment bookkeeping in
-//! `NormalizedString`, the onig split regex): ~10 ms for a 2,371-token prompt, several times the
-//! rest of a request's routing. This crate is pure (no I/O, no clock, no threads): `kvroute serve` calls it
-//! through the Python bindings today, and a native data plane would call it directly.
+//! Face's whole-text pipeline spends most of its time on alignment bookkeeping
+//! (`NormalizedString`) and the onig split regex: for a prompt of a few thousand tokens,
+//! several times the rest of a request's routing. This crate is pure (no I/O, no clock, no threads): serve's data plane
+//! (`kvroute_serve::prompt`) calls it directly, Python through the bindings.
 //!
 //! **Where to cut.** Byte-level BPE tokenizers (Qwen, Llama 3 and their kin) work word by word:
 //! the pre-tokenizer's regex cuts the text into words, each word is encoded on its own. The text
