@@ -203,27 +203,16 @@ class KvAwarePolicy(_NativePolicy):
             routing step's model, ``RoutingStep(max_loras=)``) hold other adapters than the
             request's (``docs/router.md``, adapter affinity).
 
-    Defaults (block_size 16, overlap_weight 3, request_weight 128, load_factor 1.5,
-    share_factor 0.35, share_window 24, share_weight 4, no admission guard), chosen on the simulator (reference
-    workload at K = 2, 7, 12, 24 on 6 and 3 workers at concurrency 4, 8 and 16, its
-    concurrency-16 TTFT p99, and Zipf α = 1.2 over 64 prefixes, several workload seeds): a
-    weight above 1 on the new prefill charges a miss for the cached blocks it evicts as well
-    as for its compute, so a cached owner keeps its prefix while it has a prefill or two
-    queued; weight 1 (TTFT alone) copied prefixes whenever an owner was busy and lost ~10
-    points of hit rate to the evictions. ε = 1.5 lets the guard fire on a real burst but not
-    on the in-flight noise of uniform traffic (ε ≤ 1.25 spilled there and cost 6 points at
-    K = 24). δ must stay well under 0.5 (four busy workers of six is exactly 1.5 × the mean)
-    and above the share noise of uniform and Zipf traffic: at 0.35 no worker served more
-    than 1.32 × the mean in those sweeps; 0.25–0.3 also fired at K = 24 (−0.3 to −0.6 points
-    of hit rate) and on Zipf's popular prefixes (about −1 point), 0.45 let K = 2 reach 1.5. A
-    window of 24 decisions per worker averages out uniform traffic's clumps (16 fired on them
-    at K = 24); 32 let skews last longer (1.38 × the mean). Placing the guard's copies by
-    recent share rather than by load alone won back ~0.4 points of Zipf hit rate (placing
-    every copy so reshuffled K = 24's hits by ±1 point per seed, for nothing on average).
-    The admission guard trades hits for tail, so it is off by default: on 6 workers at K = 24,
-    c = 16 (4 seeds) 0.1 gave hit 0.862, p99 168 ms; 0.2 gave 0.867 / 187; 0.3 0.874 / 227;
-    none 0.895 / 383; but on 3 overloaded workers (K = 12, c = 16) 0.2 cost 3 points of hit
-    rate for no shorter tail (``docs/router.md``).
+    Why the defaults (:func:`policy_defaults`; chosen on the simulator's reference and Zipf
+    workloads, figures in docs/results.md, "The kv-aware policy's defaults"): a weight above 1
+    on the new prefill charges a miss for the cached blocks it evicts as well as for its
+    compute, so a cached owner keeps its prefix while it has a prefill or two queued. ε = 1.5
+    lets the load guard fire on a real burst but not on the in-flight noise of uniform traffic.
+    δ must stay well under 0.5 (four busy workers of six is exactly 1.5 × the mean) and above
+    the share noise of uniform and Zipf traffic. A window of 24 decisions per worker averages
+    out uniform traffic's clumps without letting a skew last long. Placing the guard's copies by
+    recent share rather than by load alone puts them where demand is lowest. The admission
+    guard trades hits for tail, so it is off by default (docs/router.md).
     """
 
     name = "kv-aware"
