@@ -20,7 +20,7 @@ use crate::kvevents::events::{BlockRemoved, BlockStored};
 /// How the index keeps its event-backed entries: one implementation per storage mode.
 ///
 /// Every call concerns a worker the index knows (`id`); the index calls
-/// [`EventStore::store`] only with blocks kvroute can name ([`block_keys`]) and counts the
+/// [`EventStore::store`] only with blocks kvroute can name (the index's rules) and counts the
 /// others itself.
 pub trait EventStore: Debug + Send + Sync + Any {
     /// Worker `id` stored `event`'s blocks, whose encoded extra keys are `keys` (one per
@@ -53,7 +53,7 @@ pub trait EventStore: Debug + Send + Sync + Any {
 /// The encoded extra keys of each block of `event` (empty: none has any), or None when kvroute
 /// cannot hash them (see the index's module docs): a key that is not a tuple of strings, or
 /// an adapter named without per-block keys.
-pub fn block_keys(event: &BlockStored) -> Option<Vec<Vec<u8>>> {
+pub(super) fn block_keys(event: &BlockStored) -> Option<Vec<Vec<u8>>> {
     let Some(keys) = event
         .extra_keys
         .as_ref()
