@@ -20,6 +20,6 @@ def quotes() -> list[tuple[str, Path, str]]:
 
 def test_the_kv_aware_rule_in_the_docs_is_the_code():
     found = quotes()
-    assert any(path.name == "policies.rs" for _, path, _ in found)  # the kv-aware cost is quoted
+    assert any(path.name == "kv_aware.rs" for _, path, _ in found)  # the kv-aware cost is quoted
     for doc, path, text in found:
         assert text in path.read_text(), f"{doc} quotes {path.relative_to(ROOT)}, which no longer says:\n{text}"

@@ -11,6 +11,7 @@ use std::sync::Arc;
 use kvroute_core::blocks::BlockKeys;
 use kvroute_core::policies::Choose;
 use kvroute_sim::engine::scheduler;
+use kvroute_sim::hash_events::trust_engine_hashes;
 use kvroute_sim::sim::placement::{Placement, RetainingPlacement, StepPlacement};
 use kvroute_sim::sim::replicas::{Replica, ReplicaPlacement};
 use kvroute_sim::sim::{
@@ -190,8 +191,8 @@ fn simulate<'py>(
         && ix.hasher() == config.hasher
     {
         // The engine model hashes blocks with the index's own hasher: its events' hashes are
-        // the index's own (see KvIndex::trust_engine_hashes).
-        ix.trust_engine_hashes();
+        // the index's own (see kvroute_sim::hash_events).
+        trust_engine_hashes(ix);
     }
     let mut retention = retention.as_ref().map(|r| r.borrow_mut());
     let retention = retention.as_deref_mut().map(|r| &mut r.inner);
@@ -329,7 +330,7 @@ fn run_replicas(
                 return fail("each replica's index must hash blocks as the workers do");
             }
             // The engine model hashes blocks with the index's own hasher (as in one router's run).
-            ix.trust_engine_hashes();
+            trust_engine_hashes(ix);
         }
         parts.push((
             &mut step.inner,

@@ -30,6 +30,7 @@ use kvroute_io::consumer::lock_index;
 use kvroute_serve::fleet::Fleet;
 use kvroute_serve::{EventSource, PolicySpec, ServeConfig, WorkerSpec};
 use kvroute_sim::engine::cost::CostModel;
+use kvroute_sim::hash_events::trust_engine_hashes;
 use kvroute_sim::sim::placement::StepPlacement;
 use kvroute_sim::sim::{RequestSet, Simulation, WorkerConfig};
 
@@ -145,7 +146,7 @@ fn simulate(case: &Case) -> Simulated {
     // does (the engines hash with the same hasher). The router's index does neither: the
     // same answers must come from its other path.
     let mut index = KvIndex::new(hasher, Some(2.0), None, None).unwrap();
-    assert!(index.trust_engine_hashes());
+    assert!(trust_engine_hashes(&mut index));
     let kv_aware = KvAwareConfig {
         block_size: BLOCK_SIZE,
         ..KvAwareConfig::default()

@@ -17,17 +17,22 @@
 //! vLLM's `maybe_convert_block_hash` does, and counts events of an unknown type instead of
 //! failing, so a router keeps working across vLLM upgrades.
 //!
-//! Decoding walks the bytes once, straight into the event types, without a generic value
-//! tree: it runs for every batch a router receives. Values it does not interpret (unknown
+//! Decoding walks the bytes once with `rmp`'s decoders, straight into the event types,
+//! without a generic value tree (`rmpv`'s): it runs for every batch a router receives. Values it does not interpret (unknown
 //! fields, unknown events, `extra_keys` entries) are skipped without recursion, and nesting
 //! deeper than [`MAX_NESTING`] is a [`DecodeError`], so a hostile payload costs neither the
 //! stack nor more memory than its own size.
 //!
-//! [`encode_batch`] writes the bytes vLLM's msgspec encoder writes for the same batch, in
+//! [`encode_batch`] writes, with `rmp`'s encoders, the bytes vLLM's msgspec encoder writes for the same batch, in
 //! either shape (the emulator's publisher speaks both); `tests/data/golden/kvevents_payloads.json`
 //! holds payloads recorded from that encoder, and the tests compare them byte for byte.
 
 use std::fmt;
+
+use rmp::Marker;
+use rmp::decode::bytes::BytesReadError;
+use rmp::decode::{self, Bytes, NumValueReadError, ValueReadError};
+use rmp::encode;
 
 use crate::kvevents::events::{BlockRemoved, BlockStored, EventBatch, ExtraKey, KvCacheEvent};
 
@@ -89,17 +94,64 @@ fn err<T>(message: impl Into<String>) -> Result<T> {
     Err(DecodeError(message.into()))
 }
 
-/// A cursor over a payload; every read checks the bounds.
+/// A cursor over a payload, read with `rmp`'s decoders: every read checks the bounds, and a
+/// read of one kind of value meeting another consumes nothing (the caller tries the next
+/// kind, as msgspec accepts several for some fields).
 struct Reader<'a> {
     buf: &'a [u8],
     pos: usize,
 }
 
+/// What an `rmp` decoder reading a payload slice fails with.
+type ReadError = ValueReadError<BytesReadError>;
+
+fn end_of_data<T>() -> Result<T> {
+    err("unexpected end of data")
+}
+
 impl<'a> Reader<'a> {
-    fn peek(&self) -> Result<u8> {
+    /// The bytes not read yet.
+    #[inline]
+    fn rest(&self) -> &'a [u8] {
+        &self.buf[self.pos..]
+    }
+
+    /// The bytes not read yet, for an `rmp` decoder.
+    #[inline]
+    fn bytes(&self) -> Bytes<'a> {
+        Bytes::new(self.rest())
+    }
+
+    /// Continue after what a decoder left of [`Reader::bytes`].
+    #[inline]
+    fn resume(&mut self, rest: Bytes<'a>) {
+        self.pos = self.buf.len() - rest.remaining_slice().len();
+    }
+
+    /// The next value's marker, not consumed.
+    #[inline]
+    fn marker(&self) -> Result<Marker> {
         match self.buf.get(self.pos) {
-            Some(&b) => Ok(b),
-            None => err("unexpected end of data"),
+            Some(&b) => Ok(Marker::from_u8(b)),
+            None => end_of_data(),
+        }
+    }
+
+    /// `read` (an `rmp` decoder) on the rest: its value, or None (nothing consumed) if the
+    /// next value is of another kind.
+    #[inline]
+    fn read<T>(
+        &mut self,
+        read: impl FnOnce(&mut Bytes<'a>) -> std::result::Result<T, ReadError>,
+    ) -> Result<Option<T>> {
+        let mut rest = self.bytes();
+        match read(&mut rest) {
+            Ok(v) => {
+                self.resume(rest);
+                Ok(Some(v))
+            }
+            Err(ValueReadError::TypeMismatch(_)) => Ok(None),
+            Err(_) => end_of_data(),
         }
     }
 
@@ -111,16 +163,11 @@ impl<'a> Reader<'a> {
                 self.pos = end;
                 Ok(bytes)
             }
-            None => err("unexpected end of data"),
+            None => end_of_data(),
         }
     }
 
-    fn byte(&mut self) -> Result<u8> {
-        let b = self.peek()?;
-        self.pos += 1;
-        Ok(b)
-    }
-
+    /// A big-endian length of `n` bytes (after an `rmp` marker).
     fn be(&mut self, n: usize) -> Result<u64> {
         Ok(self
             .take(n)?
@@ -130,69 +177,20 @@ impl<'a> Reader<'a> {
 
     /// The length of an array, or None (nothing consumed) if the next value is not one.
     fn array_len(&mut self) -> Result<Option<usize>> {
-        let marker = self.peek()?;
-        let len = match marker {
-            0x90..=0x9f => {
-                self.pos += 1;
-                usize::from(marker & 0x0f)
-            }
-            0xdc => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xdd => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
-            _ => return Ok(None),
-        };
-        Ok(Some(len))
+        Ok(self.read(decode::read_array_len)?.map(|n| n as usize))
     }
 
     /// The number of pairs of a map, or None (nothing consumed) if the next value is not one.
     fn map_len(&mut self) -> Result<Option<usize>> {
-        let marker = self.peek()?;
-        let len = match marker {
-            0x80..=0x8f => {
-                self.pos += 1;
-                usize::from(marker & 0x0f)
-            }
-            0xde => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xdf => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
-            _ => return Ok(None),
-        };
-        Ok(Some(len))
+        Ok(self.read(decode::read_map_len)?.map(|n| n as usize))
     }
 
     /// A string's raw bytes, or None (nothing consumed) if the next value is not a string.
     fn str_bytes(&mut self) -> Result<Option<&'a [u8]>> {
-        let marker = self.peek()?;
-        let len = match marker {
-            0xa0..=0xbf => {
-                self.pos += 1;
-                usize::from(marker & 0x1f)
-            }
-            0xd9 => {
-                self.pos += 1;
-                self.be(1)? as usize
-            }
-            0xda => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xdb => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
-            _ => return Ok(None),
-        };
-        self.take(len).map(Some)
+        match self.read(decode::read_str_len)? {
+            Some(len) => self.take(len as usize).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// A UTF-8 string, or None (nothing consumed) if the next value is not a string.
@@ -208,57 +206,29 @@ impl<'a> Reader<'a> {
 
     /// A binary value, or None (nothing consumed) if the next value is not one.
     fn bin(&mut self) -> Result<Option<&'a [u8]>> {
-        let len = match self.peek()? {
-            0xc4 => {
-                self.pos += 1;
-                self.be(1)? as usize
-            }
-            0xc5 => {
-                self.pos += 1;
-                self.be(2)? as usize
-            }
-            0xc6 => {
-                self.pos += 1;
-                self.be(4)? as usize
-            }
-            _ => return Ok(None),
-        };
-        self.take(len).map(Some)
+        match self.read(decode::read_bin_len)? {
+            Some(len) => self.take(len as usize).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// An integer (any msgpack width; `i128` holds them all), or None (nothing consumed) if
     /// the next value is not one. Booleans are not integers, as for msgspec.
     fn int(&mut self) -> Result<Option<i128>> {
-        let marker = self.peek()?;
-        let value = match marker {
-            0x00..=0x7f => {
-                self.pos += 1;
-                i128::from(marker)
+        let mut rest = self.bytes();
+        match decode::read_int::<i128, _>(&mut rest) {
+            Ok(v) => {
+                self.resume(rest);
+                Ok(Some(v))
             }
-            0xe0..=0xff => {
-                self.pos += 1;
-                i128::from(marker as i8)
-            }
-            0xcc..=0xcf => {
-                self.pos += 1;
-                let width = 1usize << (marker - 0xcc);
-                i128::from(self.be(width)?)
-            }
-            0xd0..=0xd3 => {
-                self.pos += 1;
-                let width = 1usize << (marker - 0xd0);
-                let raw = self.be(width)?;
-                let shift = 64 - 8 * width as u32;
-                i128::from(((raw << shift) as i64) >> shift)
-            }
-            _ => return Ok(None),
-        };
-        Ok(Some(value))
+            Err(NumValueReadError::TypeMismatch(_)) => Ok(None),
+            Err(_) => end_of_data(),
+        }
     }
 
     /// True (and consumed) if the next value is nil.
     fn nil(&mut self) -> Result<bool> {
-        if self.peek()? == 0xc0 {
+        if self.marker()? == Marker::Null {
             self.pos += 1;
             Ok(true)
         } else {
@@ -279,79 +249,81 @@ impl<'a> Reader<'a> {
                 }
             }
             left_here -= 1;
-            let marker = self.byte()?;
-            let children: u64 = match marker {
-                0x00..=0x7f | 0xe0..=0xff | 0xc0 | 0xc2 | 0xc3 => 0,
-                0x80..=0x8f => 2 * u64::from(marker & 0x0f),
-                0x90..=0x9f => u64::from(marker & 0x0f),
-                0xa0..=0xbf => {
-                    self.take(usize::from(marker & 0x1f))?;
-                    0
+            let marker = self.marker()?;
+            self.pos += 1;
+            // Bytes after the marker: a length of `header` bytes, then that many and `extra`.
+            let (header, extra): (usize, usize) = match marker {
+                Marker::FixPos(_)
+                | Marker::FixNeg(_)
+                | Marker::Null
+                | Marker::True
+                | Marker::False => (0, 0),
+                Marker::FixMap(n) => {
+                    self.open(depth, &mut open, &mut left_here, 2 * u64::from(n))?;
+                    continue;
                 }
-                0xc4 | 0xd9 => {
-                    let n = self.be(1)? as usize;
-                    self.take(n)?;
-                    0
+                Marker::FixArray(n) => {
+                    self.open(depth, &mut open, &mut left_here, u64::from(n))?;
+                    continue;
                 }
-                0xc5 | 0xda => {
-                    let n = self.be(2)? as usize;
-                    self.take(n)?;
-                    0
+                Marker::Array16 | Marker::Array32 | Marker::Map16 | Marker::Map32 => {
+                    let wide = matches!(marker, Marker::Array32 | Marker::Map32);
+                    let n = self.be(if wide { 4 } else { 2 })?;
+                    let pairs = matches!(marker, Marker::Map16 | Marker::Map32);
+                    self.open(
+                        depth,
+                        &mut open,
+                        &mut left_here,
+                        if pairs { 2 * n } else { n },
+                    )?;
+                    continue;
                 }
-                0xc6 | 0xdb => {
-                    let n = self.be(4)? as usize;
-                    self.take(n)?;
-                    0
+                Marker::FixStr(n) => {
+                    self.take(usize::from(n))?;
+                    (0, 0)
                 }
-                0xc7 => {
-                    let n = self.be(1)? as usize;
-                    self.take(n + 1)?;
-                    0
-                }
-                0xc8 => {
-                    let n = self.be(2)? as usize;
-                    self.take(n + 1)?;
-                    0
-                }
-                0xc9 => {
-                    let n = self.be(4)? as usize;
-                    self.take(n + 1)?;
-                    0
-                }
-                0xca => {
-                    self.take(4)?;
-                    0
-                }
-                0xcb => {
-                    self.take(8)?;
-                    0
-                }
-                0xcc..=0xcf => {
-                    self.take(1 << (marker - 0xcc))?;
-                    0
-                }
-                0xd0..=0xd3 => {
-                    self.take(1 << (marker - 0xd0))?;
-                    0
-                }
-                0xd4..=0xd8 => {
-                    self.take(1 + (1 << (marker - 0xd4)))?;
-                    0
-                }
-                0xdc => self.be(2)?,
-                0xdd => self.be(4)?,
-                0xde => 2 * self.be(2)?,
-                0xdf => 2 * self.be(4)?,
-                0xc1 => return err("reserved msgpack byte 0xc1"),
+                Marker::Str8 | Marker::Bin8 => (1, 0),
+                Marker::Str16 | Marker::Bin16 => (2, 0),
+                Marker::Str32 | Marker::Bin32 => (4, 0),
+                Marker::Ext8 => (1, 1),
+                Marker::Ext16 => (2, 1),
+                Marker::Ext32 => (4, 1),
+                Marker::U8 | Marker::I8 => (0, 1),
+                Marker::U16 | Marker::I16 | Marker::FixExt1 => (0, 2),
+                Marker::FixExt2 => (0, 3),
+                Marker::U32 | Marker::I32 | Marker::F32 => (0, 4),
+                Marker::FixExt4 => (0, 5),
+                Marker::U64 | Marker::I64 | Marker::F64 => (0, 8),
+                Marker::FixExt8 => (0, 9),
+                Marker::FixExt16 => (0, 17),
+                Marker::Reserved => return err("reserved msgpack byte 0xc1"),
             };
-            if children > 0 {
-                if depth + open.len() + 1 >= MAX_NESTING {
-                    return err(format!("msgpack nested deeper than {MAX_NESTING} levels"));
-                }
-                open.push(left_here);
-                left_here = children;
-            }
+            let len = if header > 0 {
+                self.be(header)? as usize
+            } else {
+                0
+            };
+            self.take(len.saturating_add(extra))?;
         }
+    }
+
+    /// Enter a container of `children` items while skipping (see [`Reader::skip`]).
+    fn open(
+        &self,
+        depth: usize,
+        open: &mut Vec<u64>,
+        left_here: &mut u64,
+        children: u64,
+    ) -> Result<()> {
+        if children == 0 {
+            return Ok(());
+        }
+        if depth + open.len() + 1 >= MAX_NESTING {
+            return err(format!("msgpack nested deeper than {MAX_NESTING} levels"));
+        }
+        open.push(*left_here);
+        *left_here = children;
+        Ok(())
     }
 
     /// The next value's raw bytes, skipped (see [`Reader::skip`]).
@@ -368,21 +340,13 @@ fn expected(field: &str, what: &str) -> DecodeError {
 }
 
 fn read_f64(r: &mut Reader<'_>, field: &str) -> Result<f64> {
-    match r.peek()? {
-        0xcb => {
-            r.pos += 1;
-            Ok(f64::from_bits(r.be(8)?))
-        }
-        0xca => {
-            r.pos += 1;
-            Ok(f64::from(f32::from_bits(r.be(4)? as u32)))
-        }
+    let float = match r.marker()? {
+        Marker::F64 => r.read(decode::read_f64)?,
+        Marker::F32 => r.read(decode::read_f32)?.map(f64::from),
         // msgspec takes an integer for a float field.
-        _ => match r.int()? {
-            Some(v) => Ok(v as f64),
-            None => Err(expected(field, "a number")),
-        },
-    }
+        _ => r.int()?.map(|v| v as f64),
+    };
+    float.ok_or_else(|| expected(field, "a number"))
 }
 
 fn read_i64(r: &mut Reader<'_>, field: &str) -> Result<i64> {
@@ -455,29 +419,16 @@ fn read_token_ids(r: &mut Reader<'_>) -> Result<Vec<i64>> {
         return Err(expected("token_ids", "an array"));
     };
     let mut out = Vec::with_capacity(capacity(r, len));
+    let mut rest = r.bytes();
     for _ in 0..len {
-        let marker = r.peek()?;
-        // The usual ids first, without the general integer path.
-        let id = match marker {
-            0x00..=0x7f => {
-                r.pos += 1;
-                i64::from(marker)
-            }
-            0xcd => {
-                r.pos += 1;
-                r.be(2)? as i64
-            }
-            0xce => {
-                r.pos += 1;
-                r.be(4)? as i64
-            }
-            _ => match r.int()? {
-                Some(v) => i64::try_from(v).unwrap_or(i64::MAX),
-                None => return Err(expected("token_ids", "ints")),
-            },
-        };
-        out.push(id);
+        out.push(match decode::read_int::<i64, _>(&mut rest) {
+            Ok(id) => id,
+            Err(NumValueReadError::OutOfRange) => i64::MAX,
+            Err(NumValueReadError::TypeMismatch(_)) => return Err(expected("token_ids", "ints")),
+            Err(_) => return end_of_data(),
+        });
     }
+    r.resume(rest);
     Ok(out)
 }
 
@@ -903,80 +854,36 @@ pub fn decode_batch(payload: &[u8]) -> Result<DecodedBatch> {
 
 // --- Encoding ----------------------------------------------------------------------------------
 // msgspec writes every integer in its smallest msgpack form (unsigned markers for non-negative
-// values), floats as float64, strings and containers with the smallest length header; the
-// writers below do the same, so the bytes match vLLM's.
+// values), floats as float64, strings and containers with the smallest length header: so do
+// `rmp`'s writers, so the bytes match vLLM's.
+
+/// A write into a `Vec`, which cannot fail.
+fn written<T, E: fmt::Debug>(result: std::result::Result<T, E>) {
+    result.expect("writing into a Vec cannot fail");
+}
 
 fn write_uint(out: &mut Vec<u8>, v: u64) {
-    if v < 0x80 {
-        out.push(v as u8);
-    } else if v <= 0xff {
-        out.extend_from_slice(&[0xcc, v as u8]);
-    } else if v <= 0xffff {
-        out.push(0xcd);
-        out.extend_from_slice(&(v as u16).to_be_bytes());
-    } else if v <= 0xffff_ffff {
-        out.push(0xce);
-        out.extend_from_slice(&(v as u32).to_be_bytes());
-    } else {
-        out.push(0xcf);
-        out.extend_from_slice(&v.to_be_bytes());
-    }
+    written(encode::write_uint(out, v));
 }
 
 fn write_int(out: &mut Vec<u8>, v: i64) {
-    if v >= 0 {
-        write_uint(out, v as u64);
-    } else if v >= -32 {
-        out.push(v as i8 as u8);
-    } else if v >= -128 {
-        out.extend_from_slice(&[0xd0, v as i8 as u8]);
-    } else if v >= -32768 {
-        out.push(0xd1);
-        out.extend_from_slice(&(v as i16).to_be_bytes());
-    } else if v >= -(1 << 31) {
-        out.push(0xd2);
-        out.extend_from_slice(&(v as i32).to_be_bytes());
-    } else {
-        out.push(0xd3);
-        out.extend_from_slice(&v.to_be_bytes());
-    }
-}
-
-fn write_header(out: &mut Vec<u8>, len: usize, fix: u8, fix_max: usize, m16: u8, m32: u8) {
-    if len <= fix_max {
-        out.push(fix | len as u8);
-    } else if len <= 0xffff {
-        out.push(m16);
-        out.extend_from_slice(&(len as u16).to_be_bytes());
-    } else {
-        out.push(m32);
-        out.extend_from_slice(&(len as u32).to_be_bytes());
-    }
+    written(encode::write_sint(out, v));
 }
 
 fn write_array_len(out: &mut Vec<u8>, len: usize) {
-    write_header(out, len, 0x90, 15, 0xdc, 0xdd);
+    written(encode::write_array_len(out, len as u32));
 }
 
 fn write_map_len(out: &mut Vec<u8>, len: usize) {
-    write_header(out, len, 0x80, 15, 0xde, 0xdf);
+    written(encode::write_map_len(out, len as u32));
 }
 
 fn write_str(out: &mut Vec<u8>, s: &str) {
-    let len = s.len();
-    if len < 32 {
-        out.push(0xa0 | len as u8);
-    } else if len <= 0xff {
-        out.extend_from_slice(&[0xd9, len as u8]);
-    } else {
-        write_header(out, len, 0, 0, 0xda, 0xdb);
-        // write_header's fix form is never taken for len > 0.
-    }
-    out.extend_from_slice(s.as_bytes());
+    written(encode::write_str(out, s));
 }
 
 fn write_nil(out: &mut Vec<u8>) {
-    out.push(0xc0);
+    written(encode::write_nil(out));
 }
 
 fn write_opt_str(out: &mut Vec<u8>, s: &Option<String>) {
@@ -1069,7 +976,7 @@ fn write_stored(out: &mut Vec<u8>, e: &BlockStored, format: WireFormat) {
     }
     if format == WireFormat::Array {
         // kv_cache_spec_sliding_window, locality, ownership, session_id
-        out.extend_from_slice(&[0xc0; 4]);
+        (0..4).for_each(|_| write_nil(out));
     }
 }
 
@@ -1093,7 +1000,8 @@ fn write_removed(out: &mut Vec<u8>, e: &BlockRemoved, format: WireFormat) {
             write_opt_str(out, &e.medium);
             write_int(out, e.group_idx);
             // locality, ownership
-            out.extend_from_slice(&[0xc0; 2]);
+            write_nil(out);
+            write_nil(out);
         }
     }
 }
@@ -1101,8 +1009,7 @@ fn write_removed(out: &mut Vec<u8>, e: &BlockRemoved, format: WireFormat) {
 /// Append the msgpack payload vLLM would publish for `batch` to `out`.
 pub fn encode_batch_into(out: &mut Vec<u8>, batch: &EventBatch, format: WireFormat) {
     write_array_len(out, 3);
-    out.push(0xcb);
-    out.extend_from_slice(&batch.ts.to_bits().to_be_bytes());
+    written(encode::write_f64(out, batch.ts));
     write_array_len(out, batch.events.len());
     for event in &batch.events {
         match event {

@@ -31,7 +31,9 @@ use std::collections::VecDeque;
 use kvroute_core::blocks::{BlockKeys, usable_blocks};
 use kvroute_core::hash_keyed::HashKeyed;
 use kvroute_core::kvevents::codec::encode_text_extra_keys;
-use kvroute_core::kvevents::events::{BlockRemoved, BlockStored, HashEvents, KvCacheEvent};
+use kvroute_core::kvevents::events::{BlockRemoved, BlockStored, KvCacheEvent};
+
+use crate::hash_events::HashEvents;
 
 /// A KV block's id: its index in the pool.
 pub type BlockId = u32;

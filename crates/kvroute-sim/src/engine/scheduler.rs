@@ -28,8 +28,9 @@ use std::sync::Arc;
 
 use crate::engine::cost::CostModel;
 use crate::engine::pool::{BlockId, BlockPool, TokenSeq};
+use crate::hash_events::HashEvents;
 use kvroute_core::blocks::{BlockHasher, BlockKeys};
-use kvroute_core::kvevents::events::{EventBatch, HashEvents};
+use kvroute_core::kvevents::events::EventBatch;
 
 /// A request's handle inside one engine, given by `Engine::add_request`. Handles of finished
 /// or aborted requests are reused.
@@ -808,7 +809,7 @@ mod tests {
     //! As the engine half of tests/unit/test_engine_pool.py.
     use super::*;
     use kvroute_core::blocks::DEFAULT_HASH_SEED;
-    use kvroute_core::kvevents::events::{HashEvents, KvCacheEvent};
+    use kvroute_core::kvevents::events::KvCacheEvent;
 
     const BS: usize = 4;
 

@@ -3,10 +3,12 @@
 //! too). The driver tells it about the life of each request, it answers where to send it.
 
 use kvroute_core::index::KvIndex;
-use kvroute_core::kvevents::events::{HashEvents, KvCacheEvent};
+use kvroute_core::kvevents::events::KvCacheEvent;
 use kvroute_core::policies::Choose;
 use kvroute_core::retention::{Refresh, Retention};
 use kvroute_core::routing::{Routed, RoutingStep};
+
+use crate::hash_events::{HashEvents, apply_hash_events, trusts_engine_hashes};
 
 /// Where a request was placed, and what the placement charged to that worker's load.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -151,17 +153,13 @@ impl Placement for StepPlacement<'_> {
     /// Hash events when the index trusts the engines' hashes, unless the step keeps a
     /// journal (which records full events).
     fn wants_hash_events(&self) -> bool {
-        !self.step.is_journaling()
-            && self
-                .index
-                .as_deref()
-                .is_some_and(KvIndex::trusts_engine_hashes)
+        !self.step.is_journaling() && self.index.as_deref().is_some_and(trusts_engine_hashes)
     }
 
     fn apply_hash_events(&mut self, worker: usize, events: &HashEvents, _now: f64) {
         if let Some(index) = self.index.as_deref_mut() {
             let id = index.ensure_worker(&self.step.state(worker).name);
-            index.apply_hash_events(id, events);
+            apply_hash_events(index, id, events);
         }
     }
 }

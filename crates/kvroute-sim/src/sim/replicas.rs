@@ -16,7 +16,7 @@
 use std::collections::{HashMap, VecDeque};
 use std::sync::Arc;
 
-use kvroute_core::kvevents::events::{HashEvents, KvCacheEvent};
+use kvroute_core::kvevents::events::KvCacheEvent;
 use kvroute_core::mesh::apply::{
     apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
 };
@@ -24,6 +24,8 @@ use kvroute_core::mesh::retention_owner;
 use kvroute_core::mesh::{DecisionHandle, PeerDecision};
 use kvroute_core::pyrandom::PyRandom;
 use kvroute_core::retention::{Refresh, Retention};
+
+use crate::hash_events::HashEvents;
 
 use super::placement::{Placed, Placement, StepPlacement, route_retaining};
 
@@ -392,6 +394,7 @@ impl Placement for ReplicaPlacement<'_> {
 mod tests {
     use super::*;
     use crate::engine::cost::CostModel;
+    use crate::hash_events::trust_engine_hashes;
     use crate::sim::placement::RetainingPlacement;
     use crate::sim::{RequestSet, Trial, TrialResult, WorkerConfig};
     use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
@@ -467,7 +470,7 @@ mod tests {
             }
             p.steps.push(step);
             let mut index = KvIndex::new(hasher, Some(2.0), None, None).unwrap();
-            index.trust_engine_hashes();
+            trust_engine_hashes(&mut index);
             p.indexes.push(index);
             p.policies.push(Policy::KvAware(Box::new(
                 KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(r as i128)).unwrap(),

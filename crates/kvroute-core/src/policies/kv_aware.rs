@@ -1,242 +1,10 @@
-//! Balancing policies: one pure interface shared by the simulator and the live router.
-//!
-//! A policy sees a [`RequestView`] (what the router knows about the request: its block hashes,
-//! and for policies that [`Choose::needs_overlap`] each worker's cached overlap from the index)
-//! and the [`WorkerState`] of every candidate worker (the router's own load accounting), and
-//! returns the index of the worker to use. Policies hold no clock and do no I/O.
-//!
-//! * `random`: uniform per request (a Kubernetes Service with a new connection per request).
-//! * `round-robin`: cycle through the workers.
-//! * `least-loaded`: fewest requests in flight, ties at random.
-//! * `prefix-hash`: rendezvous hashing of the prompt's key block over worker names (owners
-//!   move only for the prefixes of workers that come or go), with an optional bounded-load
-//!   spill to the next worker in the prefix's order.
-//! * `kv-aware`: the worker that leaves the least work, under a bounded-load and a
-//!   bounded-share guard; see [`KvAware`].
-//!
-//! Every random draw goes through [`PyRandom`] in the order the former Python policies drew,
-//! and every float is computed in the same order of operations (Python 3.11's left-to-right
-//! `sum`), so a seed names the same decisions it always did.
+//! `kv-aware`: the worker that leaves the least work, under the bounded-load, bounded-share
+//! and (optional) bounded-admission-wait guards; see [`KvAware`].
 
-use xxhash_rust::xxh3::xxh3_64_with_seed;
-
+use super::choose::{Choose, PolicyError};
+use super::ties::weight;
+use super::view::{RequestView, WorkerState};
 use crate::pyrandom::PyRandom;
-
-/// What a policy may know about a request.
-#[derive(Clone, Copy, Debug)]
-pub struct RequestView<'a> {
-    /// Chained hashes of the prompt's full blocks.
-    pub block_hashes: &'a [u64],
-    /// Prompt length in tokens.
-    pub prompt_tokens: usize,
-    /// Leading blocks of the prompt each worker holds, aligned with the workers; filled only
-    /// for policies that need it (None or empty: unknown, counted as 0).
-    pub overlap_blocks: Option<&'a [usize]>,
-    /// How long the request would wait for KV blocks on each worker, aligned with the
-    /// workers (`crate::admission`: 0 when it fits now, else a fraction of a typical
-    /// request's duration); filled only for policies that [`Choose::needs_admission`] and
-    /// a step that knows the workers' capacity.
-    pub admission_wait: Option<&'a [f64]>,
-    /// The LoRA adapter the request runs under ([`adapter_id`] of its name), when the step
-    /// models the workers' LoRA slots (`WorkerState::adapters`); None for a request of a base
-    /// model, or when the slots are not modelled.
-    pub adapter: Option<u64>,
-}
-
-/// The id the router knows a LoRA adapter by: `xxh3_64` of its name (the request's `model`),
-/// the same on every replica and in the simulator.
-pub fn adapter_id(name: &str) -> u64 {
-    xxh3_64_with_seed(name.as_bytes(), 0)
-}
-
-impl RequestView<'_> {
-    /// Prompt tokens worker `worker` would still compute: those after its cached overlap,
-    /// and at least one (vLLM recomputes the last token of a fully cached prompt).
-    pub fn tokens_to_prefill(&self, worker: usize, block_size: usize) -> usize {
-        let cached = match self.overlap_blocks {
-            Some(o) if !o.is_empty() => o[worker] * block_size,
-            _ => 0,
-        };
-        self.prompt_tokens.saturating_sub(cached).max(1)
-    }
-}
-
-/// What a policy may know about a worker: its name and the router's own load accounting.
-#[derive(Clone, Debug, Default, PartialEq, Eq)]
-pub struct WorkerState {
-    /// The worker's stable name (the index's key, and the rendezvous hash's input).
-    pub name: String,
-    /// Requests sent and not finished.
-    pub in_flight: i64,
-    /// Prompt tokens of those requests still to prefill (added on sending, subtracted at
-    /// the first token).
-    pub in_flight_tokens: i64,
-    /// Blocks the index attributes to the worker (0 when unknown).
-    pub cached_blocks: i64,
-    /// The router's model of the adapters in the worker's LoRA slots ([`adapter_id`]s, least
-    /// recently routed first): the last `lora_slots` distinct adapters sent there, as vLLM
-    /// keeps the adapters it last scheduled (empty when the slots are not modelled).
-    pub adapters: Vec<u64>,
-    /// The worker's LoRA slots (vLLM's `--max-loras`; 0: not modelled).
-    pub lora_slots: usize,
-}
-
-impl WorkerState {
-    /// An idle worker named `name`.
-    pub fn new(name: impl Into<String>) -> Self {
-        Self {
-            name: name.into(),
-            ..Self::default()
-        }
-    }
-
-    /// Whether the router's model has `adapter` in the worker's LoRA slots.
-    pub fn has_adapter(&self, adapter: u64) -> bool {
-        self.adapters.contains(&adapter)
-    }
-
-    /// Whether a request under `adapter` would take a slot another adapter holds: it is not
-    /// in the slots, and they are full (vLLM then runs it only once that adapter's requests
-    /// have left the batch, and loads it).
-    pub fn displaces_adapter(&self, adapter: u64) -> bool {
-        !self.has_adapter(adapter) && self.adapters.len() >= self.lora_slots
-    }
-
-    /// A request under `adapter` was sent to the worker: it becomes the most recent, the
-    /// least recent leaves when the slots are full.
-    pub fn use_adapter(&mut self, adapter: u64) {
-        if let Some(i) = self.adapters.iter().position(|&a| a == adapter) {
-            self.adapters.remove(i);
-        } else if self.adapters.len() >= self.lora_slots.max(1) {
-            self.adapters.remove(0);
-        }
-        self.adapters.push(adapter);
-    }
-}
-
-/// A balancing policy.
-pub trait Choose {
-    /// The policy's name (`kvroute serve --policy`).
-    fn name(&self) -> &str;
-    /// Whether `choose` reads `RequestView::overlap_blocks` (the caller then fills it from
-    /// the index and fills `WorkerState::cached_blocks`).
-    fn needs_overlap(&self) -> bool;
-    /// Whether `choose` reads `RequestView::admission_wait`.
-    fn needs_admission(&self) -> bool {
-        false
-    }
-    /// Index into `workers` (non-empty) of the worker to send `request` to.
-    fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize;
-    /// Another router replica sent a request to `workers[chosen]` (the replica mesh): a
-    /// policy whose state follows its decisions (kv-aware's recent shares) counts it as its
-    /// own, so that replicas seeing the same decisions keep the same state. None keeps state
-    /// by default.
-    fn observe(&mut self, _workers: &[&WorkerState], _chosen: usize) {}
-}
-
-/// A policy option out of range; the message is the one users see.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct PolicyError(pub String);
-
-impl std::fmt::Display for PolicyError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.0)
-    }
-}
-
-impl std::error::Error for PolicyError {}
-
-/// `xxh3_64(name, seed)`: the rendezvous weight of a worker for a key.
-fn weight(name: &str, seed: u64) -> u64 {
-    xxh3_64_with_seed(name.as_bytes(), seed)
-}
-
-/// Index of a worker with the fewest requests in flight among `among`; ties broken at random
-/// so equal workers share new work.
-pub fn least_loaded(workers: &[&WorkerState], rng: &mut PyRandom, among: &[usize]) -> usize {
-    let low = among
-        .iter()
-        .map(|&i| workers[i].in_flight)
-        .min()
-        .expect("candidates");
-    let tied: Vec<usize> = among
-        .iter()
-        .copied()
-        .filter(|&i| workers[i].in_flight == low)
-        .collect();
-    rng.choice(&tied)
-}
-
-/// Options of [`PrefixHash`] (read by serde by their field names, absent ones as in
-/// `Default`: `kvroute serve --policy-option` and the Python policies name them so).
-#[derive(Clone, Copy, Debug, PartialEq, serde::Serialize, serde::Deserialize)]
-#[serde(default, deny_unknown_fields)]
-pub struct PrefixHashConfig {
-    /// How many leading blocks identify a prefix.
-    pub key_blocks: usize,
-    /// ε of bounded-load hashing; None never spills.
-    pub load_factor: Option<f64>,
-}
-
-impl Default for PrefixHashConfig {
-    fn default() -> Self {
-        Self {
-            key_blocks: 1,
-            load_factor: None,
-        }
-    }
-}
-
-/// Rendezvous hashing of the prompt's key block, with an optional bounded-load spill.
-#[derive(Clone, Debug)]
-pub struct PrefixHash {
-    /// The options.
-    pub config: PrefixHashConfig,
-    /// Orders the workers of a prompt without a full block.
-    pub rng: PyRandom,
-}
-
-impl PrefixHash {
-    /// Workers in this request's rendezvous order (owner first).
-    pub fn ranking(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> Vec<usize> {
-        let mut order: Vec<usize> = (0..workers.len()).collect();
-        let hashes = request.block_hashes;
-        if hashes.is_empty() {
-            let keys: Vec<f64> = (0..workers.len()).map(|_| self.rng.random()).collect();
-            order.sort_by(|&a, &b| keys[a].total_cmp(&keys[b]));
-            return order;
-        }
-        let key = hashes[self.config.key_blocks.min(hashes.len()).max(1) - 1];
-        let weights: Vec<u64> = workers.iter().map(|w| weight(&w.name, key)).collect();
-        // Stable and descending, as Python's sorted(reverse=True).
-        order.sort_by(|&a, &b| weights[b].cmp(&weights[a]));
-        order
-    }
-}
-
-impl Choose for PrefixHash {
-    fn name(&self) -> &str {
-        "prefix-hash"
-    }
-    fn needs_overlap(&self) -> bool {
-        false
-    }
-    fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize {
-        let order = self.ranking(request, workers);
-        let Some(lf) = self.config.load_factor else {
-            return order[0];
-        };
-        // +1 counts the request being placed, so an idle fleet never spills.
-        let total: i64 = workers.iter().map(|w| w.in_flight).sum();
-        let mean = (total + 1) as f64 / workers.len() as f64;
-        let limit = (1.0 + lf) * mean;
-        order
-            .iter()
-            .copied()
-            .find(|&i| ((workers[i].in_flight + 1) as f64) <= limit)
-            .unwrap_or(order[0])
-    }
-}
 
 /// Options of [`KvAware`] (see its documentation for what each does and why the defaults),
 /// read by serde by their field names, absent ones as in `Default` (their one owner).
@@ -670,114 +438,14 @@ impl Choose for KvAware {
     }
 }
 
-/// Every native policy, by kind.
-#[derive(Clone, Debug)]
-pub enum Policy {
-    /// Uniform per request.
-    Random(PyRandom),
-    /// Cycle through the workers; holds the next position.
-    RoundRobin(usize),
-    /// Fewest in flight, ties at random.
-    LeastLoaded(PyRandom),
-    /// Rendezvous hashing of the prompt's key block.
-    PrefixHash(PrefixHash),
-    /// Least work left, under the load and share guards.
-    KvAware(Box<KvAware>),
-}
-
-/// The names of the native policies, in the order `kvroute serve --help` lists them.
-pub const POLICY_NAMES: [&str; 5] = [
-    "random",
-    "round-robin",
-    "least-loaded",
-    "prefix-hash",
-    "kv-aware",
-];
-
-impl Policy {
-    /// The policy called `name` (one of [`POLICY_NAMES`]) with these options (each kind reads
-    /// its own: kv-aware `kv_aware`, prefix-hash `prefix_hash`) and random draws from `rng`.
-    pub fn from_name(
-        name: &str,
-        rng: PyRandom,
-        kv_aware: KvAwareConfig,
-        prefix_hash: PrefixHashConfig,
-    ) -> Result<Self, PolicyError> {
-        Ok(match name {
-            "random" => Policy::Random(rng),
-            "round-robin" => Policy::RoundRobin(0),
-            "least-loaded" => Policy::LeastLoaded(rng),
-            "prefix-hash" => {
-                if prefix_hash.key_blocks < 1 {
-                    return Err(PolicyError(format!(
-                        "key blocks must be >= 1, got {}",
-                        prefix_hash.key_blocks
-                    )));
-                }
-                Policy::PrefixHash(PrefixHash {
-                    config: prefix_hash,
-                    rng,
-                })
-            }
-            "kv-aware" => Policy::KvAware(Box::new(KvAware::new(kv_aware, rng)?)),
-            other => return Err(PolicyError(format!("unknown policy {other:?}"))),
-        })
-    }
-}
-
-impl Choose for Policy {
-    fn name(&self) -> &str {
-        match self {
-            Policy::Random(_) => "random",
-            Policy::RoundRobin(_) => "round-robin",
-            Policy::LeastLoaded(_) => "least-loaded",
-            Policy::PrefixHash(p) => p.name(),
-            Policy::KvAware(p) => p.name(),
-        }
-    }
-    fn needs_overlap(&self) -> bool {
-        matches!(self, Policy::KvAware(_))
-    }
-    fn needs_admission(&self) -> bool {
-        match self {
-            Policy::KvAware(p) => p.needs_admission(),
-            _ => false,
-        }
-    }
-    fn choose(&mut self, request: &RequestView<'_>, workers: &[&WorkerState]) -> usize {
-        match self {
-            Policy::Random(rng) => rng.randrange(workers.len()),
-            Policy::RoundRobin(next) => {
-                let i = *next % workers.len();
-                *next = i + 1;
-                i
-            }
-            Policy::LeastLoaded(rng) => {
-                let all: Vec<usize> = (0..workers.len()).collect();
-                least_loaded(workers, rng, &all)
-            }
-            Policy::PrefixHash(p) => p.choose(request, workers),
-            Policy::KvAware(p) => p.choose(request, workers),
-        }
-    }
-    fn observe(&mut self, workers: &[&WorkerState], chosen: usize) {
-        if let Policy::KvAware(p) = self {
-            p.observe(workers, chosen);
-        }
-    }
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    fn fleet(n: usize) -> Vec<WorkerState> {
-        (0..n).map(|i| WorkerState::new(format!("w{i}"))).collect()
-    }
+    use crate::policies::view::{adapter_id, idle_fleet};
 
     #[test]
     fn a_replica_that_observes_anothers_decisions_keeps_its_shares() {
-        let workers = fleet(3);
+        let workers = idle_fleet(3);
         let refs: Vec<&WorkerState> = workers.iter().collect();
         let mut deciding = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap();
         let mut observing = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(9)).unwrap();
@@ -800,7 +468,7 @@ mod tests {
 
     #[test]
     fn a_replica_restored_from_anothers_shares_decides_as_it_does() {
-        let mut workers = fleet(3);
+        let mut workers = idle_fleet(3);
         let hashes = [1u64, 2, 3];
         let mut old = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap();
         let choose = |p: &mut KvAware, workers: &[WorkerState], i: usize| {
@@ -862,7 +530,7 @@ mod tests {
         assert_eq!(p.costs(&view, &refs), vec![100.0, 274.0, 4.0]);
         assert_eq!(view.tokens_to_prefill(1, 16), 2);
         let mut p = KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap();
-        let w = fleet(6);
+        let w = idle_fleet(6);
         let refs: Vec<&WorkerState> = w.iter().collect();
         let overlap = [0, 3, 9, 0, 10, 0];
         let view = RequestView {
@@ -878,7 +546,7 @@ mod tests {
     #[test]
     fn kv_aware_charges_a_worker_without_the_requests_adapter() {
         let (a, b) = (adapter_id("sql"), adapter_id("chat"));
-        let mut w = fleet(2);
+        let mut w = idle_fleet(2);
         // w0 runs a request of adapter `sql`, w1 is idle with `chat` in its only slot.
         w.iter_mut().for_each(|w| w.lora_slots = 1);
         w[0].in_flight = 1;
@@ -920,22 +588,6 @@ mod tests {
     }
 
     #[test]
-    fn a_workers_lora_slots_keep_the_last_adapters_sent_there() {
-        let mut w = WorkerState::new("w");
-        w.lora_slots = 2;
-        w.use_adapter(adapter_id("a"));
-        // A free slot: `b` displaces nothing.
-        assert!(!w.displaces_adapter(adapter_id("b")));
-        for name in ["b", "a", "c"] {
-            w.use_adapter(adapter_id(name));
-        }
-        // `b` was the least recently used of the two when `c` came.
-        assert_eq!(w.adapters, vec![adapter_id("a"), adapter_id("c")]);
-        assert!(w.displaces_adapter(adapter_id("b")));
-        assert!(!w.displaces_adapter(adapter_id("a")));
-    }
-
-    #[test]
     fn kv_aware_sends_a_request_that_would_wait_long_for_blocks_where_it_waits_less() {
         let on = KvAwareConfig {
             admission_wait: Some(0.2),
@@ -943,7 +595,7 @@ mod tests {
         };
         let mut p = KvAware::new(on, PyRandom::from_seed(0)).unwrap();
         assert!(p.needs_admission());
-        let mut w = fleet(3);
+        let mut w = idle_fleet(3);
         w[1].in_flight = 2;
         let refs: Vec<&WorkerState> = w.iter().collect();
         // w1 holds the prompt; w2 holds part of it.
@@ -964,7 +616,7 @@ mod tests {
         assert_eq!(p.choose(&view(Some(&[0.9, 0.9, 0.9])), &refs), 1);
         assert_eq!(p.admission_diversions(), 1);
         // Where the others run as many requests, it stays.
-        let mut busy = fleet(3);
+        let mut busy = idle_fleet(3);
         busy.iter_mut().for_each(|w| w.in_flight = 2);
         let busy: Vec<&WorkerState> = busy.iter().collect();
         assert_eq!(p.choose(&view(Some(&[0.0, 0.9, 0.0])), &busy), 1);
@@ -991,30 +643,5 @@ mod tests {
             ..KvAwareConfig::default()
         };
         assert!(bad.validate().is_err());
-    }
-
-    #[test]
-    fn prefix_hash_spills_to_the_next_in_its_order() {
-        let mut p = PrefixHash {
-            config: PrefixHashConfig {
-                key_blocks: 1,
-                load_factor: Some(0.25),
-            },
-            rng: PyRandom::from_seed(0),
-        };
-        let mut w = fleet(4);
-        let view = RequestView {
-            block_hashes: &[42, 43],
-            prompt_tokens: 32,
-            overlap_blocks: None,
-            admission_wait: None,
-            adapter: None,
-        };
-        let owner = p.choose(&view, &w.iter().collect::<Vec<_>>());
-        w[owner].in_flight = 6;
-        let refs: Vec<&WorkerState> = w.iter().collect();
-        let order = p.ranking(&view, &refs);
-        assert_eq!(order[0], owner);
-        assert_eq!(p.choose(&view, &refs), order[1]);
     }
 }
