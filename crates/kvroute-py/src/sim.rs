@@ -1,18 +1,22 @@
 //! The simulator's native event loop (`kvroute_sim::sim`) for Python: `simulate` runs one
 //! request set on the engines and routing step of a `kvroute.sim.Simulation`, all in Rust.
 //!
-//! The Python objects keep their state between runs: the engines are taken out of their
-//! Python handles for the run and put back after it, and the routing step, its index and its
-//! policy are borrowed for the run, so a test can look at all of them afterwards.
+//! The Python objects keep their state between runs: the engines, the routing step and the
+//! retention model are taken out of their Python handles for the run (the step and the
+//! retention into the routing operation, `kvroute_core::routing::Router`, with the policy
+//! lent to it) and put back after it, and the index is borrowed, so a test can look at all of
+//! them afterwards.
 
 use kvroute_io::lock_index;
 use std::sync::Arc;
 
 use kvroute_core::blocks::BlockKeys;
 use kvroute_core::policies::Choose;
+use kvroute_core::retention::Retention;
+use kvroute_core::routing::{self, Router};
 use kvroute_sim::engine::scheduler;
-use kvroute_sim::sim::placement::{Placement, RetainingPlacement, StepPlacement};
-use kvroute_sim::sim::replicas::{Replica, ReplicaPlacement};
+use kvroute_sim::sim::placement::RouterPlacement;
+use kvroute_sim::sim::replicas::ReplicaPlacement;
 use kvroute_sim::sim::{
     RefreshStats, RequestRecord, RequestSet, SimError, Simulation, Tenant, WorkerConfig,
 };
@@ -194,33 +198,37 @@ fn simulate<'py>(
         ix.trust_engine_hashes();
     }
     let mut retention = retention.as_ref().map(|r| r.borrow_mut());
-    let retention = retention.as_deref_mut().map(|r| &mut r.inner);
-    let run = |policy: &mut dyn Choose, index, step, retention: Option<&mut _>| {
-        let placement = StepPlacement {
-            step,
-            index,
-            policy,
-        };
-        let mut placement: Box<dyn Placement + '_> = match retention {
-            Some(r) => Box::new(RetainingPlacement::new(placement, r)),
-            None => Box::new(placement),
-        };
+    let taken_retention = retention
+        .as_deref_mut()
+        .map(|r| take_retention(&mut r.inner));
+    let run = |policy: &mut dyn Choose,
+               index,
+               step: &mut routing::RoutingStep,
+               retention: Option<Retention>| {
+        let mut router = Router::new(take_step(step), policy, retention);
+        let mut placement = RouterPlacement::new(&mut router, index);
         let mut sim =
-            Simulation::with_engines(taken, now, config, placement.as_mut(), prefixes, output);
+            Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);
         sim.set_tenants(tenants);
         let result = run_requests(&mut sim, &requests, (concurrency, send_times.as_deref()));
         let refreshes = sim.refresh_stats();
-        (sim.into_engines(), result, refreshes)
+        let engines = sim.into_engines();
+        let (back, _, retention) = router.into_parts();
+        *step = back;
+        (engines, result, refreshes, retention)
     };
-    let ((back, now), result, refreshes) = match native_policy.as_deref_mut() {
+    let ((back, now), result, refreshes, retention_back) = match native_policy.as_deref_mut() {
         // All in Rust: the run lets go of the interpreter, so that trials in other threads
         // (the policies of a trace replay) run on other cores meanwhile.
         Some(p) => {
             let (policy, step) = (&mut p.inner, &mut step.inner);
-            py.detach(move || run(policy, index, step, retention))
+            py.detach(move || run(policy, index, step, taken_retention))
         }
-        None => run(&mut foreign, index, &mut step.inner, retention),
+        None => run(&mut foreign, index, &mut step.inner, taken_retention),
     };
+    if let (Some(r), Some(back)) = (retention.as_deref_mut(), retention_back) {
+        r.inner = back;
+    }
     for (e, core) in engines.iter().zip(back) {
         e.borrow_mut().core = core;
     }
@@ -228,6 +236,20 @@ fn simulate<'py>(
         return Err(e);
     }
     records_dict(py, now, result, refreshes)
+}
+
+/// A routing step out of its Python handle for a run (an empty one of the same block size
+/// stands in).
+fn take_step(step: &mut routing::RoutingStep) -> routing::RoutingStep {
+    let placeholder = routing::RoutingStep::new(step.block_size());
+    std::mem::replace(step, placeholder)
+}
+
+/// A retention model out of its Python handle for a run (a fresh one of the same
+/// configuration stands in).
+fn take_retention(retention: &mut Retention) -> Retention {
+    let placeholder = Retention::new(retention.config().clone());
+    std::mem::replace(retention, placeholder)
 }
 
 /// The engines out of their Python handles for a run (a placeholder stands in); they must be
@@ -340,16 +362,19 @@ fn run_replicas(
     }
     let taken = take_engines(engines)?;
     let run = move || {
-        let replicas = parts
-            .into_iter()
-            .map(|(step, index, policy, retention)| Replica {
-                placement: StepPlacement {
-                    step,
-                    index,
-                    policy,
-                },
-                retention,
-            })
+        let mut routers: Vec<Router<&mut kvroute_core::policies::Policy>> = Vec::new();
+        let mut homes = Vec::with_capacity(parts.len());
+        let mut indexes = Vec::with_capacity(parts.len());
+        for (step, index, policy, mut retention) in parts {
+            let taken = retention.as_deref_mut().map(take_retention);
+            routers.push(Router::new(take_step(step), policy, taken));
+            homes.push((step, retention));
+            indexes.push(index);
+        }
+        let replicas = routers
+            .iter_mut()
+            .zip(indexes)
+            .map(|(router, index)| RouterPlacement::new(router, index))
             .collect();
         let mut placement = ReplicaPlacement::new(replicas, mesh_lag, seed);
         let mut sim =
@@ -359,6 +384,14 @@ fn run_replicas(
         let refreshes = sim.refresh_stats();
         let (back, now) = sim.into_engines();
         placement.settle();
+        drop(placement);
+        for (router, (step, retention)) in routers.into_iter().zip(homes) {
+            let (step_back, _, retention_back) = router.into_parts();
+            *step = step_back;
+            if let (Some(r), Some(b)) = (retention, retention_back) {
+                *r = b;
+            }
+        }
         (back, now, result, refreshes)
     };
     let (back, now, result, refreshes) = py.detach(run);

@@ -25,12 +25,12 @@ use kvroute_core::kvevents::codec::{self, WireFormat};
 use kvroute_core::kvevents::events::EventBatch;
 use kvroute_core::policies::{Choose, KvAwareConfig, Policy, PrefixHashConfig, WorkerState};
 use kvroute_core::pyrandom::PyRandom;
-use kvroute_core::routing::{JournalEntry, RoutingStep};
+use kvroute_core::routing::{JournalEntry, Router, RoutingStep};
 use kvroute_io::consumer::lock_index;
 use kvroute_serve::fleet::Fleet;
 use kvroute_serve::{EventSource, PolicySpec, ServeConfig, WorkerSpec};
 use kvroute_sim::engine::cost::CostModel;
-use kvroute_sim::sim::placement::StepPlacement;
+use kvroute_sim::sim::placement::RouterPlacement;
 use kvroute_sim::sim::{RequestSet, Simulation, WorkerConfig};
 
 /// The reference experiment's fleet: 6 workers of 585 blocks of 16 tokens.
@@ -150,7 +150,7 @@ fn simulate(case: &Case) -> Simulated {
         block_size: BLOCK_SIZE,
         ..KvAwareConfig::default()
     };
-    let mut policy = Policy::from_name(
+    let policy = Policy::from_name(
         case.policy,
         PyRandom::from_seed(case.seed.into()),
         kv_aware,
@@ -168,19 +168,18 @@ fn simulate(case: &Case) -> Simulated {
     step.set_journal(true);
     let (prefixes, warmup, measured) = workload(case);
     let output: Arc<[u32]> = (VOCAB.start..VOCAB.start + OUTPUT_TOKENS).collect();
+    let mut router = Router::new(step, policy, None);
     {
-        let mut placement = StepPlacement {
-            step: &mut step,
-            index: Some(&mut index),
-            policy: &mut policy,
-        };
+        let mut placement = RouterPlacement::new(&mut router, Some(&mut index));
         let mut sim = Simulation::new(WORKERS, config, &mut placement, prefixes, output);
         sim.run_closed_loop(&warmup, 1).unwrap();
         sim.run_closed_loop(&measured, case.concurrency).unwrap();
     }
-    let states = (0..WORKERS).map(|i| step.state(i).clone()).collect();
+    let states = (0..WORKERS)
+        .map(|i| router.step().state(i).clone())
+        .collect();
     Simulated {
-        journal: step.set_journal(false),
+        journal: router.step_mut().set_journal(false),
         states,
         index,
         names,

@@ -8,7 +8,8 @@
 //! of the traffic, not the whole. So each replica publishes its decisions (the prompt's block
 //! chain, the worker, prompt and output tokens, the overlap credited, then first token and
 //! end) and its retention refreshes, and applies its peers' to its own state as if it had
-//! made them.
+//! made them (by the routing operation's rule, `kvroute_core::routing::Router::apply_peer`,
+//! which the simulator's replicas follow too).
 //!
 //! [`Mesh`] is the pure state machine of that exchange (time passed in, messages and effects
 //! as data; the sockets are the serving crate's): numbering outgoing messages, counting what
@@ -26,7 +27,6 @@
 //! (the policy's recent shares, the decisions still open) and adopt the first that arrives.
 
 pub mod adopt;
-pub mod apply;
 pub mod message;
 
 use std::collections::{HashMap, HashSet};
@@ -126,7 +126,7 @@ pub enum Received<'a> {
         peer: String,
         decision: u64,
         worker: &'a str,
-        /// What the routing state needs of it (`apply::apply_peer_decision`).
+        /// What the routing state needs of it (`kvroute_core::routing::Router::apply_peer`).
         routed: PeerDecision<'a>,
         /// The body's `model` and `cache_salt` (empty: none), which refreshes of its prefix
         /// carry.
@@ -146,7 +146,7 @@ pub enum Received<'a> {
     /// [`Mesh::snapshot`].
     SnapshotWanted,
     /// This replica, just started, adopts a peer's state: restore the policy's shares, apply
-    /// each open decision ([`apply::adopt_open_decision`]), then give them to
+    /// each open decision (`kvroute_core::routing::Router::adopt_open`), then give them to
     /// [`Mesh::adopted`].
     Adopt {
         /// kv-aware's recent shares by worker URL, and the decisions they counted.

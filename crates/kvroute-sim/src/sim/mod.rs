@@ -1137,8 +1137,8 @@ mod tests {
         use crate::engine::scheduler::LoraSlots;
         use kvroute_core::policies::{KvAware, KvAwareConfig, Policy};
         use kvroute_core::pyrandom::PyRandom;
-        use kvroute_core::routing::RoutingStep;
-        use placement::StepPlacement;
+        use kvroute_core::routing::{Router, RoutingStep};
+        use placement::RouterPlacement;
 
         let g = &parse()[0];
         // Eight prefixes of two tenants (adapters a0, a1 in turn) on two workers with one LoRA
@@ -1148,18 +1148,15 @@ mod tests {
                 adapter_weight,
                 ..KvAwareConfig::default()
             };
-            let mut policy = Policy::KvAware(Box::new(
+            let policy = Policy::KvAware(Box::new(
                 KvAware::new(config, PyRandom::from_seed(0)).unwrap(),
             ));
             let mut step = RoutingStep::new(g.config.hasher.block_size());
             step.track_adapters(Some(1));
             step.add_worker("w0");
             step.add_worker("w1");
-            let mut placement = StepPlacement {
-                step: &mut step,
-                index: None,
-                policy: &mut policy,
-            };
+            let mut router = Router::new(step, policy, None);
+            let mut placement = RouterPlacement::new(&mut router, None);
             let engines = (0..2)
                 .map(|_| {
                     let c = &g.config;

@@ -1,4 +1,5 @@
-//! The one routing step, used by the simulator and the live router alike.
+//! The one routing step, used by the simulator and the live router alike (through the
+//! routing operation, `Router`, which owns it beside the policy and retention).
 //!
 //! Per request: look the prompt up in the index (when the policy needs the overlap: every
 //! candidate's, with each one's cached blocks; otherwise, after the decision, the chosen
