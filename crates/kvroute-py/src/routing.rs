@@ -262,7 +262,7 @@ impl RoutingStep {
                     prompt_tokens,
                     candidates,
                     now,
-                    routed,
+                    decision: routed,
                     ..
                 } => (
                     "route",

@@ -399,7 +399,7 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize, Sent) {
                 candidates,
                 adapter,
                 now,
-                routed,
+                decision: routed,
             } => {
                 // The simulator routes among every worker, except where retention made room.
                 assert!(
@@ -435,8 +435,8 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize, Sent) {
                 assert_eq!(
                     (
                         choice.name.as_str(),
-                        choice.prefill_tokens,
-                        choice.overlap_blocks
+                        choice.decision.prefill_tokens,
+                        choice.decision.overlap
                     ),
                     (
                         sim.names[routed.worker].as_str(),
@@ -446,8 +446,8 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize, Sent) {
                     "{case:?}: request {routed_count} at t={now}: the fleet's (worker, prefill, \
                      overlap), then the simulator's"
                 );
-                assert_eq!(choice.slot, slots[routed.worker]);
-                assert_eq!(choice.ticket, routed.ticket);
+                assert_eq!(choice.decision.worker, slots[routed.worker]);
+                assert_eq!(choice.decision.ticket, routed.ticket);
                 assert_eq!(
                     choice.refreshes,
                     in_fleet(refreshes),
@@ -456,9 +456,9 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize, Sent) {
                 sent.ahead += refreshes.len();
                 sent.room += usize::from(candidates.is_some());
                 pending[routed.worker].push(Load {
-                    slot: choice.slot,
-                    ticket: choice.ticket,
-                    prefill_tokens: Some(choice.prefill_tokens),
+                    slot: choice.decision.worker,
+                    ticket: choice.decision.ticket,
+                    prefill_tokens: Some(choice.decision.prefill_tokens),
                 });
                 routed_count += 1;
             }
@@ -543,7 +543,7 @@ fn check(case: Case) {
             JournalEntry::Route {
                 block_hashes,
                 now,
-                routed,
+                decision: routed,
                 ..
             } => Some((block_hashes, *now, routed.worker)),
             _ => None,

@@ -33,6 +33,8 @@ use std::collections::{HashMap, HashSet};
 
 use xxhash_rust::xxh3::xxh3_64;
 
+use crate::routing::step::Decision;
+
 pub use message::{DecodeError, MeshBody, MeshMessage, OpenEntry, Snapshot};
 
 /// The mesh's knobs.
@@ -157,13 +159,11 @@ pub enum Received<'a> {
     },
 }
 
-/// A peer decision as the router applied it: the worker's slot, the prompt tokens charged to
-/// its load until the first token, and its admission ticket.
+/// A peer decision as the router applied it (the worker's slot, the prompt tokens charged to
+/// its load until the first token, its admission ticket), and whether its first token came.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecisionHandle {
-    pub slot: usize,
-    pub prefill_tokens: usize,
-    pub ticket: Option<u64>,
+    pub decision: Decision,
     /// Whether its first token came (its prefill tokens were released then).
     pub first_token: bool,
 }
@@ -581,9 +581,12 @@ mod tests {
     }
 
     const HANDLE: DecisionHandle = DecisionHandle {
-        slot: 0,
-        prefill_tokens: 24,
-        ticket: None,
+        decision: Decision {
+            worker: 0,
+            overlap: 0,
+            prefill_tokens: 24,
+            ticket: None,
+        },
         first_token: false,
     };
 
@@ -610,7 +613,7 @@ mod tests {
         };
         assert!(matches!(
             mesh.receive(1, first.clone(), 10.1, 100.3),
-            Received::FirstToken(h) if h.prefill_tokens == 24
+            Received::FirstToken(h) if h.decision.prefill_tokens == 24
         ));
         // A first token said twice is released once.
         assert_eq!(mesh.receive(1, first, 10.1, 100.3), Received::Nothing);

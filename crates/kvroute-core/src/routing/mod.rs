@@ -8,4 +8,4 @@ pub mod router;
 pub mod step;
 
 pub use router::{IdlePoll, Request, Router};
-pub use step::{JournalEntry, Routed, RoutingStep};
+pub use step::{Decision, JournalEntry, RoutingStep};

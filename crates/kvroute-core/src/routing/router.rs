@@ -33,7 +33,7 @@
 
 use std::collections::HashSet;
 
-use super::step::{Routed, RoutingStep};
+use super::step::{Decision, RoutingStep};
 use crate::index::KvIndex;
 use crate::kvevents::events::KvCacheEvent;
 use crate::mesh::{DecisionHandle, OpenEntry, PeerDecision};
@@ -165,7 +165,7 @@ impl<P: Choose> Router<P> {
         candidates: Option<&[usize]>,
         now: f64,
         refreshes: &mut Vec<Refresh>,
-    ) -> Routed {
+    ) -> Decision {
         let retains = self.retains(request);
         let room = match &self.retention {
             Some(r) if retains => r.room_for(
@@ -178,7 +178,7 @@ impl<P: Choose> Router<P> {
             ),
             _ => None,
         };
-        let routed = match room {
+        let decision = match room {
             Some(worker) => self.step.route_to(
                 index.as_deref_mut(),
                 worker,
@@ -200,14 +200,14 @@ impl<P: Choose> Router<P> {
         if retains {
             self.retain(
                 index,
-                routed.worker,
+                decision.worker,
                 request,
-                routed.overlap,
+                decision.overlap,
                 now,
                 refreshes,
             );
         }
-        routed
+        decision
     }
 
     /// Retention's side of a decision for `request` to `worker`, credited with `overlap`
@@ -247,7 +247,7 @@ impl<P: Choose> Router<P> {
         self.step.first_token(worker, prefill_tokens);
     }
 
-    /// A request routed to `worker` (with `ticket`, see [`Routed`]) finished at `now`; the
+    /// A request routed to `worker` (with `ticket`, see [`Decision`]) finished at `now`; the
     /// idle poll it makes `worker` due, if any.
     pub fn finished(&mut self, worker: usize, ticket: Option<u64>, now: f64) -> Option<IdlePoll> {
         self.step.finished(worker, ticket, now);
@@ -289,7 +289,7 @@ impl<P: Choose> Router<P> {
         }
     }
 
-    /// Apply a peer replica's `decision` (to slot `slot`) at `now` as if this router had made
+    /// Apply a peer replica's decision `peer` (to slot `slot`) at `now` as if this router had made
     /// it; `candidates` are the slots the policy would have chosen from. The refreshes it
     /// calls for (when this router owns `slot`'s retention) are appended to `refreshes`.
     /// Returns the handle that releases its load at its first token and end.
@@ -298,12 +298,12 @@ impl<P: Choose> Router<P> {
         mut index: Option<&mut KvIndex>,
         slot: usize,
         candidates: &[usize],
-        decision: &PeerDecision<'_>,
+        peer: &PeerDecision<'_>,
         now: f64,
         refreshes: &mut Vec<Refresh>,
     ) -> DecisionHandle {
-        let request = Request::from(decision);
-        let routed = self.step.route_to(
+        let request = Request::from(peer);
+        let decision = self.step.route_to(
             index.as_deref_mut(),
             slot,
             request.block_hashes,
@@ -317,12 +317,10 @@ impl<P: Choose> Router<P> {
             self.policy.observe(&states, chosen);
         }
         if self.retains(&request) {
-            self.retain(index, slot, &request, decision.overlap, now, refreshes);
+            self.retain(index, slot, &request, peer.overlap, now, refreshes);
         }
         DecisionHandle {
-            slot,
-            prefill_tokens: routed.prefill_tokens,
-            ticket: routed.ticket,
+            decision,
             first_token: false,
         }
     }
@@ -340,7 +338,7 @@ impl<P: Choose> Router<P> {
         entry: &OpenEntry,
         now: f64,
     ) -> DecisionHandle {
-        let routed = self.step.route_to(
+        let decision = self.step.route_to(
             index,
             slot,
             &entry.block_hashes,
@@ -349,28 +347,28 @@ impl<P: Choose> Router<P> {
             now,
         );
         if entry.first_token {
-            self.step.first_token(slot, routed.prefill_tokens);
+            self.step.first_token(slot, decision.prefill_tokens);
         }
         DecisionHandle {
-            slot,
-            prefill_tokens: routed.prefill_tokens,
-            ticket: routed.ticket,
+            decision,
             first_token: entry.first_token,
         }
     }
 
     /// A peer decision applied as `handle` got its first token: its prefill leaves the load.
     pub fn peer_first_token(&mut self, handle: &DecisionHandle) {
-        self.step.first_token(handle.slot, handle.prefill_tokens);
+        let d = &handle.decision;
+        self.step.first_token(d.worker, d.prefill_tokens);
     }
 
     /// A peer decision applied as `handle` ended (or expired) at `now`: release what it
     /// charged.
     pub fn peer_finished(&mut self, handle: DecisionHandle, now: f64) {
+        let d = handle.decision;
         if !handle.first_token {
-            self.step.first_token(handle.slot, handle.prefill_tokens);
+            self.step.first_token(d.worker, d.prefill_tokens);
         }
-        self.step.finished(handle.slot, handle.ticket, now);
+        self.step.finished(d.worker, d.ticket, now);
     }
 
     /// The owner of `slot`'s retention refreshed the prefix of these block hashes there at
@@ -414,5 +412,76 @@ impl<C: Choose + ?Sized> Choose for &mut C {
 
     fn observe(&mut self, workers: &[&WorkerState], chosen: usize) {
         (**self).observe(workers, chosen)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::policies::{KvAware, KvAwareConfig};
+    use crate::pyrandom::PyRandom;
+    use crate::retention::{RetentionConfig, RetentionMode};
+
+    /// A kv-aware router of workers `a` and `b` with retention in `mode` (None: off).
+    fn router(mode: Option<RetentionMode>) -> Router {
+        let mut step = RoutingStep::new(16);
+        step.add_worker("a");
+        step.add_worker("b");
+        let policy = Policy::KvAware(Box::new(
+            KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(0)).unwrap(),
+        ));
+        let retention = mode.map(|m| Retention::new(RetentionConfig::new(m, 16, 100)));
+        Router::new(step, policy, retention)
+    }
+
+    #[test]
+    fn retention_applies_to_a_prompt_with_its_tokens_and_a_block_only() {
+        let tokens: Vec<u32> = (0..40).collect();
+        let request = Request {
+            block_hashes: &[1, 2],
+            prompt: &tokens,
+            prompt_tokens: 40,
+            output_tokens: 8,
+            adapter: None,
+        };
+        let on = router(Some(RetentionMode::Auto));
+        assert!(on.retains(&request));
+        let text = Request {
+            prompt: &[],
+            ..request
+        };
+        let short = Request {
+            block_hashes: &[],
+            ..request
+        };
+        assert!(!on.retains(&text) && !on.retains(&short));
+        assert!(!router(None).retains(&request));
+    }
+
+    #[test]
+    fn only_the_owner_of_a_workers_retention_polls_it_idle() {
+        let mut r = router(Some(RetentionMode::Auto));
+        r.set_retention_owned(Some(HashSet::from([0])));
+        let mut refreshes = Vec::new();
+        for (slot, owned) in [(0, true), (1, false)] {
+            let d = r.route(
+                None,
+                &Request {
+                    prompt_tokens: 16,
+                    ..Request::default()
+                },
+                Some(&[slot]),
+                0.0,
+                &mut refreshes,
+            );
+            assert_eq!(d.worker, slot);
+            r.first_token(slot, d.prefill_tokens);
+            let poll = r.finished(slot, d.ticket, 1.0);
+            assert_eq!(poll.map(|p| p.worker()), owned.then_some(slot));
+        }
+        let mut off = router(None);
+        let d = off.route(None, &Request::default(), None, 0.0, &mut refreshes);
+        assert_eq!(off.finished(d.worker, d.ticket, 1.0), None);
+        assert!(refreshes.is_empty());
     }
 }

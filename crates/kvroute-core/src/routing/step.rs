@@ -29,9 +29,11 @@ use crate::index::{KvIndex, WorkerId};
 use crate::kvevents::events::KvCacheEvent;
 use crate::policies::{Choose, RequestView, WorkerState};
 
-/// The outcome of one routing step.
+/// A routing decision: the one name for it wherever it is made (the step, the routing
+/// operation, the simulator's placements, the live router); what carries more around it is
+/// named for that.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Routed {
+pub struct Decision {
     /// The chosen worker's slot.
     pub worker: usize,
     /// Leading prompt blocks the index credits the chosen worker with.
@@ -54,7 +56,7 @@ pub enum JournalEntry {
         /// The request's adapter (`crate::policies::adapter_id`), if any.
         adapter: Option<u64>,
         now: f64,
-        routed: Routed,
+        decision: Decision,
     },
     /// A request's first token.
     FirstToken {
@@ -256,7 +258,7 @@ impl RoutingStep {
         adapter: Option<u64>,
         candidates: Option<&[usize]>,
         now: f64,
-    ) -> Routed {
+    ) -> Decision {
         let seen_adapter = adapter.filter(|_| self.max_loras.is_some());
         let all;
         let cands: &[usize] = match candidates {
@@ -338,7 +340,7 @@ impl RoutingStep {
         prompt_tokens: usize,
         adapter: Option<u64>,
         now: f64,
-    ) -> Routed {
+    ) -> Decision {
         let overlap = self.overlap_of(index.as_deref_mut(), worker, block_hashes, now);
         self.commit(
             index,
@@ -383,7 +385,7 @@ impl RoutingStep {
         adapter: Option<u64>,
         candidates: Option<&[usize]>,
         now: f64,
-    ) -> Routed {
+    ) -> Decision {
         if let Some(ix) = index {
             let id = match self.slots[worker].index_id {
                 Some(id) if self.resolved_epoch == Some(ix.epoch()) => id,
@@ -404,7 +406,7 @@ impl RoutingStep {
             .admission
             .as_mut()
             .map(|a| a.routed(worker, block_hashes, prompt_tokens, now));
-        let routed = Routed {
+        let decision = Decision {
             worker,
             overlap,
             prefill_tokens,
@@ -417,10 +419,10 @@ impl RoutingStep {
                 candidates: candidates.map(<[usize]>::to_vec),
                 adapter,
                 now,
-                routed,
+                decision,
             });
         }
-        routed
+        decision
     }
 
     /// The request routed to `worker` with `prefill_tokens` produced its first token.
@@ -434,7 +436,7 @@ impl RoutingStep {
         }
     }
 
-    /// A request routed to `worker` (with `ticket`, see [`Routed`]) finished at `now`.
+    /// A request routed to `worker` (with `ticket`, see [`Decision`]) finished at `now`.
     pub fn finished(&mut self, worker: usize, ticket: Option<u64>, now: f64) {
         self.slots[worker].state.in_flight -= 1;
         if let (Some(a), Some(t)) = (&mut self.admission, ticket) {

@@ -41,6 +41,6 @@ mod tests;
 
 pub use health::MAX_EJECTION_S;
 pub use member::{Member, Membership};
-pub use routing::{Choice, IdleRefreshes, WorkerAdmission};
+pub use routing::{Dispatch, IdleRefreshes, WorkerAdmission};
 pub use state::Fleet;
 pub use tenants::RefreshTenant;

@@ -4,27 +4,25 @@
 
 use kvroute_core::policies::{Policy, WorkerState};
 use kvroute_core::retention::{Refresh, RetentionStats};
-use kvroute_core::routing::Request;
+use kvroute_core::routing::{Decision, Request};
 use kvroute_io::consumer::lock_index;
 
 use super::state::Fleet;
 use super::tenants::RefreshTenant;
 use crate::prompt::Retained;
 
-/// Where one request goes.
+/// A routing decision with what the server needs to carry it out: the worker's address and
+/// the refreshes to send it first.
 #[derive(Clone, Debug, PartialEq)]
-pub struct Choice {
+pub struct Dispatch {
+    /// The decision: the worker's routing-step slot, its ticket in the admission model (both
+    /// what [`Fleet::first_token`] and [`Fleet::finished`] take), the prompt tokens charged to
+    /// its load until the first response byte, the leading prompt blocks the index credited it
+    /// with.
+    pub decision: Decision,
     /// The worker's name and base URL.
     pub name: String,
     pub url: String,
-    /// Its routing-step slot (what [`Fleet::first_token`] and [`Fleet::finished`] take).
-    pub slot: usize,
-    /// The request's ticket in the admission model (what [`Fleet::finished`] takes too).
-    pub ticket: Option<u64>,
-    /// Prompt tokens charged to its load until the first response byte.
-    pub prefill_tokens: usize,
-    /// Leading prompt blocks the index credited it with.
-    pub overlap_blocks: usize,
     /// Refreshes retention sends that worker ahead of this request (their prompts).
     pub refreshes: Vec<Refresh>,
     /// Whose prefix each refresh keeps (its `model` and `cache_salt`), in the same order.
@@ -54,7 +52,7 @@ impl Fleet {
     /// Route a prompt for `model` among the available workers that serve it and are not in
     /// `tried` (names), at `now` (monotonic seconds); None when there is no such worker. With
     /// retention on and a token-id prompt (`retained`), a prompt cached nowhere goes where it
-    /// displaces least (`Retention::room_for`), and the choice carries the refreshes to send
+    /// displaces least (`Retention::room_for`), and the dispatch carries the refreshes to send
     /// first, each with the tenant of the prefix it keeps.
     pub fn route(
         &mut self,
@@ -64,7 +62,7 @@ impl Fleet {
         now: f64,
         retained: Option<&Retained>,
         model: Option<&str>,
-    ) -> Option<Choice> {
+    ) -> Option<Dispatch> {
         self.candidates.clear();
         self.candidates.extend(
             self.members
@@ -93,7 +91,7 @@ impl Fleet {
         }
         let mut refreshes = Vec::new();
         let mut index = self.index_lock.lock(&self.index);
-        let routed = self.router.route(
+        let decision = self.router.route(
             Some(&mut index),
             &request,
             Some(&self.candidates),
@@ -104,15 +102,12 @@ impl Fleet {
         let member = self
             .members
             .iter()
-            .find(|m| m.slot == routed.worker)
+            .find(|m| m.slot == decision.worker)
             .expect("the router routes among the members' slots");
-        Some(Choice {
+        Some(Dispatch {
+            decision,
             name: member.name.clone(),
             url: member.url.clone(),
-            slot: routed.worker,
-            ticket: routed.ticket,
-            prefill_tokens: routed.prefill_tokens,
-            overlap_blocks: routed.overlap,
             refresh_tenants: self.tenants.of(&refreshes),
             refreshes,
         })
@@ -123,7 +118,7 @@ impl Fleet {
         self.router.first_token(slot, prefill_tokens);
     }
 
-    /// The request charged to `slot` (with `ticket`, see [`Choice`]) ended (answered, failed
+    /// The request charged to `slot` (with `ticket`, see [`Dispatch`]) ended (answered, failed
     /// or abandoned) at `now`. With retention on, a worker left with no request gets the
     /// refreshes it was spared while requests were going to it idle (`Retention::poll_idle`):
     /// to send now, if it is still available.

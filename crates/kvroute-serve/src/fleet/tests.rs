@@ -26,14 +26,14 @@ fn kv_aware_sends_a_repeated_prompt_where_it_went_and_counts_the_load() {
     let mut f = fleet("kv-aware", &["http://a:1", "http://b:1/v1"]);
     let hashes = vec![11, 12, 13];
     let first = f.route(&hashes, 12, &[], 0.0, None, None).unwrap();
-    assert_eq!(first.overlap_blocks, 0);
-    f.first_token(first.slot, first.prefill_tokens);
-    f.finished(first.slot, first.ticket, 0.05);
+    assert_eq!(first.decision.overlap, 0);
+    f.first_token(first.decision.worker, first.decision.prefill_tokens);
+    f.finished(first.decision.worker, first.decision.ticket, 0.05);
     let again = f.route(&hashes, 12, &[], 0.1, None, None).unwrap();
     assert_eq!(again.name, first.name);
     assert_eq!(again.url, first.url);
-    assert_eq!(again.overlap_blocks, 3);
-    assert_eq!(f.load(again.slot), (1, 1));
+    assert_eq!(again.decision.overlap, 3);
+    assert_eq!(f.load(again.decision.worker), (1, 1));
 }
 
 #[test]
@@ -169,7 +169,7 @@ fn a_salted_request_is_never_routed_on_a_hit_it_cannot_get() {
     let choice = f
         .route(&salted.block_hashes, 16, &[], 0.0, None, None)
         .unwrap();
-    assert_eq!(choice.overlap_blocks, 0);
+    assert_eq!(choice.decision.overlap, 0);
 }
 
 #[test]
@@ -190,7 +190,7 @@ fn tenants_with_the_same_prompt_find_only_their_own_cache() {
         assert_eq!(got, want);
         let choice = f.route(&p.block_hashes, 16, &[], 0.0, None, None).unwrap();
         assert_eq!(
-            (choice.name.as_str(), choice.overlap_blocks),
+            (choice.name.as_str(), choice.decision.overlap),
             (workers[worker], 4)
         );
     }

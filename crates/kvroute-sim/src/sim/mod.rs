@@ -35,6 +35,7 @@ use crate::engine::scheduler::{Engine, NewRequest, PrefixCacheStats, StepResult}
 use kvroute_core::blocks::{BlockHasher, BlockKeys};
 use kvroute_core::policies::adapter_id;
 use kvroute_core::retention::Refresh;
+use kvroute_core::routing::Decision;
 
 pub mod placement;
 pub mod replicas;
@@ -556,12 +557,12 @@ impl<'p> Simulation<'p> {
             let sent = Sent {
                 pos: REFRESH,
                 send_time: self.now,
-                placed: Placed {
+                placed: Placed::new(Decision {
                     worker: r.worker,
+                    overlap: 0,
                     prefill_tokens: 1,
                     ticket: None,
-                    decision: 0,
-                },
+                }),
             };
             self.arrivals.push(Some((sent, request)));
             let slot = self.arrivals.len() - 1;
@@ -649,7 +650,7 @@ impl<'p> Simulation<'p> {
                 Event::Arrive { slot } => {
                     let (sent, request) = self.arrivals[slot].take().expect("an arrival");
                     self.free_arrivals.push(slot);
-                    let w = sent.placed.worker;
+                    let w = sent.placed.worker();
                     let key = self.engines[w]
                         .add_request(request)
                         .map_err(|e| SimError::BadInput(e.to_string()))?;
@@ -835,16 +836,16 @@ mod tests {
             let worker = self.next % self.workers;
             self.next = worker + 1;
             self.in_flight[worker] += 1;
-            Placed {
+            Placed::new(Decision {
                 worker,
+                overlap: 0,
                 prefill_tokens: prompt_tokens.max(1),
                 ticket: None,
-                decision: 0,
-            }
+            })
         }
         fn first_token(&mut self, _placed: Placed) {}
         fn finished(&mut self, placed: Placed, _now: f64) {
-            self.in_flight[placed.worker] -= 1;
+            self.in_flight[placed.worker()] -= 1;
         }
         fn apply_events(&mut self, _worker: usize, events: &[KvCacheEvent], _now: f64) {
             self.events_seen += events.len();

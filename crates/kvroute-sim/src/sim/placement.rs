@@ -7,32 +7,31 @@ use kvroute_core::index::KvIndex;
 use kvroute_core::kvevents::events::{HashEvents, KvCacheEvent};
 use kvroute_core::policies::Choose;
 use kvroute_core::retention::Refresh;
-use kvroute_core::routing::{Request, Routed, Router};
+use kvroute_core::routing::{Decision, Request, Router};
 
-/// Where a request was placed, and what the placement charged to that worker's load.
+/// A routing decision as a placement made it (what it charged to the chosen worker's load,
+/// and its admission ticket), with the placement's own number for it.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct Placed {
-    /// Index of the chosen worker.
-    pub worker: usize,
-    /// Prompt tokens the worker still has to prefill after the overlap the index credits it
-    /// with (at least 1): carried in its load until the request's first token.
-    pub prefill_tokens: usize,
-    /// Its ticket in the routing step's KV-admission model, if it keeps one.
-    pub ticket: Option<u64>,
-    /// The placement's own number for the decision, to find it again at its first token and
-    /// end (0 for a placement that needs none; see `super::replicas`).
-    pub decision: u64,
+    /// The decision.
+    pub decision: Decision,
+    /// The placement's number for the decision, to find it again at its first token and end
+    /// (0 for a placement that needs none; see `super::replicas`).
+    pub serial: u64,
 }
 
 impl Placed {
-    /// What the routing step's decision `routed` charged, as decision number `decision`.
-    pub fn from_routed(routed: &Routed, decision: u64) -> Self {
+    /// `decision`, unnumbered.
+    pub fn new(decision: Decision) -> Self {
         Self {
-            worker: routed.worker,
-            prefill_tokens: routed.prefill_tokens,
-            ticket: routed.ticket,
             decision,
+            serial: 0,
         }
+    }
+
+    /// The chosen worker's slot.
+    pub fn worker(&self) -> usize {
+        self.decision.worker
     }
 }
 
@@ -124,7 +123,7 @@ impl<P: Choose> Placement for RouterPlacement<'_, P> {
             now,
             &mut self.pending,
         );
-        Placed::from_routed(&r, 0)
+        Placed::new(r)
     }
 
     fn place_request(
@@ -151,16 +150,19 @@ impl<P: Choose> Placement for RouterPlacement<'_, P> {
             now,
             &mut self.pending,
         );
-        Placed::from_routed(&r, 0)
+        Placed::new(r)
     }
 
     fn first_token(&mut self, placed: Placed) {
         self.router
-            .first_token(placed.worker, placed.prefill_tokens);
+            .first_token(placed.worker(), placed.decision.prefill_tokens);
     }
 
     fn finished(&mut self, placed: Placed, now: f64) {
-        if let Some(poll) = self.router.finished(placed.worker, placed.ticket, now) {
+        if let Some(poll) = self
+            .router
+            .finished(placed.worker(), placed.decision.ticket, now)
+        {
             self.router
                 .poll_idle(self.index.as_deref_mut(), poll, &mut self.pending);
         }
@@ -233,21 +235,21 @@ mod tests {
         let tokens: Vec<u32> = (0..100).collect();
         let hashes = hasher.hash_blocks(&tokens, None, 0, None);
         let first = p.place(&hashes, 100, 0.0);
-        assert_eq!(first.prefill_tokens, 100);
+        assert_eq!(first.decision.prefill_tokens, 100);
         p.first_token(first);
         p.finished(first, 0.0);
         // The prediction credits the same worker with the 6 blocks: 100 − 96 = 4 to prefill.
         let second = p.place(&hashes, 100, 0.1);
         assert_eq!(
             second,
-            Placed {
-                worker: first.worker,
+            Placed::new(Decision {
+                worker: first.worker(),
+                overlap: 6,
                 prefill_tokens: 4,
                 ticket: None,
-                decision: 0,
-            }
+            })
         );
-        assert_eq!(p.router.step().state(first.worker).in_flight_tokens, 4);
+        assert_eq!(p.router.step().state(first.worker()).in_flight_tokens, 4);
         p.router.step_mut().remove_worker("w1");
         assert_eq!(p.router.step().live_slots(), &[0, 2]);
     }

@@ -234,7 +234,7 @@ impl<P: Choose> Placement for ReplicaPlacement<'_, P> {
         let n = self.replicas.len();
         let to = if n > 1 { self.balancer.randrange(n) } else { 0 };
         self.next_decision += 1;
-        let decision = self.next_decision;
+        let serial = self.next_decision;
         let start = self.pending.len();
         let replica = &mut self.replicas[to];
         // The prompt's tokens travel (and are joined) only when retention needs them.
@@ -253,12 +253,12 @@ impl<P: Choose> Placement for ReplicaPlacement<'_, P> {
             now,
             &mut self.pending,
         );
-        self.origin.insert(decision, to);
+        self.origin.insert(serial, to);
         self.publish_refreshes(to, start, now);
         self.publish(
             to,
             Delivery::Routed {
-                decision,
+                decision: serial,
                 worker: r.worker,
                 block_hashes: block_hashes.to_vec(),
                 prompt,
@@ -268,20 +268,23 @@ impl<P: Choose> Placement for ReplicaPlacement<'_, P> {
             },
             now,
         );
-        Placed::from_routed(&r, decision)
+        Placed {
+            decision: r,
+            serial,
+        }
     }
 
     fn first_token(&mut self, placed: Placed) {
         let now = self.clock;
         self.deliver(now);
-        let Some(&r) = self.origin.get(&placed.decision) else {
+        let Some(&r) = self.origin.get(&placed.serial) else {
             return;
         };
         self.replicas[r].first_token(placed);
         self.publish(
             r,
             Delivery::FirstToken {
-                decision: placed.decision,
+                decision: placed.serial,
             },
             now,
         );
@@ -289,7 +292,7 @@ impl<P: Choose> Placement for ReplicaPlacement<'_, P> {
 
     fn finished(&mut self, placed: Placed, now: f64) {
         self.deliver(now);
-        let Some(r) = self.origin.remove(&placed.decision) else {
+        let Some(r) = self.origin.remove(&placed.serial) else {
             return;
         };
         let start = self.pending.len();
@@ -300,7 +303,7 @@ impl<P: Choose> Placement for ReplicaPlacement<'_, P> {
         self.publish(
             r,
             Delivery::Finished {
-                decision: placed.decision,
+                decision: placed.serial,
             },
             now,
         );
