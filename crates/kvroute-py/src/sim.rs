@@ -15,16 +15,17 @@ use kvroute_core::policies::Choose;
 use kvroute_core::retention::Retention;
 use kvroute_core::routing::{self, Router};
 use kvroute_sim::engine::scheduler;
-use kvroute_sim::sim::placement::RouterPlacement;
+use kvroute_sim::sim::placement::{Placement, RouterPlacement};
 use kvroute_sim::sim::replicas::ReplicaPlacement;
 use kvroute_sim::sim::{
-    RefreshStats, RequestRecord, RequestSet, SimError, Simulation, Tenant, WorkerConfig,
+    RefreshStats, RequestRecord, RequestSet, SimError, Simulation, Tenant, TrialResult,
+    WorkerConfig,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::engine::{Engine, cost_of};
+use crate::engine::{Engine, PrefixCacheStats, cost_of};
 use crate::policies::ForeignPolicy;
 use crate::retention::PyRetention;
 use crate::routing::RoutingStep;
@@ -88,13 +89,19 @@ type TenantTuple = (Option<String>, Option<i64>, Option<String>);
 ///     replica_retention: with ``replicas``, one ``Retention`` per replica (or None: off).
 ///     mesh_lag: with ``replicas``, the replica mesh's delivery lag in seconds (None: no mesh).
 ///     balancer_seed: the seed of the balancer's draws.
+///     warmup: ``(prefix_ids, suffix_tokens, suffix_offsets, output_tokens)`` of requests sent
+///         one at a time before the requests, unmeasured: a trial
+///         (``kvroute_sim::sim::Simulation::run_trial``; closed loop only).
 ///
 /// Returns:
-///     A dict: ``now`` (the clock after the run) and one list per record field (``worker``,
-///     ``cached_tokens``, ``prompt_tokens``, ``send_time``, ``ttft_s``, ``e2e_s``,
-///     ``output_tokens``), in request order.
+///     A dict: ``now`` (the clock after the run), the run's refreshes (``refresh_requests``,
+///     ``refresh_computed_tokens``, ``refresh_engine_s``) and one list per record field of the
+///     requests (``worker``, ``cached_tokens``, ``prompt_tokens``, ``send_time``, ``ttft_s``,
+///     ``e2e_s``, ``output_tokens``), in request order; for a trial also its measured window:
+///     ``duration_s``, ``window_stats`` (each worker's ``PrefixCacheStats``),
+///     ``window_refresh_requests`` and ``window_refresh_engine_s``.
 #[pyfunction]
-#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None, retention = None, tenants = None, replicas = None, replica_retention = None, mesh_lag = None, balancer_seed = 0))]
+#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None, retention = None, tenants = None, replicas = None, replica_retention = None, mesh_lag = None, balancer_seed = 0, warmup = None))]
 #[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
     py: Python<'py>,
@@ -115,6 +122,7 @@ fn simulate<'py>(
     replica_retention: Option<Vec<Bound<'py, PyRetention>>>,
     mesh_lag: Option<f64>,
     balancer_seed: u64,
+    warmup: Option<RequestArrays<'py>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let tenants: Vec<Tenant> = tenants
         .unwrap_or_default()
@@ -127,11 +135,18 @@ fn simulate<'py>(
     let Some(first) = engines.first() else {
         return Err(PyValueError::new_err("no engines"));
     };
-    let requests = RequestSet {
-        prefix_ids: extract_tokens(py, prefix_ids)?,
-        suffix_tokens: concat_suffixes(py, suffix_tokens)?,
-        suffix_offsets: offsets(py, suffix_offsets)?,
-        output_tokens: extract_tokens(py, output_tokens)?,
+    let requests = request_set(
+        py,
+        (prefix_ids, suffix_tokens, suffix_offsets, output_tokens),
+    )?;
+    let warmup = match &warmup {
+        Some((a, b, c, d)) => Some(request_set(py, (a, b, c, d))?),
+        None => None,
+    };
+    let sends = Sends {
+        warmup: warmup.as_ref(),
+        requests: &requests,
+        clients: (concurrency, send_times.as_deref()),
     };
     let prefixes: Vec<Arc<[u32]>> = match prefixes.cast::<PromptTable>() {
         Ok(table) => table.get().prompts.clone(),
@@ -162,9 +177,8 @@ fn simulate<'py>(
             config,
             prefixes,
             output,
-            &requests,
+            sends,
             tenants,
-            (concurrency, send_times.as_deref()),
         )?;
         return records_dict(py, now, result, refreshes);
     }
@@ -210,7 +224,7 @@ fn simulate<'py>(
         let mut sim =
             Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);
         sim.set_tenants(tenants);
-        let result = run_requests(&mut sim, &requests, (concurrency, send_times.as_deref()));
+        let result = run_requests(&mut sim, sends);
         let refreshes = sim.refresh_stats();
         let engines = sim.into_engines();
         let (back, _, retention) = router.into_parts();
@@ -268,17 +282,58 @@ fn take_engines(engines: &[Bound<'_, Engine>]) -> PyResult<Vec<scheduler::Engine
     Ok(taken)
 }
 
-/// Closed-loop clients or send times: how `simulate` sends its requests.
+/// A request set from Python: ``(prefix_ids, suffix_tokens, suffix_offsets, output_tokens)``.
+type RequestArrays<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+);
+
+/// A request set from its Python arrays (see `simulate`).
+fn request_set(
+    py: Python<'_>,
+    (prefix_ids, suffix_tokens, suffix_offsets, output_tokens): (
+        &Bound<'_, PyAny>,
+        &Bound<'_, PyAny>,
+        &Bound<'_, PyAny>,
+        &Bound<'_, PyAny>,
+    ),
+) -> PyResult<RequestSet> {
+    Ok(RequestSet {
+        prefix_ids: extract_tokens(py, prefix_ids)?,
+        suffix_tokens: concat_suffixes(py, suffix_tokens)?,
+        suffix_offsets: offsets(py, suffix_offsets)?,
+        output_tokens: extract_tokens(py, output_tokens)?,
+    })
+}
+
+/// Closed-loop clients or send times.
 type Clients<'a> = (Option<usize>, Option<&'a [f64]>);
 
-fn run_requests(
-    sim: &mut Simulation<'_>,
-    requests: &RequestSet,
-    clients: Clients<'_>,
-) -> Result<Vec<RequestRecord>, SimError> {
-    match clients {
-        (Some(c), None) => sim.run_closed_loop(requests, c),
-        (None, Some(times)) => sim.run_open_loop(requests, times),
+/// What `simulate` sends: a trial's warmup (if any), the requests, and how they are sent.
+#[derive(Clone, Copy)]
+struct Sends<'a> {
+    warmup: Option<&'a RequestSet>,
+    requests: &'a RequestSet,
+    clients: Clients<'a>,
+}
+
+/// What a run gave: the requests' records, or a trial's.
+enum Ran {
+    Records(Vec<RequestRecord>),
+    Trial(TrialResult),
+}
+
+fn run_requests(sim: &mut Simulation<'_>, sends: Sends<'_>) -> Result<Ran, SimError> {
+    let requests = sends.requests;
+    match (sends.warmup, sends.clients) {
+        (Some(warmup), (Some(c), None)) => sim.run_trial(warmup, requests, c).map(Ran::Trial),
+        (None, (Some(c), None)) => sim.run_closed_loop(requests, c).map(Ran::Records),
+        (None, (None, Some(times))) => sim.run_open_loop(requests, times).map(Ran::Records),
+        (Some(_), _) => Err(SimError::BadInput(
+            "a trial sends its requests from closed-loop clients".into(),
+        )),
         _ => Err(SimError::BadInput(
             "give either concurrency or send_times".into(),
         )),
@@ -299,10 +354,9 @@ fn run_replicas(
     config: WorkerConfig,
     prefixes: Vec<Arc<[u32]>>,
     output: Arc<[u32]>,
-    requests: &RequestSet,
+    sends: Sends<'_>,
     tenants: Vec<Tenant>,
-    clients: Clients<'_>,
-) -> PyResult<(f64, Result<Vec<RequestRecord>, SimError>, RefreshStats)> {
+) -> PyResult<(f64, Result<Ran, SimError>, RefreshStats)> {
     let fail = |msg: &str| Err(PyValueError::new_err(msg.to_owned()));
     if replicas.is_empty() || retention.is_some_and(|r| r.len() != replicas.len()) {
         return fail("one routing step (and one retention, if any) per replica");
@@ -380,7 +434,7 @@ fn run_replicas(
         let mut sim =
             Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);
         sim.set_tenants(tenants);
-        let result = run_requests(&mut sim, requests, clients);
+        let result = run_requests(&mut sim, sends);
         let refreshes = sim.refresh_stats();
         let (back, now) = sim.into_engines();
         placement.settle();
@@ -405,10 +459,10 @@ fn run_replicas(
 fn records_dict<'py>(
     py: Python<'py>,
     now: f64,
-    result: Result<Vec<RequestRecord>, SimError>,
+    result: Result<Ran, SimError>,
     refreshes: RefreshStats,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let records = result.map_err(|e| match e {
+    let ran = result.map_err(|e| match e {
         SimError::Unfinished(_) => PyRuntimeError::new_err(e.to_string()),
         _ => PyValueError::new_err(e.to_string()),
     })?;
@@ -417,6 +471,19 @@ fn records_dict<'py>(
     out.set_item("refresh_requests", refreshes.requests)?;
     out.set_item("refresh_computed_tokens", refreshes.computed_tokens)?;
     out.set_item("refresh_engine_s", refreshes.engine_s)?;
+    let records = match ran {
+        Ran::Records(records) => records,
+        Ran::Trial(trial) => {
+            out.set_item("duration_s", trial.duration_s)?;
+            let window: Vec<PrefixCacheStats> =
+                trial.window_stats.into_iter().map(Into::into).collect();
+            out.set_item("window_stats", window)?;
+            out.set_item("window_refresh_requests", trial.refreshes.requests)?;
+            out.set_item("window_refresh_engine_s", trial.refreshes.engine_s)?;
+            trial.records
+        }
+    };
+    let column = |f: fn(&RequestRecord) -> f64| records.iter().map(f).collect::<Vec<_>>();
     out.set_item(
         "worker",
         records.iter().map(|r| r.worker).collect::<Vec<_>>(),
@@ -429,15 +496,9 @@ fn records_dict<'py>(
         "prompt_tokens",
         records.iter().map(|r| r.prompt_tokens).collect::<Vec<_>>(),
     )?;
-    out.set_item(
-        "send_time",
-        records.iter().map(|r| r.send_time).collect::<Vec<_>>(),
-    )?;
-    out.set_item(
-        "ttft_s",
-        records.iter().map(|r| r.ttft_s).collect::<Vec<_>>(),
-    )?;
-    out.set_item("e2e_s", records.iter().map(|r| r.e2e_s).collect::<Vec<_>>())?;
+    out.set_item("send_time", column(|r| r.send_time))?;
+    out.set_item("ttft_s", column(|r| r.ttft_s))?;
+    out.set_item("e2e_s", column(|r| r.e2e_s))?;
     out.set_item(
         "output_tokens",
         records.iter().map(|r| r.output_tokens).collect::<Vec<_>>(),

@@ -3,8 +3,9 @@
 //!
 //! This is `kvroute.sim`'s loop, event for event, so its results equal the Python simulator's:
 //!
-//! * A trial ([`Trial::run`]) = fresh workers, the warmup (one request per prefix, sent one at a
-//!   time through the same placement, not measured), then the measured requests in their order
+//! * A trial ([`Simulation::run_trial`]; [`Trial::run`] on fresh workers) = the warmup (one
+//!   request per prefix, sent one at a time through the same placement, not measured), then
+//!   the measured requests in their order
 //!   from `concurrency` closed-loop clients: each client sends its next request when its
 //!   previous one completes.
 //! * A request reaches its worker's engine `frontend_s` after it is sent; TTFT is from send to
@@ -377,6 +378,39 @@ impl<'p> Simulation<'p> {
         self.engines.iter().map(Engine::stats).collect()
     }
 
+    /// One trial on these engines, the one driver of `kvroute.sim.run_trial` (through the
+    /// bindings) and [`Trial::run`]: `warmup` sent one at a time (unmeasured), the placement
+    /// settled ([`Placement::settle`]), then `measured` from `concurrency` closed-loop clients;
+    /// the measured requests' records, the window's duration, and the workers' counters and
+    /// the refreshes over it (the deltas from the warmup's end).
+    pub fn run_trial(
+        &mut self,
+        warmup: &RequestSet,
+        measured: &RequestSet,
+        concurrency: usize,
+    ) -> Result<TrialResult, SimError> {
+        if !warmup.is_empty() {
+            self.run_closed_loop(warmup, 1)?;
+            self.placement.settle();
+        }
+        let before = self.stats();
+        let refreshes_before = self.refresh_stats();
+        let t0 = self.now();
+        let records = self.run_closed_loop(measured, concurrency)?;
+        let window_stats = self
+            .stats()
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| a.since(b))
+            .collect();
+        Ok(TrialResult {
+            records,
+            duration_s: self.now() - t0,
+            window_stats,
+            refreshes: self.refresh_stats().since(&refreshes_before),
+        })
+    }
+
     /// Send `requests` from `concurrency` closed-loop clients; returns their records in
     /// request order once all have finished.
     pub fn run_closed_loop(
@@ -741,9 +775,9 @@ enum Clients<'a> {
     Open(&'a [f64]),
 }
 
-/// One trial as `kvroute.sim.run_trial`: fresh workers, the warmup sent one at a time, then
-/// the measured requests from `concurrency` closed-loop clients. The lead's bindings build one
-/// per sweep point and run it once per trial with a fresh placement.
+/// One trial's inputs: fresh workers, the warmup sent one at a time, then the measured
+/// requests from `concurrency` closed-loop clients (the Rust tests' and examples' way to run
+/// [`Simulation::run_trial`] on fresh workers).
 #[derive(Clone, Debug)]
 pub struct Trial {
     /// Number of workers.
@@ -763,7 +797,8 @@ pub struct Trial {
 }
 
 impl Trial {
-    /// Run the trial with `placement` (fresh, or reset by the caller).
+    /// Run the trial ([`Simulation::run_trial`]) on fresh workers with `placement` (fresh,
+    /// or reset by the caller).
     pub fn run(&self, placement: &mut dyn Placement) -> Result<TrialResult, SimError> {
         let mut sim = Simulation::new(
             self.workers,
@@ -772,23 +807,7 @@ impl Trial {
             self.prefixes.clone(),
             self.output.clone(),
         );
-        sim.run_closed_loop(&self.warmup, 1)?;
-        let before = sim.stats();
-        let refreshes_before = sim.refresh_stats();
-        let t0 = sim.now();
-        let records = sim.run_closed_loop(&self.measured, self.concurrency)?;
-        let window_stats = sim
-            .stats()
-            .iter()
-            .zip(&before)
-            .map(|(a, b)| a.since(b))
-            .collect();
-        Ok(TrialResult {
-            records,
-            duration_s: sim.now() - t0,
-            window_stats,
-            refreshes: sim.refresh_stats().since(&refreshes_before),
-        })
+        sim.run_trial(&self.warmup, &self.measured, self.concurrency)
     }
 }
 

@@ -75,6 +75,11 @@ pub trait Placement {
     }
     /// Refreshes to send now (see `kvroute_core::retention`), appended to `out`; none by default.
     fn refreshes(&mut self, _now: f64, _out: &mut Vec<Refresh>) {}
+    /// A run ended: what the placement still holds in flight between its routers (the replica
+    /// mesh's messages, `super::replicas`) is applied now, as if the time they take had
+    /// passed, so that the next run over the same routers starts from a whole accounting;
+    /// refreshes that calls for are not sent (their run is over). Nothing by default.
+    fn settle(&mut self) {}
 }
 
 /// A router ([`Router`]: the routing step, its policy and retention) with its index,
