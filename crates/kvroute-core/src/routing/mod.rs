@@ -7,5 +7,5 @@
 pub mod router;
 pub mod step;
 
-pub use router::{IdlePoll, Request, Router};
-pub use step::{Decision, JournalEntry, RoutingStep};
+pub use router::{IdlePoll, Router};
+pub use step::{Decision, JournalEntry, Request, RoutingStep};

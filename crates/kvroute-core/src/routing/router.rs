@@ -33,28 +33,12 @@
 
 use std::collections::HashSet;
 
-use super::step::{Decision, RoutingStep};
+use super::step::{Decision, Request, RoutingStep};
 use crate::index::KvIndex;
 use crate::kvevents::events::KvCacheEvent;
 use crate::mesh::{DecisionHandle, OpenEntry, PeerDecision};
 use crate::policies::{Choose, Policy, RequestView, WorkerState};
 use crate::retention::{Refresh, Retention};
-
-/// One request as the routing operation sees it.
-#[derive(Clone, Copy, Debug, Default, PartialEq)]
-pub struct Request<'a> {
-    /// The prompt's own block hashes (adapter and salt keyed in).
-    pub block_hashes: &'a [u64],
-    /// The prompt's token ids (empty where the front does not know them: retention then
-    /// leaves the request out).
-    pub prompt: &'a [u32],
-    /// The prompt's length in tokens.
-    pub prompt_tokens: usize,
-    /// Its output budget (what retention's model allocates beside the prompt).
-    pub output_tokens: usize,
-    /// Its LoRA adapter (`crate::policies::adapter_id`; None: the base model).
-    pub adapter: Option<u64>,
-}
 
 impl<'a> From<&PeerDecision<'a>> for Request<'a> {
     fn from(d: &PeerDecision<'a>) -> Self {
@@ -190,9 +174,7 @@ impl<P: Choose> Router<P> {
             None => self.step.route(
                 index.as_deref_mut(),
                 &mut self.policy,
-                request.block_hashes,
-                request.prompt_tokens,
-                request.adapter,
+                request,
                 candidates,
                 now,
             ),
