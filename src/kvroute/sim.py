@@ -211,20 +211,9 @@ class Simulation:
         :func:`workload_tenants`; None: every request plain)."""
         if not requests:
             return []
-        prefixes: dict[int, np.ndarray] = {}
-        for r in requests:
-            prefixes.setdefault(r.prefix_id, r.prefix)
-        table = [prefixes.get(i, _EMPTY) for i in range(max(prefixes) + 1)]
-        n = len(requests)
-        suffixes = [r.suffix for r in requests]
-        offsets = np.zeros(n + 1, dtype=np.uint64)
-        np.cumsum(np.fromiter(map(len, suffixes), dtype=np.uint64, count=n), out=offsets[1:])
         return self._records(
             _native.simulate(
-                self.engines, self.routing, self.now, table,
-                np.fromiter((r.prefix_id for r in requests), dtype=np.uint32, count=n),
-                suffixes, offsets,
-                np.fromiter((r.output_tokens for r in requests), dtype=np.uint32, count=n),
+                self.engines, self.routing, self.now, _prefix_table(requests), *_request_arrays(requests),
                 as_token_array(output_token_ids),
                 concurrency=None if send_times is not None else concurrency,
                 send_times=send_times,
@@ -232,6 +221,32 @@ class Simulation:
                 **self._routing_arguments(),
             ),
             [r.index for r in requests], [r.prefix_id for r in requests],
+        )
+
+    def trial(
+        self,
+        warmup: list[RequestSpec],
+        requests: list[RequestSpec],
+        concurrency: int,
+        output_token_ids,
+        tenants: list[Tenant] | None = None,
+    ) -> TrialResult:
+        """One trial on these workers (the native ``Simulation::run_trial``): ``warmup`` sent
+        one at a time, unmeasured, then ``requests`` from ``concurrency`` closed-loop clients
+        (``output_token_ids`` and ``tenants`` as in :meth:`run`); their records, the measured
+        window's duration, and the workers' counters and the refreshes over that window."""
+        out = _native.simulate(
+            self.engines, self.routing, self.now, _prefix_table(warmup + requests), *_request_arrays(requests),
+            as_token_array(output_token_ids),
+            concurrency=concurrency,
+            tenants=tenants,
+            warmup=_request_arrays(warmup),
+            **self._routing_arguments(),
+        )
+        records = self._records(out, [r.index for r in requests], [r.prefix_id for r in requests])
+        return TrialResult(
+            records, out["duration_s"], out["window_stats"],
+            out["window_refresh_requests"], out["window_refresh_engine_s"],
         )
 
     def replay(
@@ -279,6 +294,30 @@ class Simulation:
 
 _EMPTY = np.zeros(0, dtype=np.uint32)
 
+
+def _prefix_table(requests: list[RequestSpec]) -> list[np.ndarray]:
+    """The shared prefixes of ``requests`` by prefix id, as ``_native.simulate`` takes them
+    (an id none of them uses: empty)."""
+    prefixes: dict[int, np.ndarray] = {}
+    for r in requests:
+        prefixes.setdefault(r.prefix_id, r.prefix)
+    return [prefixes.get(i, _EMPTY) for i in range(max(prefixes, default=-1) + 1)]
+
+
+def _request_arrays(requests: list[RequestSpec]) -> tuple:
+    """``requests`` as ``_native.simulate`` takes them: prefix ids, suffixes, suffix offsets,
+    output lengths."""
+    n = len(requests)
+    suffixes = [r.suffix for r in requests]
+    offsets = np.zeros(n + 1, dtype=np.uint64)
+    np.cumsum(np.fromiter(map(len, suffixes), dtype=np.uint64, count=n), out=offsets[1:])
+    return (
+        np.fromiter((r.prefix_id for r in requests), dtype=np.uint32, count=n),
+        suffixes,
+        offsets,
+        np.fromiter((r.output_tokens for r in requests), dtype=np.uint32, count=n),
+    )
+
 #: A prefix's tenant as the native simulator takes it: ``(lora_name, lora_id, cache_salt)``.
 Tenant = tuple[str | None, int | None, str | None]
 
@@ -317,33 +356,7 @@ def run_trial(
     config.check_fits(workload)
     sim = Simulation(workers, config, policy, index, retention, replica_policies, mesh_lag, balancer_seed)
     output = workload.vocab[: workload.spec.output_tokens]
-    tenants = workload_tenants(workload)
-    sim.run(workload.warmup, 1, output, tenants=tenants)
-    before = [_copy_stats(e.stats) for e in sim.engines]
-    refreshes = dict(sim.refresh_stats)
-    t0 = sim.now
-    records = sim.run(workload.requests, concurrency, output, tenants=tenants)
-    window = [_delta(e.stats, b) for e, b in zip(sim.engines, before)]
-    return TrialResult(
-        records, sim.now - t0, window,
-        sim.refresh_stats["requests"] - refreshes["requests"],
-        sim.refresh_stats["engine_s"] - refreshes["engine_s"],
-    )
-
-
-def _copy_stats(s: PrefixCacheStats) -> PrefixCacheStats:
-    return PrefixCacheStats(s.requests, s.queries, s.hits, s.preempted_requests, s.preempted_queries, s.preempted_hits)
-
-
-def _delta(after: PrefixCacheStats, before: PrefixCacheStats) -> PrefixCacheStats:
-    return PrefixCacheStats(
-        after.requests - before.requests,
-        after.queries - before.queries,
-        after.hits - before.hits,
-        after.preempted_requests - before.preempted_requests,
-        after.preempted_queries - before.preempted_queries,
-        after.preempted_hits - before.preempted_hits,
-    )
+    return sim.trial(workload.warmup, workload.requests, concurrency, output, workload_tenants(workload))
 
 
 #: The replica mesh's delivery lag the simulator assumes unless told (``kvroute sim

@@ -26,7 +26,7 @@ use hyper::StatusCode;
 use kvroute_serve::edge::{self, Body};
 use kvroute_serve::prompt::Route;
 use kvroute_serve::server::pipeline::unmet_expectation;
-use kvroute_serve::server::{Decision, InFlight, Pipeline};
+use kvroute_serve::server::{Attempt, InFlight, Pipeline};
 use tokio::sync::mpsc;
 use tokio_stream::Stream;
 use tonic::{Status, Streaming};
@@ -266,17 +266,17 @@ pub async fn exchange(picker: Arc<Picker>, mut inbound: Streaming<ProcessingRequ
             .await;
         return;
     };
-    let Some(decided) = decide(&picker, &mut inbound, &out, &headers, subset.as_deref()).await
+    let Some(picked) = decide(&picker, &mut inbound, &out, &headers, subset.as_deref()).await
     else {
         return;
     };
-    follow(&picker, &mut inbound, &out, decided, response_body_mode).await;
+    follow(&picker, &mut inbound, &out, picked, response_body_mode).await;
 }
 
 /// A request the EPP named a worker for: the load its decision holds (none without a prompt),
 /// the request in flight, and its metric label.
-struct Decided {
-    decision: Option<Decision>,
+struct Picked {
+    attempt: Option<Attempt>,
     _in_flight: InFlight,
     label: &'static str,
 }
@@ -289,7 +289,7 @@ async fn decide(
     out: &Outbox,
     headers: &HttpHeaders,
     subset: Option<&[String]>,
-) -> Option<Decided> {
+) -> Option<Picked> {
     let pipeline = &picker.pipeline;
     let (head, path, method) = protocol::request_head(headers);
     let route = generation_route(&method, &path);
@@ -312,8 +312,8 @@ async fn decide(
         };
         picker.counters.picked(false);
         send(out, protocol::destination(&endpoint, None)).await?;
-        return Some(Decided {
-            decision: None,
+        return Some(Picked {
+            attempt: None,
             _in_flight: pipeline.in_flight(),
             label,
         });
@@ -335,7 +335,7 @@ async fn decide(
             return None;
         }
     };
-    let (endpoint, decision) = match route {
+    let (endpoint, attempt) = match route {
         Some((route, _)) => {
             let admitted = match pipeline.prompt(route, &raw).await {
                 Ok(a) => a,
@@ -348,20 +348,20 @@ async fn decide(
             let mut excluded = excluded;
             let mut found = None;
             while let Some(d) = pipeline.decide(&admitted, &excluded, false).await {
-                match protocol::endpoint_of(&d.choice.url) {
+                match protocol::endpoint_of(&d.dispatch.url) {
                     Some(e) => {
                         found = Some((e.to_owned(), d));
                         break;
                     }
-                    None => excluded.push(d.choice.name.clone()),
+                    None => excluded.push(d.dispatch.name.clone()),
                 }
             }
-            let Some((endpoint, decision)) = found else {
+            let Some((endpoint, attempt)) = found else {
                 refuse(picker, out, label, no_endpoint()).await;
                 return None;
             };
             picker.counters.picked(true);
-            (endpoint, Some(decision))
+            (endpoint, Some(attempt))
         }
         None => {
             let Some(endpoint) = picker.rotate(&excluded) else {
@@ -388,8 +388,8 @@ async fn decide(
     if trailers {
         send(out, protocol::carry_on(Part::RequestTrailers)).await?;
     }
-    Some(Decided {
-        decision,
+    Some(Picked {
+        attempt,
         _in_flight: in_flight,
         label,
     })
@@ -405,7 +405,7 @@ async fn follow(
     picker: &Picker,
     inbound: &mut Streaming<ProcessingRequest>,
     out: &Outbox,
-    mut decided: Decided,
+    mut picked: Picked,
     response_body_mode: i32,
 ) {
     loop {
@@ -428,10 +428,10 @@ async fn follow(
                     return;
                 }
                 let status = protocol::response_status(&h);
-                picker.pipeline.metrics().request(decided.label, status);
-                if let Some(d) = &mut decided.decision {
+                picker.pipeline.metrics().request(picked.label, status);
+                if let Some(d) = &mut picked.attempt {
                     if let Ok(s) = StatusCode::from_u16(status) {
-                        picker.pipeline.answered(&d.choice.name, s);
+                        picker.pipeline.answered(&d.dispatch.name, s);
                     }
                     d.load.first_byte();
                 }

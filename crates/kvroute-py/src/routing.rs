@@ -148,17 +148,16 @@ impl RoutingStep {
         let index_ref = self.index.as_ref().map(|i| i.borrow(py));
         let mut index = index_ref.as_ref().map(|i| lock_index(&i.inner));
         let ix = index.as_deref_mut();
+        let request = routing::Request {
+            block_hashes: &block_hashes,
+            prompt_tokens,
+            adapter,
+            ..routing::Request::default()
+        };
         let routed = if let Some(native) = &self.native {
             let mut policy = native.borrow_mut(py);
-            self.inner.route(
-                ix,
-                &mut policy.inner,
-                &block_hashes,
-                prompt_tokens,
-                adapter,
-                candidates.as_deref(),
-                now,
-            )
+            self.inner
+                .route(ix, &mut policy.inner, &request, candidates.as_deref(), now)
         } else {
             let policy = self.policy.bind(py);
             let needs_overlap = policy.getattr("needs_overlap")?.is_truthy()?;
@@ -167,15 +166,9 @@ impl RoutingStep {
                 needs_overlap,
                 error: None,
             };
-            let routed = self.inner.route(
-                ix,
-                &mut foreign,
-                &block_hashes,
-                prompt_tokens,
-                adapter,
-                candidates.as_deref(),
-                now,
-            );
+            let routed = self
+                .inner
+                .route(ix, &mut foreign, &request, candidates.as_deref(), now);
             if let Some(e) = foreign.error {
                 return Err(e);
             }
@@ -262,7 +255,7 @@ impl RoutingStep {
                     prompt_tokens,
                     candidates,
                     now,
-                    routed,
+                    decision: routed,
                     ..
                 } => (
                     "route",

@@ -1,27 +1,32 @@
 //! The simulator's native event loop (`kvroute_sim::sim`) for Python: `simulate` runs one
 //! request set on the engines and routing step of a `kvroute.sim.Simulation`, all in Rust.
 //!
-//! The Python objects keep their state between runs: the engines are taken out of their
-//! Python handles for the run and put back after it, and the routing step, its index and its
-//! policy are borrowed for the run, so a test can look at all of them afterwards.
+//! The Python objects keep their state between runs: the engines, the routing step and the
+//! retention model are taken out of their Python handles for the run (the step and the
+//! retention into the routing operation, `kvroute_core::routing::Router`, with the policy
+//! lent to it) and put back after it, and the index is borrowed, so a test can look at all of
+//! them afterwards.
 
 use kvroute_io::lock_index;
 use std::sync::Arc;
 
 use kvroute_core::blocks::BlockKeys;
 use kvroute_core::policies::Choose;
+use kvroute_core::retention::Retention;
+use kvroute_core::routing::{self, Router};
 use kvroute_sim::engine::scheduler;
 use kvroute_sim::hash_events::trust_engine_hashes;
-use kvroute_sim::sim::placement::{Placement, RetainingPlacement, StepPlacement};
-use kvroute_sim::sim::replicas::{Replica, ReplicaPlacement};
+use kvroute_sim::sim::placement::{Placement, RouterPlacement};
+use kvroute_sim::sim::replicas::ReplicaPlacement;
 use kvroute_sim::sim::{
-    RefreshStats, RequestRecord, RequestSet, SimError, Simulation, Tenant, WorkerConfig,
+    RefreshStats, RequestRecord, RequestSet, SimError, Simulation, Tenant, TrialResult,
+    WorkerConfig,
 };
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
 
-use crate::engine::{Engine, cost_of};
+use crate::engine::{Engine, PrefixCacheStats, cost_of};
 use crate::policies::ForeignPolicy;
 use crate::retention::PyRetention;
 use crate::routing::RoutingStep;
@@ -85,13 +90,19 @@ type TenantTuple = (Option<String>, Option<i64>, Option<String>);
 ///     replica_retention: with ``replicas``, one ``Retention`` per replica (or None: off).
 ///     mesh_lag: with ``replicas``, the replica mesh's delivery lag in seconds (None: no mesh).
 ///     balancer_seed: the seed of the balancer's draws.
+///     warmup: ``(prefix_ids, suffix_tokens, suffix_offsets, output_tokens)`` of requests sent
+///         one at a time before the requests, unmeasured: a trial
+///         (``kvroute_sim::sim::Simulation::run_trial``; closed loop only).
 ///
 /// Returns:
-///     A dict: ``now`` (the clock after the run) and one list per record field (``worker``,
-///     ``cached_tokens``, ``prompt_tokens``, ``send_time``, ``ttft_s``, ``e2e_s``,
-///     ``output_tokens``), in request order.
+///     A dict: ``now`` (the clock after the run), the run's refreshes (``refresh_requests``,
+///     ``refresh_computed_tokens``, ``refresh_engine_s``) and one list per record field of the
+///     requests (``worker``, ``cached_tokens``, ``prompt_tokens``, ``send_time``, ``ttft_s``,
+///     ``e2e_s``, ``output_tokens``), in request order; for a trial also its measured window:
+///     ``duration_s``, ``window_stats`` (each worker's ``PrefixCacheStats``),
+///     ``window_refresh_requests`` and ``window_refresh_engine_s``.
 #[pyfunction]
-#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None, retention = None, tenants = None, replicas = None, replica_retention = None, mesh_lag = None, balancer_seed = 0))]
+#[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None, retention = None, tenants = None, replicas = None, replica_retention = None, mesh_lag = None, balancer_seed = 0, warmup = None))]
 #[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
     py: Python<'py>,
@@ -112,6 +123,7 @@ fn simulate<'py>(
     replica_retention: Option<Vec<Bound<'py, PyRetention>>>,
     mesh_lag: Option<f64>,
     balancer_seed: u64,
+    warmup: Option<RequestArrays<'py>>,
 ) -> PyResult<Bound<'py, PyDict>> {
     let tenants: Vec<Tenant> = tenants
         .unwrap_or_default()
@@ -124,11 +136,18 @@ fn simulate<'py>(
     let Some(first) = engines.first() else {
         return Err(PyValueError::new_err("no engines"));
     };
-    let requests = RequestSet {
-        prefix_ids: extract_tokens(py, prefix_ids)?,
-        suffix_tokens: concat_suffixes(py, suffix_tokens)?,
-        suffix_offsets: offsets(py, suffix_offsets)?,
-        output_tokens: extract_tokens(py, output_tokens)?,
+    let requests = request_set(
+        py,
+        (prefix_ids, suffix_tokens, suffix_offsets, output_tokens),
+    )?;
+    let warmup = match &warmup {
+        Some((a, b, c, d)) => Some(request_set(py, (a, b, c, d))?),
+        None => None,
+    };
+    let sends = Sends {
+        warmup: warmup.as_ref(),
+        requests: &requests,
+        clients: (concurrency, send_times.as_deref()),
     };
     let prefixes: Vec<Arc<[u32]>> = match prefixes.cast::<PromptTable>() {
         Ok(table) => table.get().prompts.clone(),
@@ -159,9 +178,8 @@ fn simulate<'py>(
             config,
             prefixes,
             output,
-            &requests,
+            sends,
             tenants,
-            (concurrency, send_times.as_deref()),
         )?;
         return records_dict(py, now, result, refreshes);
     }
@@ -191,37 +209,41 @@ fn simulate<'py>(
         && ix.hasher() == config.hasher
     {
         // The engine model hashes blocks with the index's own hasher: its events' hashes are
-        // the index's own (see kvroute_sim::hash_events).
+        // the index's own (see kvroute_sim::hash_events::trust_engine_hashes).
         trust_engine_hashes(ix);
     }
     let mut retention = retention.as_ref().map(|r| r.borrow_mut());
-    let retention = retention.as_deref_mut().map(|r| &mut r.inner);
-    let run = |policy: &mut dyn Choose, index, step, retention: Option<&mut _>| {
-        let placement = StepPlacement {
-            step,
-            index,
-            policy,
-        };
-        let mut placement: Box<dyn Placement + '_> = match retention {
-            Some(r) => Box::new(RetainingPlacement::new(placement, r)),
-            None => Box::new(placement),
-        };
+    let taken_retention = retention
+        .as_deref_mut()
+        .map(|r| take_retention(&mut r.inner));
+    let run = |policy: &mut dyn Choose,
+               index,
+               step: &mut routing::RoutingStep,
+               retention: Option<Retention>| {
+        let mut router = Router::new(take_step(step), policy, retention);
+        let mut placement = RouterPlacement::new(&mut router, index);
         let mut sim =
-            Simulation::with_engines(taken, now, config, placement.as_mut(), prefixes, output);
+            Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);
         sim.set_tenants(tenants);
-        let result = run_requests(&mut sim, &requests, (concurrency, send_times.as_deref()));
+        let result = run_requests(&mut sim, sends);
         let refreshes = sim.refresh_stats();
-        (sim.into_engines(), result, refreshes)
+        let engines = sim.into_engines();
+        let (back, _, retention) = router.into_parts();
+        *step = back;
+        (engines, result, refreshes, retention)
     };
-    let ((back, now), result, refreshes) = match native_policy.as_deref_mut() {
+    let ((back, now), result, refreshes, retention_back) = match native_policy.as_deref_mut() {
         // All in Rust: the run lets go of the interpreter, so that trials in other threads
         // (the policies of a trace replay) run on other cores meanwhile.
         Some(p) => {
             let (policy, step) = (&mut p.inner, &mut step.inner);
-            py.detach(move || run(policy, index, step, retention))
+            py.detach(move || run(policy, index, step, taken_retention))
         }
-        None => run(&mut foreign, index, &mut step.inner, retention),
+        None => run(&mut foreign, index, &mut step.inner, taken_retention),
     };
+    if let (Some(r), Some(back)) = (retention.as_deref_mut(), retention_back) {
+        r.inner = back;
+    }
     for (e, core) in engines.iter().zip(back) {
         e.borrow_mut().core = core;
     }
@@ -229,6 +251,20 @@ fn simulate<'py>(
         return Err(e);
     }
     records_dict(py, now, result, refreshes)
+}
+
+/// A routing step out of its Python handle for a run (an empty one of the same block size
+/// stands in).
+fn take_step(step: &mut routing::RoutingStep) -> routing::RoutingStep {
+    let placeholder = routing::RoutingStep::new(step.block_size());
+    std::mem::replace(step, placeholder)
+}
+
+/// A retention model out of its Python handle for a run (a fresh one of the same
+/// configuration stands in).
+fn take_retention(retention: &mut Retention) -> Retention {
+    let placeholder = Retention::new(retention.config().clone());
+    std::mem::replace(retention, placeholder)
 }
 
 /// The engines out of their Python handles for a run (a placeholder stands in); they must be
@@ -247,17 +283,58 @@ fn take_engines(engines: &[Bound<'_, Engine>]) -> PyResult<Vec<scheduler::Engine
     Ok(taken)
 }
 
-/// Closed-loop clients or send times: how `simulate` sends its requests.
+/// A request set from Python: ``(prefix_ids, suffix_tokens, suffix_offsets, output_tokens)``.
+type RequestArrays<'py> = (
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+    Bound<'py, PyAny>,
+);
+
+/// A request set from its Python arrays (see `simulate`).
+fn request_set(
+    py: Python<'_>,
+    (prefix_ids, suffix_tokens, suffix_offsets, output_tokens): (
+        &Bound<'_, PyAny>,
+        &Bound<'_, PyAny>,
+        &Bound<'_, PyAny>,
+        &Bound<'_, PyAny>,
+    ),
+) -> PyResult<RequestSet> {
+    Ok(RequestSet {
+        prefix_ids: extract_tokens(py, prefix_ids)?,
+        suffix_tokens: concat_suffixes(py, suffix_tokens)?,
+        suffix_offsets: offsets(py, suffix_offsets)?,
+        output_tokens: extract_tokens(py, output_tokens)?,
+    })
+}
+
+/// Closed-loop clients or send times.
 type Clients<'a> = (Option<usize>, Option<&'a [f64]>);
 
-fn run_requests(
-    sim: &mut Simulation<'_>,
-    requests: &RequestSet,
-    clients: Clients<'_>,
-) -> Result<Vec<RequestRecord>, SimError> {
-    match clients {
-        (Some(c), None) => sim.run_closed_loop(requests, c),
-        (None, Some(times)) => sim.run_open_loop(requests, times),
+/// What `simulate` sends: a trial's warmup (if any), the requests, and how they are sent.
+#[derive(Clone, Copy)]
+struct Sends<'a> {
+    warmup: Option<&'a RequestSet>,
+    requests: &'a RequestSet,
+    clients: Clients<'a>,
+}
+
+/// What a run gave: the requests' records, or a trial's.
+enum Ran {
+    Records(Vec<RequestRecord>),
+    Trial(TrialResult),
+}
+
+fn run_requests(sim: &mut Simulation<'_>, sends: Sends<'_>) -> Result<Ran, SimError> {
+    let requests = sends.requests;
+    match (sends.warmup, sends.clients) {
+        (Some(warmup), (Some(c), None)) => sim.run_trial(warmup, requests, c).map(Ran::Trial),
+        (None, (Some(c), None)) => sim.run_closed_loop(requests, c).map(Ran::Records),
+        (None, (None, Some(times))) => sim.run_open_loop(requests, times).map(Ran::Records),
+        (Some(_), _) => Err(SimError::BadInput(
+            "a trial sends its requests from closed-loop clients".into(),
+        )),
         _ => Err(SimError::BadInput(
             "give either concurrency or send_times".into(),
         )),
@@ -278,10 +355,9 @@ fn run_replicas(
     config: WorkerConfig,
     prefixes: Vec<Arc<[u32]>>,
     output: Arc<[u32]>,
-    requests: &RequestSet,
+    sends: Sends<'_>,
     tenants: Vec<Tenant>,
-    clients: Clients<'_>,
-) -> PyResult<(f64, Result<Vec<RequestRecord>, SimError>, RefreshStats)> {
+) -> PyResult<(f64, Result<Ran, SimError>, RefreshStats)> {
     let fail = |msg: &str| Err(PyValueError::new_err(msg.to_owned()));
     if replicas.is_empty() || retention.is_some_and(|r| r.len() != replicas.len()) {
         return fail("one routing step (and one retention, if any) per replica");
@@ -341,25 +417,36 @@ fn run_replicas(
     }
     let taken = take_engines(engines)?;
     let run = move || {
-        let replicas = parts
-            .into_iter()
-            .map(|(step, index, policy, retention)| Replica {
-                placement: StepPlacement {
-                    step,
-                    index,
-                    policy,
-                },
-                retention,
-            })
+        let mut routers: Vec<Router<&mut kvroute_core::policies::Policy>> = Vec::new();
+        let mut homes = Vec::with_capacity(parts.len());
+        let mut indexes = Vec::with_capacity(parts.len());
+        for (step, index, policy, mut retention) in parts {
+            let taken = retention.as_deref_mut().map(take_retention);
+            routers.push(Router::new(take_step(step), policy, taken));
+            homes.push((step, retention));
+            indexes.push(index);
+        }
+        let replicas = routers
+            .iter_mut()
+            .zip(indexes)
+            .map(|(router, index)| RouterPlacement::new(router, index))
             .collect();
         let mut placement = ReplicaPlacement::new(replicas, mesh_lag, seed);
         let mut sim =
             Simulation::with_engines(taken, now, config, &mut placement, prefixes, output);
         sim.set_tenants(tenants);
-        let result = run_requests(&mut sim, requests, clients);
+        let result = run_requests(&mut sim, sends);
         let refreshes = sim.refresh_stats();
         let (back, now) = sim.into_engines();
         placement.settle();
+        drop(placement);
+        for (router, (step, retention)) in routers.into_iter().zip(homes) {
+            let (step_back, _, retention_back) = router.into_parts();
+            *step = step_back;
+            if let (Some(r), Some(b)) = (retention, retention_back) {
+                *r = b;
+            }
+        }
         (back, now, result, refreshes)
     };
     let (back, now, result, refreshes) = py.detach(run);
@@ -373,10 +460,10 @@ fn run_replicas(
 fn records_dict<'py>(
     py: Python<'py>,
     now: f64,
-    result: Result<Vec<RequestRecord>, SimError>,
+    result: Result<Ran, SimError>,
     refreshes: RefreshStats,
 ) -> PyResult<Bound<'py, PyDict>> {
-    let records = result.map_err(|e| match e {
+    let ran = result.map_err(|e| match e {
         SimError::Unfinished(_) => PyRuntimeError::new_err(e.to_string()),
         _ => PyValueError::new_err(e.to_string()),
     })?;
@@ -385,6 +472,19 @@ fn records_dict<'py>(
     out.set_item("refresh_requests", refreshes.requests)?;
     out.set_item("refresh_computed_tokens", refreshes.computed_tokens)?;
     out.set_item("refresh_engine_s", refreshes.engine_s)?;
+    let records = match ran {
+        Ran::Records(records) => records,
+        Ran::Trial(trial) => {
+            out.set_item("duration_s", trial.duration_s)?;
+            let window: Vec<PrefixCacheStats> =
+                trial.window_stats.into_iter().map(Into::into).collect();
+            out.set_item("window_stats", window)?;
+            out.set_item("window_refresh_requests", trial.refreshes.requests)?;
+            out.set_item("window_refresh_engine_s", trial.refreshes.engine_s)?;
+            trial.records
+        }
+    };
+    let column = |f: fn(&RequestRecord) -> f64| records.iter().map(f).collect::<Vec<_>>();
     out.set_item(
         "worker",
         records.iter().map(|r| r.worker).collect::<Vec<_>>(),
@@ -397,15 +497,9 @@ fn records_dict<'py>(
         "prompt_tokens",
         records.iter().map(|r| r.prompt_tokens).collect::<Vec<_>>(),
     )?;
-    out.set_item(
-        "send_time",
-        records.iter().map(|r| r.send_time).collect::<Vec<_>>(),
-    )?;
-    out.set_item(
-        "ttft_s",
-        records.iter().map(|r| r.ttft_s).collect::<Vec<_>>(),
-    )?;
-    out.set_item("e2e_s", records.iter().map(|r| r.e2e_s).collect::<Vec<_>>())?;
+    out.set_item("send_time", column(|r| r.send_time))?;
+    out.set_item("ttft_s", column(|r| r.ttft_s))?;
+    out.set_item("e2e_s", column(|r| r.e2e_s))?;
     out.set_item(
         "output_tokens",
         records.iter().map(|r| r.output_tokens).collect::<Vec<_>>(),

@@ -10,6 +10,7 @@ use std::time::Instant;
 
 use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
 use kvroute_core::kvevents::events::KvCacheEvent;
+use kvroute_core::routing::Decision;
 use kvroute_sim::engine::cost::CostModel;
 use kvroute_sim::sim::placement::{Placed, Placement};
 use kvroute_sim::sim::{RequestSet, Trial, WorkerConfig};
@@ -27,12 +28,12 @@ impl Placement for RoundRobin {
     fn place(&mut self, _hashes: &[u64], prompt_tokens: usize, _now: f64) -> Placed {
         let worker = self.next % self.workers;
         self.next = worker + 1;
-        Placed {
+        Placed::new(Decision {
             worker,
+            overlap: 0,
             prefill_tokens: prompt_tokens.max(1),
             ticket: None,
-            decision: 0,
-        }
+        })
     }
     fn first_token(&mut self, _placed: Placed) {}
     fn finished(&mut self, _placed: Placed, _now: f64) {}

@@ -1,7 +1,8 @@
-//! The simulator and the native router route alike: one routing step
-//! (`kvroute_core::routing::RoutingStep`), and the router's glue around it ([`Fleet`]: its
-//! candidates, its index built from the serve configuration, the load it charges, and the
-//! KV events as its consumer applies them) adds nothing the simulator lacks.
+//! The simulator and the native router route alike: one routing operation
+//! (`kvroute_core::routing::Router`: the step, the policy, retention), and the router's glue
+//! around it ([`Fleet`]: its candidates, its index built from the serve configuration, the
+//! load it charges, the refreshes it sends, and the KV events as its consumer applies them)
+//! adds nothing the simulator lacks.
 //!
 //! The simulator runs a workload with its routing step's journal on and an index (so the
 //! router, which always has one, sees the same events); the journal (requests with their
@@ -10,7 +11,11 @@
 //! events is encoded as vLLM publishes it (the core's codec), then decoded and applied to
 //! the fleet's index as the native consumer (`kvroute_io::consumer`) does with every batch it
 //! receives. The fleet must choose every request's worker and charge every prefill as the
-//! simulator did, and end with the same per-worker state and the same index.
+//! simulator did, and end with the same per-worker state and the same index. With retention
+//! on (serve's default, `kv-aware+retain-auto`), the simulator's placement is watched too
+//! ([`Recorder`]: each request's tokens and output budget, and the refreshes each decision
+//! and each finish called for, which the simulator sent to its engines), and the fleet, given
+//! the same prompts, must send the same refreshes at the same moments.
 //!
 //! This is the native router's form of `tests/unit/test_routing_step.py`'s replay through the
 //! aiohttp router's glue (`Router._choose`, `_Load`, the pool's event feed), which retires
@@ -22,16 +27,18 @@ use std::sync::Arc;
 use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
 use kvroute_core::index::KvIndex;
 use kvroute_core::kvevents::codec::{self, WireFormat};
-use kvroute_core::kvevents::events::EventBatch;
+use kvroute_core::kvevents::events::{EventBatch, KvCacheEvent};
 use kvroute_core::policies::{Choose, KvAwareConfig, Policy, PrefixHashConfig, WorkerState};
 use kvroute_core::pyrandom::PyRandom;
-use kvroute_core::routing::{JournalEntry, RoutingStep};
+use kvroute_core::retention::{Refresh, Retention, RetentionConfig, RetentionMode};
+use kvroute_core::routing::{JournalEntry, Router, RoutingStep};
 use kvroute_io::consumer::lock_index;
 use kvroute_serve::fleet::Fleet;
+use kvroute_serve::prompt::Retained;
 use kvroute_serve::{EventSource, PolicySpec, ServeConfig, WorkerSpec};
 use kvroute_sim::engine::cost::CostModel;
-use kvroute_sim::hash_events::trust_engine_hashes;
-use kvroute_sim::sim::placement::StepPlacement;
+use kvroute_sim::hash_events::{HashEvents, trust_engine_hashes};
+use kvroute_sim::sim::placement::{Placed, Placement, RouterPlacement};
 use kvroute_sim::sim::{RequestSet, Simulation, WorkerConfig};
 
 /// The reference experiment's fleet: 6 workers of 585 blocks of 16 tokens.
@@ -57,6 +64,8 @@ struct Case {
     zipf_alpha: f64,
     workload_seed: u64,
     concurrency: usize,
+    /// Retention's mode (None: off).
+    retention: Option<RetentionMode>,
 }
 
 impl Case {
@@ -122,9 +131,105 @@ fn workload(case: &Case) -> (Vec<Arc<[u32]>>, RequestSet, RequestSet) {
     (prefixes, warmup, measured)
 }
 
+/// What the simulator's placement was asked, and the refreshes it answered with.
+#[derive(Clone, Debug, PartialEq)]
+enum Recorded {
+    /// A request was placed: its tokens, its output budget, the refreshes sent ahead of it.
+    Placed {
+        prompt: Vec<u32>,
+        output_tokens: usize,
+        refreshes: Vec<Refresh>,
+    },
+    /// A request finished: the refreshes of the worker it left idle.
+    Finished { refreshes: Vec<Refresh> },
+}
+
+/// The simulator's placement, watched: each request and each finish is recorded with the
+/// refreshes it called for, which are then handed on to the simulator as the placement would.
+struct Recorder<'a> {
+    inner: RouterPlacement<'a, Policy>,
+    log: Vec<Recorded>,
+    pending: Vec<Refresh>,
+}
+
+impl Recorder<'_> {
+    /// The refreshes the inner placement produced since the last call, kept for the
+    /// simulator too.
+    fn new_refreshes(&mut self, now: f64) -> Vec<Refresh> {
+        let mut out = Vec::new();
+        self.inner.refreshes(now, &mut out);
+        self.pending.extend(out.iter().cloned());
+        out
+    }
+}
+
+impl Placement for Recorder<'_> {
+    fn wants_events(&self) -> bool {
+        self.inner.wants_events()
+    }
+
+    fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
+        self.inner.place(block_hashes, prompt_tokens, now)
+    }
+
+    fn place_request(
+        &mut self,
+        block_hashes: &[u64],
+        prompt_head: &[u32],
+        prompt_tail: &[u32],
+        output_tokens: usize,
+        adapter: Option<u64>,
+        now: f64,
+    ) -> Placed {
+        let placed = self.inner.place_request(
+            block_hashes,
+            prompt_head,
+            prompt_tail,
+            output_tokens,
+            adapter,
+            now,
+        );
+        let refreshes = self.new_refreshes(now);
+        self.log.push(Recorded::Placed {
+            prompt: [prompt_head, prompt_tail].concat(),
+            output_tokens,
+            refreshes,
+        });
+        placed
+    }
+
+    fn first_token(&mut self, placed: Placed) {
+        self.inner.first_token(placed);
+    }
+
+    fn finished(&mut self, placed: Placed, now: f64) {
+        self.inner.finished(placed, now);
+        let refreshes = self.new_refreshes(now);
+        self.log.push(Recorded::Finished { refreshes });
+    }
+
+    fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
+        self.inner.apply_events(worker, events, now);
+    }
+
+    fn wants_hash_events(&self) -> bool {
+        self.inner.wants_hash_events()
+    }
+
+    fn apply_hash_events(&mut self, worker: usize, events: &HashEvents, now: f64) {
+        self.inner.apply_hash_events(worker, events, now);
+    }
+
+    fn refreshes(&mut self, _now: f64, out: &mut Vec<Refresh>) {
+        out.append(&mut self.pending);
+    }
+}
+
 /// What the simulator's routing step saw and where it ended.
 struct Simulated {
     journal: Vec<JournalEntry>,
+    /// The placement's requests and finishes, in order, with their refreshes.
+    log: Vec<Recorded>,
     states: Vec<WorkerState>,
     index: KvIndex,
     names: Vec<String>,
@@ -151,7 +256,7 @@ fn simulate(case: &Case) -> Simulated {
         block_size: BLOCK_SIZE,
         ..KvAwareConfig::default()
     };
-    let mut policy = Policy::from_name(
+    let policy = Policy::from_name(
         case.policy,
         PyRandom::from_seed(case.seed.into()),
         kv_aware,
@@ -169,19 +274,28 @@ fn simulate(case: &Case) -> Simulated {
     step.set_journal(true);
     let (prefixes, warmup, measured) = workload(case);
     let output: Arc<[u32]> = (VOCAB.start..VOCAB.start + OUTPUT_TOKENS).collect();
-    {
-        let mut placement = StepPlacement {
-            step: &mut step,
-            index: Some(&mut index),
-            policy: &mut policy,
+    let retention = case
+        .retention
+        .map(|mode| Retention::new(RetentionConfig::new(mode, BLOCK_SIZE, NUM_BLOCKS - 1)));
+    let mut router = Router::new(step, policy, retention);
+    let log = {
+        let mut placement = Recorder {
+            inner: RouterPlacement::new(&mut router, Some(&mut index)),
+            log: Vec::new(),
+            pending: Vec::new(),
         };
         let mut sim = Simulation::new(WORKERS, config, &mut placement, prefixes, output);
         sim.run_closed_loop(&warmup, 1).unwrap();
         sim.run_closed_loop(&measured, case.concurrency).unwrap();
-    }
-    let states = (0..WORKERS).map(|i| step.state(i).clone()).collect();
+        drop(sim);
+        placement.log
+    };
+    let states = (0..WORKERS)
+        .map(|i| router.step().state(i).clone())
+        .collect();
     Simulated {
-        journal: step.set_journal(false),
+        journal: router.step_mut().set_journal(false),
+        log,
         states,
         index,
         names,
@@ -227,6 +341,8 @@ fn serve_fleet(case: &Case, names: &[String]) -> Fleet {
         predicted_ttl_s: Some(2.0),
         predicted_capacity_blocks: None,
         kv_capacity_blocks: Some(NUM_BLOCKS - 1),
+        retention_mode: case.retention.unwrap_or_default(),
+        retention_capacity_blocks: NUM_BLOCKS - 1,
         health_interval: None,
         ..ServeConfig::default()
     };
@@ -240,9 +356,21 @@ fn serve_fleet(case: &Case, names: &[String]) -> Fleet {
     fleet
 }
 
-/// Replay the simulator's journal through a fleet; returns it and how many requests it
-/// routed. Panics at the first request routed or charged otherwise than the simulator did.
-fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
+/// Refreshes the fleet sent as the simulator did.
+#[derive(Clone, Copy, Debug, Default)]
+struct Sent {
+    /// Ahead of a request.
+    ahead: usize,
+    /// To a worker fallen idle.
+    idle: usize,
+    /// Requests retention made room for (not the policy's choice).
+    room: usize,
+}
+
+/// Replay the simulator's journal through a fleet; returns it, how many requests it routed
+/// and the refreshes it sent. Panics at the first request routed, charged or refreshed
+/// otherwise than the simulator did.
+fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize, Sent) {
     let mut fleet = serve_fleet(case, &sim.names);
     // The simulator's slot i is worker `names[i]`; the fleet's slots are its own.
     let slots: Vec<usize> = sim
@@ -253,6 +381,18 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
     let mut pending: Vec<Vec<Load>> = (0..WORKERS).map(|_| Vec::new()).collect();
     let (mut routed_count, mut batches) = (0, 0);
     let mut payload = Vec::new();
+    let mut log = sim.log.iter();
+    let mut sent = Sent::default();
+    // A refresh as the fleet names its worker.
+    let in_fleet = |refreshes: &[Refresh]| -> Vec<Refresh> {
+        refreshes
+            .iter()
+            .map(|r| Refresh {
+                worker: slots[r.worker],
+                ..r.clone()
+            })
+            .collect()
+    };
     for entry in &sim.journal {
         match entry {
             JournalEntry::Route {
@@ -261,18 +401,44 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
                 candidates,
                 adapter,
                 now,
-                routed,
+                decision: routed,
             } => {
-                assert_eq!(*candidates, None, "the simulator routes among every worker");
+                // The simulator routes among every worker, except where retention made room.
+                assert!(
+                    candidates.is_none() || case.retention.is_some(),
+                    "{candidates:?}"
+                );
                 assert_eq!(*adapter, None, "the cases run base-model requests");
+                let Some(Recorded::Placed {
+                    prompt,
+                    output_tokens,
+                    refreshes,
+                }) = log.next()
+                else {
+                    panic!("request {routed_count}: the placement recorded no request");
+                };
+                assert_eq!(prompt.len(), *prompt_tokens);
+                let retained = Retained {
+                    ids: prompt.clone(),
+                    output_tokens: *output_tokens,
+                    model: None,
+                    cache_salt: None,
+                };
                 let choice = fleet
-                    .route(block_hashes, *prompt_tokens, &[], *now, None, None)
+                    .route(
+                        block_hashes,
+                        *prompt_tokens,
+                        &[],
+                        *now,
+                        Some(&retained),
+                        None,
+                    )
                     .expect("every worker is available");
                 assert_eq!(
                     (
                         choice.name.as_str(),
-                        choice.prefill_tokens,
-                        choice.overlap_blocks
+                        choice.decision.prefill_tokens,
+                        choice.decision.overlap
                     ),
                     (
                         sim.names[routed.worker].as_str(),
@@ -282,13 +448,19 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
                     "{case:?}: request {routed_count} at t={now}: the fleet's (worker, prefill, \
                      overlap), then the simulator's"
                 );
-                assert_eq!(choice.slot, slots[routed.worker]);
-                assert_eq!(choice.ticket, routed.ticket);
-                assert!(choice.refreshes.is_empty(), "retention is off");
+                assert_eq!(choice.decision.worker, slots[routed.worker]);
+                assert_eq!(choice.decision.ticket, routed.ticket);
+                assert_eq!(
+                    choice.refreshes,
+                    in_fleet(refreshes),
+                    "{case:?}: request {routed_count} at t={now}: the refreshes sent ahead of it"
+                );
+                sent.ahead += refreshes.len();
+                sent.room += usize::from(candidates.is_some());
                 pending[routed.worker].push(Load {
-                    slot: choice.slot,
-                    ticket: choice.ticket,
-                    prefill_tokens: Some(choice.prefill_tokens),
+                    slot: choice.decision.worker,
+                    ticket: choice.decision.ticket,
+                    prefill_tokens: Some(choice.decision.prefill_tokens),
                 });
                 routed_count += 1;
             }
@@ -315,7 +487,16 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
                     })
                     .expect("a finish of a request past its first token");
                 let load = pending[*worker].remove(at);
-                assert_eq!(fleet.finished(load.slot, load.ticket, *now), None);
+                let Some(Recorded::Finished { refreshes }) = log.next() else {
+                    panic!("a finish at t={now}: the placement recorded none");
+                };
+                let idle = fleet.finished(load.slot, load.ticket, *now);
+                assert_eq!(
+                    idle.map(|i| i.refreshes).unwrap_or_default(),
+                    in_fleet(refreshes),
+                    "{case:?}: a finish on {worker} at t={now}: the refreshes of the idle worker"
+                );
+                sent.idle += refreshes.len();
             }
             JournalEntry::Events {
                 worker,
@@ -350,7 +531,8 @@ fn replay(case: &Case, sim: &Simulated) -> (Fleet, usize) {
         }
     }
     assert!(pending.iter().all(Vec::is_empty), "every request ended");
-    (fleet, routed_count)
+    assert_eq!(log.next(), None, "every request and finish replayed");
+    (fleet, routed_count, sent)
 }
 
 /// Simulate `case`, replay it through a fleet, and compare where they ended.
@@ -363,7 +545,7 @@ fn check(case: Case) {
             JournalEntry::Route {
                 block_hashes,
                 now,
-                routed,
+                decision: routed,
                 ..
             } => Some((block_hashes, *now, routed.worker)),
             _ => None,
@@ -372,8 +554,15 @@ fn check(case: Case) {
     assert_eq!(routes.len(), case.requests() + case.prefixes);
     let used: HashSet<usize> = routes.iter().map(|r| r.2).collect();
     assert_eq!(used.len(), WORKERS, "every worker took requests");
-    let (fleet, routed) = replay(&case, &sim);
+    let (fleet, routed, sent) = replay(&case, &sim);
     assert_eq!(routed, routes.len());
+    if case.retention.is_some() {
+        // Else the case would not show that both send the same refreshes.
+        assert!(
+            sent.ahead + sent.idle > 0 && sent.room > 0,
+            "{case:?}: retention sent nothing: {sent:?}"
+        );
+    }
     let slots: Vec<usize> = sim
         .names
         .iter()
@@ -411,6 +600,7 @@ fn kv_aware_over_7_prefixes_routes_as_the_simulator_did() {
         zipf_alpha: 0.0,
         workload_seed: 0,
         concurrency: 8,
+        retention: None,
     });
 }
 
@@ -423,6 +613,7 @@ fn kv_aware_over_64_skewed_prefixes_routes_as_the_simulator_did() {
         zipf_alpha: 1.2,
         workload_seed: 1,
         concurrency: 16,
+        retention: None,
     });
 }
 
@@ -435,6 +626,7 @@ fn random_routes_as_the_simulator_did() {
         zipf_alpha: 0.0,
         workload_seed: 2,
         concurrency: 8,
+        retention: None,
     });
 }
 
@@ -447,6 +639,7 @@ fn prefix_hash_over_24_prefixes_routes_as_the_simulator_did() {
         zipf_alpha: 0.0,
         workload_seed: 0,
         concurrency: 8,
+        retention: None,
     });
 }
 
@@ -459,5 +652,45 @@ fn least_loaded_over_12_prefixes_routes_as_the_simulator_did() {
         zipf_alpha: 0.0,
         workload_seed: 3,
         concurrency: 16,
+        retention: None,
+    });
+}
+
+#[test]
+fn kv_aware_retaining_auto_over_7_prefixes_routes_and_refreshes_as_the_simulator_did() {
+    check(Case {
+        policy: "kv-aware",
+        seed: 0,
+        prefixes: 7,
+        zipf_alpha: 0.0,
+        workload_seed: 0,
+        concurrency: 8,
+        retention: Some(RetentionMode::Auto),
+    });
+}
+
+#[test]
+fn kv_aware_retaining_auto_over_64_skewed_prefixes_routes_and_refreshes_as_the_simulator_did() {
+    check(Case {
+        policy: "kv-aware",
+        seed: 3,
+        prefixes: 64,
+        zipf_alpha: 1.2,
+        workload_seed: 1,
+        concurrency: 16,
+        retention: Some(RetentionMode::Auto),
+    });
+}
+
+#[test]
+fn kv_aware_retaining_on_over_24_prefixes_routes_and_refreshes_as_the_simulator_did() {
+    check(Case {
+        policy: "kv-aware",
+        seed: 1,
+        prefixes: 24,
+        zipf_alpha: 0.0,
+        workload_seed: 0,
+        concurrency: 8,
+        retention: Some(RetentionMode::On),
     });
 }

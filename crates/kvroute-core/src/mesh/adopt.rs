@@ -252,9 +252,12 @@ mod tests {
 
     fn handle(slot: usize) -> DecisionHandle {
         DecisionHandle {
-            slot,
-            prefill_tokens: 40,
-            ticket: None,
+            decision: crate::routing::Decision {
+                worker: slot,
+                overlap: 0,
+                prefill_tokens: 40,
+                ticket: None,
+            },
             first_token: false,
         }
     }

@@ -8,7 +8,8 @@
 //! of the traffic, not the whole. So each replica publishes its decisions (the prompt's block
 //! chain, the worker, prompt and output tokens, the overlap credited, then first token and
 //! end) and its retention refreshes, and applies its peers' to its own state as if it had
-//! made them.
+//! made them (by the routing operation's rule, `kvroute_core::routing::Router::apply_peer`,
+//! which the simulator's replicas follow too).
 //!
 //! [`Mesh`] is the pure state machine of that exchange (time passed in, messages and effects
 //! as data; the sockets are the serving crate's): numbering outgoing messages, counting what
@@ -26,12 +27,13 @@
 //! (the policy's recent shares, the decisions still open) and adopt the first that arrives.
 
 pub mod adopt;
-pub mod apply;
 pub mod message;
 
 use std::collections::{HashMap, HashSet};
 
 use xxhash_rust::xxh3::xxh3_64;
+
+use crate::routing::step::Decision;
 
 pub use message::{DecodeError, MeshBody, MeshMessage, OpenEntry, Snapshot};
 
@@ -127,7 +129,7 @@ pub enum Received<'a> {
         peer: String,
         decision: u64,
         worker: &'a str,
-        /// What the routing state needs of it (`apply::apply_peer_decision`).
+        /// What the routing state needs of it (`kvroute_core::routing::Router::apply_peer`).
         routed: PeerDecision<'a>,
         /// The body's `model` and `cache_salt` (empty: none), which refreshes of its prefix
         /// carry.
@@ -147,7 +149,7 @@ pub enum Received<'a> {
     /// [`Mesh::snapshot`].
     SnapshotWanted,
     /// This replica, just started, adopts a peer's state: restore the policy's shares, apply
-    /// each open decision ([`apply::adopt_open_decision`]), then give them to
+    /// each open decision (`kvroute_core::routing::Router::adopt_open`), then give them to
     /// [`Mesh::adopted`].
     Adopt {
         /// kv-aware's recent shares by worker URL, and the decisions they counted.
@@ -158,13 +160,11 @@ pub enum Received<'a> {
     },
 }
 
-/// A peer decision as the router applied it: the worker's slot, the prompt tokens charged to
-/// its load until the first token, and its admission ticket.
+/// A peer decision as the router applied it (the worker's slot, the prompt tokens charged to
+/// its load until the first token, its admission ticket), and whether its first token came.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub struct DecisionHandle {
-    pub slot: usize,
-    pub prefill_tokens: usize,
-    pub ticket: Option<u64>,
+    pub decision: Decision,
     /// Whether its first token came (its prefill tokens were released then).
     pub first_token: bool,
 }
@@ -582,9 +582,12 @@ mod tests {
     }
 
     const HANDLE: DecisionHandle = DecisionHandle {
-        slot: 0,
-        prefill_tokens: 24,
-        ticket: None,
+        decision: Decision {
+            worker: 0,
+            overlap: 0,
+            prefill_tokens: 24,
+            ticket: None,
+        },
         first_token: false,
     };
 
@@ -611,7 +614,7 @@ mod tests {
         };
         assert!(matches!(
             mesh.receive(1, first.clone(), 10.1, 100.3),
-            Received::FirstToken(h) if h.prefill_tokens == 24
+            Received::FirstToken(h) if h.decision.prefill_tokens == 24
         ));
         // A first token said twice is released once.
         assert_eq!(mesh.receive(1, first, 10.1, 100.3), Received::Nothing);

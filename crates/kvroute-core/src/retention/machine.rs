@@ -9,7 +9,7 @@ use super::homes::Homes;
 use super::payoff::Payoff;
 use crate::index::KvIndex;
 use crate::policies::WorkerState;
-use crate::routing::RoutingStep;
+use crate::routing::step::RoutingStep;
 
 /// A refresh to send: to `worker`, a prompt of the prefix's tokens plus one, `max_tokens` 1.
 #[derive(Clone, Debug, PartialEq)]

@@ -33,9 +33,8 @@
 //! engine does) and counts running requests' blocks as freed, so it errs early: a refresh
 //! comes before the eviction, not after.
 //!
-//! Placement counts the model too ([`Retention::room_for`], used by the simulator's
-//! `kvroute_sim::sim::placement::RetainingPlacement`
-//! and the live router): a prompt cached nowhere (its prefix new, or evicted everywhere) is
+//! Placement counts the model too ([`Retention::room_for`], used by the routing operation,
+//! `crate::routing::Router`, which the simulator and the live router run): a prompt cached nowhere (its prefix new, or evicted everywhere) is
 //! sent to the worker that is home to the fewest prefix families, among those running at most
 //! `room_slack_requests` above the mean, so that a re-computed prefix lands where it displaces
 //! the least.

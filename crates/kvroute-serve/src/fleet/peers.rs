@@ -3,31 +3,41 @@
 //! had made them, which workers' retention this replica owns, and the policy state and open
 //! decisions a snapshot hands to a replica that has just started.
 //!
-//! A peer's decision is applied by `kvroute_core::mesh::apply`'s rule (the simulator's
-//! replicas follow it too), with the tenant its refreshes will carry remembered here. Workers are named by URL between replicas: every replica reaches
-//! a worker at the same address, whatever name its discovery gives it.
+//! A peer's decision is applied by the routing operation's rule
+//! (`kvroute_core::routing::Router::apply_peer`, which the simulator's replicas follow too),
+//! with the tenant its refreshes will carry remembered here. Workers are named by URL between
+//! replicas: every replica reaches a worker at the same address, whatever name its discovery
+//! gives it.
 
 use std::collections::HashSet;
 
-use kvroute_core::mesh::apply::{
-    adopt_open_decision, apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
-};
 use kvroute_core::mesh::{DecisionHandle, OpenEntry, PeerDecision};
 use kvroute_core::policies::Policy;
+use kvroute_core::routing::Request;
 use kvroute_io::consumer::lock_index;
 
-use super::{Fleet, IdleRefreshes, RefreshTenant, remember_tenant};
+use super::routing::IdleRefreshes;
+use super::state::Fleet;
+use super::tenants::RefreshTenant;
 
 impl Fleet {
-    /// Whether this replica sends `slot`'s refreshes (all of them while no mesh says
-    /// otherwise, [`Fleet::set_retention_owned`]).
-    pub(super) fn owns_retention(&self, slot: usize) -> bool {
-        super::owns(&self.retention_owned, &self.members, slot)
-    }
-
     /// The worker URLs whose retention this replica owns (None: all, no mesh).
     pub fn set_retention_owned(&mut self, owned: Option<HashSet<String>>) {
         self.retention_owned = owned;
+        self.share_retention_owned();
+    }
+
+    /// Tell the router the slots of the workers whose retention this replica owns (after the
+    /// owned URLs or the members changed).
+    pub(super) fn share_retention_owned(&mut self) {
+        let owned = self.retention_owned.as_ref().map(|urls| {
+            self.members
+                .iter()
+                .filter(|m| urls.contains(&m.url))
+                .map(|m| m.slot)
+                .collect()
+        });
+        self.router.set_retention_owned(owned);
     }
 
     /// The URLs of every worker (the mesh names workers by them).
@@ -49,11 +59,11 @@ impl Fleet {
             return (None, None);
         };
         let (slot, name, url) = (member.slot, member.name.clone(), member.url.clone());
-        let owned = self.owns_retention(slot);
         // The body names the model; whether it is an adapter is this fleet's knowledge.
         let adapter = self.adapter_of(tenant.model.as_deref());
-        if self.retention.is_some() && !peer.prompt.is_empty() && !peer.block_hashes.is_empty() {
-            remember_tenant(&mut self.tenants, peer.block_hashes[0], tenant);
+        let peer = &PeerDecision { adapter, ..*peer };
+        if self.router.retains(&Request::from(peer)) {
+            self.tenants.remember(peer.block_hashes[0], tenant);
         }
         // The policy counts the peer's choice among the workers it would have chosen from.
         let candidates: Vec<usize> = self
@@ -62,17 +72,12 @@ impl Fleet {
             .filter(|m| m.available(now))
             .map(|m| m.slot)
             .collect();
-        let peer = &PeerDecision { adapter, ..*peer };
         let mut refreshes = Vec::new();
         let mut index = lock_index(&self.index);
-        let handle = apply_peer_decision(
-            &mut self.routing,
+        let handle = self.router.apply_peer(
             Some(&mut index),
-            &mut self.policy,
-            self.retention.as_mut(),
             slot,
             &candidates,
-            owned,
             peer,
             now,
             &mut refreshes,
@@ -81,7 +86,7 @@ impl Fleet {
         let refreshes = (!refreshes.is_empty()).then(|| IdleRefreshes {
             name,
             url,
-            tenants: self.tenants_of(&refreshes),
+            tenants: self.tenants.of(&refreshes),
             refreshes,
         });
         (Some(handle), refreshes)
@@ -89,12 +94,12 @@ impl Fleet {
 
     /// A peer's decision got its first token: its prefill leaves the worker's load.
     pub fn peer_first_token(&mut self, handle: &DecisionHandle) {
-        peer_first_token(&mut self.routing, handle);
+        self.router.peer_first_token(handle);
     }
 
     /// A peer's decision ended (or expired) at `now`: release what it charged.
     pub fn peer_finished(&mut self, handle: DecisionHandle, now: f64) {
-        peer_finished(&mut self.routing, handle, now);
+        self.router.peer_finished(handle, now);
     }
 
     /// The owner of `worker_url`'s retention refreshed this prefix there at `now`: the
@@ -103,22 +108,16 @@ impl Fleet {
         let Some(member) = self.members.iter().find(|m| m.url == worker_url) else {
             return;
         };
-        let (slot, name) = (member.slot, member.name.clone());
+        let slot = member.slot;
         let mut index = lock_index(&self.index);
-        apply_peer_refresh(
-            Some(&mut index),
-            self.retention.as_mut(),
-            slot,
-            &name,
-            block_hashes,
-            now,
-        );
+        self.router
+            .apply_peer_refresh(Some(&mut index), slot, block_hashes, now);
     }
 
     /// kv-aware's recent shares by worker URL and the decisions they counted, for a
     /// snapshot (empty for the other policies, which keep no such state).
     pub fn recent_shares(&self) -> (Vec<(String, f64)>, u64) {
-        let Policy::KvAware(p) = &self.policy else {
+        let Policy::KvAware(p) = self.router.policy() else {
             return (Vec::new(), 0);
         };
         let shares = p
@@ -134,7 +133,7 @@ impl Fleet {
     /// Take a peer's recent shares (by worker URL; workers not known here are left out, a
     /// share that is not a fraction refuses them all) and the decisions they counted.
     pub fn adopt_shares(&mut self, shares: &[(String, f64)], decisions: u64) {
-        let Policy::KvAware(p) = &mut self.policy else {
+        let Policy::KvAware(p) = self.router.policy_mut() else {
             return;
         };
         if shares.is_empty() || shares.iter().any(|(_, s)| !(0.0..=1.0).contains(s)) {
@@ -155,12 +154,6 @@ impl Fleet {
     pub fn adopt_open(&mut self, entry: &OpenEntry, now: f64) -> Option<DecisionHandle> {
         let slot = self.members.iter().find(|m| m.url == entry.worker)?.slot;
         let mut index = lock_index(&self.index);
-        Some(adopt_open_decision(
-            &mut self.routing,
-            Some(&mut index),
-            slot,
-            entry,
-            now,
-        ))
+        Some(self.router.adopt_open(Some(&mut index), slot, entry, now))
     }
 }

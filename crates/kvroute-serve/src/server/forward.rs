@@ -12,7 +12,7 @@ use hyper::{Request, Response, StatusCode};
 
 use super::answers::{answered, draining, no_worker, with_worker};
 use super::limits::BUFFERED_ANSWER_BYTES;
-use super::pipeline::{Admitted, Decision, InFlight, Pipeline, RequestLoad};
+use super::pipeline::{Admitted, Attempt, InFlight, Pipeline, RequestLoad};
 use super::shared::Shared;
 use crate::edge::{self, Body};
 use crate::prompt::Route;
@@ -66,13 +66,13 @@ async fn forward(
 ) -> Response<Body> {
     let mut tried: Vec<String> = Vec::new();
     for attempt in 0..shared.config.max_attempts {
-        let Some(Decision { choice, mut load }) =
+        let Some(Attempt { dispatch, mut load }) =
             pipeline.decide(admitted, &tried, attempt > 0).await
         else {
             break;
         };
-        let Ok(uri) = format!("{}{}", choice.url, route.path()).parse::<hyper::Uri>() else {
-            tried.push(choice.name);
+        let Ok(uri) = format!("{}{}", dispatch.url, route.path()).parse::<hyper::Uri>() else {
+            tried.push(dispatch.name);
             continue;
         };
         let mut upstream_request = Request::post(uri);
@@ -80,7 +80,7 @@ async fn forward(
             *h = headers.clone();
         }
         let Ok(upstream_request) = upstream_request.body(Full::new(raw.clone())) else {
-            tried.push(choice.name);
+            tried.push(dispatch.name);
             continue;
         };
         let sent = shared.upstream.request(upstream_request);
@@ -96,25 +96,25 @@ async fn forward(
             None => {
                 shared
                     .metrics
-                    .upstream_error(&choice.name, "first_byte_timeout");
-                shared.fleet().failed(&choice.name, shared.now());
-                tried.push(choice.name);
+                    .upstream_error(&dispatch.name, "first_byte_timeout");
+                shared.fleet().failed(&dispatch.name, shared.now());
+                tried.push(dispatch.name);
                 continue;
             }
             // Refused, or no connection in time: the worker is gone. A connection dropped
             // before the answer may be a benign keep-alive race (or a worker that just died,
             // whose next connection is refused): only a retry.
             Some(Err(e)) => {
-                shared.metrics.upstream_error(&choice.name, "connect");
+                shared.metrics.upstream_error(&dispatch.name, "connect");
                 if e.is_connect() {
-                    shared.fleet().refused(&choice.name);
+                    shared.fleet().refused(&dispatch.name);
                 }
-                tried.push(choice.name);
+                tried.push(dispatch.name);
                 continue;
             }
         };
         let (parts, body) = answer.into_parts();
-        pipeline.answered(&choice.name, parts.status);
+        pipeline.answered(&dispatch.name, parts.status);
         let idle = shared.config.stream_idle_timeout;
         let event_stream = parts
             .headers
@@ -123,13 +123,13 @@ async fn forward(
         if event_stream {
             let hooks = Box::new(Relayed {
                 shared: shared.clone(),
-                worker: choice.name.clone(),
+                worker: dispatch.name.clone(),
                 kind: "stream",
                 load,
                 _in_flight: in_flight,
             });
-            let body = RelayBody::events(body, idle, &choice.name, hooks);
-            let mut response = answered(parts.status, &parts.headers, body.boxed(), &choice.name);
+            let body = RelayBody::events(body, idle, &dispatch.name, hooks);
+            let mut response = answered(parts.status, &parts.headers, body.boxed(), &dispatch.name);
             response
                 .headers_mut()
                 .insert(CACHE_CONTROL, HeaderValue::from_static("no-cache"));
@@ -142,29 +142,29 @@ async fn forward(
                 parts.status,
                 &parts.headers,
                 edge::full(bytes),
-                &choice.name,
+                &dispatch.name,
             ),
             Ok(AnswerStart::Head(head)) => {
                 let hooks = Box::new(Relayed {
                     shared: shared.clone(),
-                    worker: choice.name.clone(),
+                    worker: dispatch.name.clone(),
                     kind: "body",
                     load,
                     _in_flight: in_flight,
                 });
-                let body = RelayBody::bytes(head, body, idle, &choice.name, hooks);
-                answered(parts.status, &parts.headers, body.boxed(), &choice.name)
+                let body = RelayBody::bytes(head, body, idle, &dispatch.name, hooks);
+                answered(parts.status, &parts.headers, body.boxed(), &dispatch.name)
             }
             Err(ending) => {
-                shared.broke(&choice.name, "body", ending);
+                shared.broke(&dispatch.name, "body", ending);
                 let message = format!(
                     "worker {} failed while answering: {}",
-                    choice.name,
+                    dispatch.name,
                     ending.problem(idle)
                 );
                 let response =
                     edge::error(StatusCode::BAD_GATEWAY, &message, "UpstreamError", None);
-                with_worker(response, &choice.name)
+                with_worker(response, &dispatch.name)
             }
         };
     }

@@ -11,7 +11,7 @@ use kvroute_core::retention::Refresh;
 use tokio::sync::watch;
 
 use crate::config::ConfigError;
-use crate::fleet::Choice;
+use crate::fleet::Dispatch;
 use crate::mesh::{MeshSettings, Publisher, WireCounters};
 use crate::metrics::exposition::{Exposition, Histogram, Kind};
 use crate::prompt::Prompt;
@@ -80,9 +80,9 @@ impl MeshLink {
         self.publisher.publish(Bytes::from(message.encode()));
     }
 
-    /// Publish this replica's decision `choice` of `prompt`; its number, for its first token
+    /// Publish this replica's decision `dispatch` of `prompt`; its number, for its first token
     /// and end.
-    pub(super) fn routed(&self, choice: &Choice, prompt: &Prompt, now: f64) -> u64 {
+    pub(super) fn routed(&self, dispatch: &Dispatch, prompt: &Prompt, now: f64) -> u64 {
         let (ids, output_tokens, model, cache_salt) = match &prompt.retained {
             Some(r) => (
                 r.ids.clone(),
@@ -97,11 +97,11 @@ impl MeshLink {
         let message = state.message(
             MeshBody::Routed {
                 decision,
-                worker: choice.url.clone(),
+                worker: dispatch.url.clone(),
                 block_hashes: prompt.block_hashes.clone(),
                 prompt_tokens: u32::try_from(prompt.tokens).unwrap_or(u32::MAX),
                 output_tokens: u32::try_from(output_tokens).unwrap_or(u32::MAX),
-                overlap: u32::try_from(choice.overlap_blocks).unwrap_or(u32::MAX),
+                overlap: u32::try_from(dispatch.decision.overlap).unwrap_or(u32::MAX),
                 prompt: ids,
                 model,
                 cache_salt,

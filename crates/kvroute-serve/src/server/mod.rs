@@ -39,7 +39,7 @@ pub use limits::{
     BUFFERED_ANSWER_BYTES, EVENTS_COALESCE, LARGE_BODIES, MAX_ANSWER_BYTES, MAX_REFRESHES_OPEN,
     UNHEALTHY_CHECKS_PER_INTERVAL, WORKER_HEADER,
 };
-pub use pipeline::{Admitted, Decision, InFlight, Pipeline, RequestLoad};
+pub use pipeline::{Admitted, Attempt, InFlight, Pipeline, RequestLoad};
 pub use router::Router;
 pub use shared::{WorkerView, monotonic_seconds};
 

@@ -15,7 +15,7 @@ use hyper::{Request, Response, StatusCode};
 use super::refresh::{send_refreshes, spawn_idle_refreshes};
 use super::shared::Shared;
 use crate::edge::{self, Body, BodyReservation};
-use crate::fleet::{Choice, Fleet};
+use crate::fleet::{Dispatch, Fleet};
 use crate::metrics::Metrics;
 use crate::prompt::{Prompt, Route};
 use crate::relay::Ending;
@@ -46,8 +46,8 @@ pub struct Admitted {
 }
 
 /// Where one attempt of a request goes, and the load it puts there until dropped.
-pub struct Decision {
-    pub choice: Choice,
+pub struct Attempt {
+    pub dispatch: Dispatch,
     pub load: RequestLoad,
 }
 
@@ -173,11 +173,11 @@ impl Pipeline {
         admitted: &Admitted,
         excluded: &[String],
         retry: bool,
-    ) -> Option<Decision> {
+    ) -> Option<Attempt> {
         let shared = &self.shared;
         let prompt = &admitted.prompt;
         let now = shared.now();
-        let choice = shared.fleet().route(
+        let dispatch = shared.fleet().route(
             &prompt.block_hashes,
             prompt.tokens,
             excluded,
@@ -194,27 +194,30 @@ impl Pipeline {
         }
         shared
             .metrics
-            .decision(&shared.config.policy.name, &choice.name);
+            .decision(&shared.config.policy.name, &dispatch.name);
         shared
             .metrics
-            .routed(choice.overlap_blocks, prompt.block_hashes.len());
+            .routed(dispatch.decision.overlap, prompt.block_hashes.len());
         let load = RequestLoad {
             shared: shared.clone(),
-            slot: choice.slot,
-            ticket: choice.ticket,
-            prefill_tokens: Some(choice.prefill_tokens),
-            decision: shared.mesh.as_ref().map(|m| m.routed(&choice, prompt, now)),
+            slot: dispatch.decision.worker,
+            ticket: dispatch.decision.ticket,
+            prefill_tokens: Some(dispatch.decision.prefill_tokens),
+            decision: shared
+                .mesh
+                .as_ref()
+                .map(|m| m.routed(&dispatch, prompt, now)),
         };
-        if !choice.refreshes.is_empty() {
+        if !dispatch.refreshes.is_empty() {
             if let Some(mesh) = &shared.mesh {
-                mesh.refreshed(&choice.url, &choice.refreshes, now);
+                mesh.refreshed(&dispatch.url, &dispatch.refreshes, now);
             }
             let waited = Instant::now();
-            let (refreshes, tenants) = (&choice.refreshes, &choice.refresh_tenants);
-            send_refreshes(shared, &choice.name, &choice.url, refreshes, tenants).await;
+            let (refreshes, tenants) = (&dispatch.refreshes, &dispatch.refresh_tenants);
+            send_refreshes(shared, &dispatch.name, &dispatch.url, refreshes, tenants).await;
             shared.metrics.refresh_wait(waited.elapsed().as_secs_f64());
         }
-        Some(Decision { choice, load })
+        Some(Attempt { dispatch, load })
     }
 
     /// One available worker `(name, url)`, rotating over them (requests without a prompt).

@@ -3,8 +3,9 @@
 //!
 //! This is `kvroute.sim`'s loop, event for event, so its results equal the Python simulator's:
 //!
-//! * A trial ([`Trial::run`]) = fresh workers, the warmup (one request per prefix, sent one at a
-//!   time through the same placement, not measured), then the measured requests in their order
+//! * A trial ([`Simulation::run_trial`]; [`Trial::run`] on fresh workers) = the warmup (one
+//!   request per prefix, sent one at a time through the same placement, not measured), then
+//!   the measured requests in their order
 //!   from `concurrency` closed-loop clients: each client sends its next request when its
 //!   previous one completes.
 //! * A request reaches its worker's engine `frontend_s` after it is sent; TTFT is from send to
@@ -35,6 +36,7 @@ use crate::engine::scheduler::{Engine, NewRequest, PrefixCacheStats, StepResult}
 use kvroute_core::blocks::{BlockHasher, BlockKeys};
 use kvroute_core::policies::adapter_id;
 use kvroute_core::retention::Refresh;
+use kvroute_core::routing::Decision;
 
 pub mod placement;
 pub mod replicas;
@@ -376,6 +378,39 @@ impl<'p> Simulation<'p> {
         self.engines.iter().map(Engine::stats).collect()
     }
 
+    /// One trial on these engines, the one driver of `kvroute.sim.run_trial` (through the
+    /// bindings) and [`Trial::run`]: `warmup` sent one at a time (unmeasured), the placement
+    /// settled ([`Placement::settle`]), then `measured` from `concurrency` closed-loop clients;
+    /// the measured requests' records, the window's duration, and the workers' counters and
+    /// the refreshes over it (the deltas from the warmup's end).
+    pub fn run_trial(
+        &mut self,
+        warmup: &RequestSet,
+        measured: &RequestSet,
+        concurrency: usize,
+    ) -> Result<TrialResult, SimError> {
+        if !warmup.is_empty() {
+            self.run_closed_loop(warmup, 1)?;
+            self.placement.settle();
+        }
+        let before = self.stats();
+        let refreshes_before = self.refresh_stats();
+        let t0 = self.now();
+        let records = self.run_closed_loop(measured, concurrency)?;
+        let window_stats = self
+            .stats()
+            .iter()
+            .zip(&before)
+            .map(|(a, b)| a.since(b))
+            .collect();
+        Ok(TrialResult {
+            records,
+            duration_s: self.now() - t0,
+            window_stats,
+            refreshes: self.refresh_stats().since(&refreshes_before),
+        })
+    }
+
     /// Send `requests` from `concurrency` closed-loop clients; returns their records in
     /// request order once all have finished.
     pub fn run_closed_loop(
@@ -556,12 +591,12 @@ impl<'p> Simulation<'p> {
             let sent = Sent {
                 pos: REFRESH,
                 send_time: self.now,
-                placed: Placed {
+                placed: Placed::new(Decision {
                     worker: r.worker,
+                    overlap: 0,
                     prefill_tokens: 1,
                     ticket: None,
-                    decision: 0,
-                },
+                }),
             };
             self.arrivals.push(Some((sent, request)));
             let slot = self.arrivals.len() - 1;
@@ -649,7 +684,7 @@ impl<'p> Simulation<'p> {
                 Event::Arrive { slot } => {
                     let (sent, request) = self.arrivals[slot].take().expect("an arrival");
                     self.free_arrivals.push(slot);
-                    let w = sent.placed.worker;
+                    let w = sent.placed.worker();
                     let key = self.engines[w]
                         .add_request(request)
                         .map_err(|e| SimError::BadInput(e.to_string()))?;
@@ -740,9 +775,9 @@ enum Clients<'a> {
     Open(&'a [f64]),
 }
 
-/// One trial as `kvroute.sim.run_trial`: fresh workers, the warmup sent one at a time, then
-/// the measured requests from `concurrency` closed-loop clients. The lead's bindings build one
-/// per sweep point and run it once per trial with a fresh placement.
+/// One trial's inputs: fresh workers, the warmup sent one at a time, then the measured
+/// requests from `concurrency` closed-loop clients (the Rust tests' and examples' way to run
+/// [`Simulation::run_trial`] on fresh workers).
 #[derive(Clone, Debug)]
 pub struct Trial {
     /// Number of workers.
@@ -762,7 +797,8 @@ pub struct Trial {
 }
 
 impl Trial {
-    /// Run the trial with `placement` (fresh, or reset by the caller).
+    /// Run the trial ([`Simulation::run_trial`]) on fresh workers with `placement` (fresh,
+    /// or reset by the caller).
     pub fn run(&self, placement: &mut dyn Placement) -> Result<TrialResult, SimError> {
         let mut sim = Simulation::new(
             self.workers,
@@ -771,23 +807,7 @@ impl Trial {
             self.prefixes.clone(),
             self.output.clone(),
         );
-        sim.run_closed_loop(&self.warmup, 1)?;
-        let before = sim.stats();
-        let refreshes_before = sim.refresh_stats();
-        let t0 = sim.now();
-        let records = sim.run_closed_loop(&self.measured, self.concurrency)?;
-        let window_stats = sim
-            .stats()
-            .iter()
-            .zip(&before)
-            .map(|(a, b)| a.since(b))
-            .collect();
-        Ok(TrialResult {
-            records,
-            duration_s: sim.now() - t0,
-            window_stats,
-            refreshes: sim.refresh_stats().since(&refreshes_before),
-        })
+        sim.run_trial(&self.warmup, &self.measured, self.concurrency)
     }
 }
 
@@ -835,16 +855,16 @@ mod tests {
             let worker = self.next % self.workers;
             self.next = worker + 1;
             self.in_flight[worker] += 1;
-            Placed {
+            Placed::new(Decision {
                 worker,
+                overlap: 0,
                 prefill_tokens: prompt_tokens.max(1),
                 ticket: None,
-                decision: 0,
-            }
+            })
         }
         fn first_token(&mut self, _placed: Placed) {}
         fn finished(&mut self, placed: Placed, _now: f64) {
-            self.in_flight[placed.worker] -= 1;
+            self.in_flight[placed.worker()] -= 1;
         }
         fn apply_events(&mut self, _worker: usize, events: &[KvCacheEvent], _now: f64) {
             self.events_seen += events.len();
@@ -1137,8 +1157,8 @@ mod tests {
         use crate::engine::scheduler::LoraSlots;
         use kvroute_core::policies::{KvAware, KvAwareConfig, Policy};
         use kvroute_core::pyrandom::PyRandom;
-        use kvroute_core::routing::RoutingStep;
-        use placement::StepPlacement;
+        use kvroute_core::routing::{Router, RoutingStep};
+        use placement::RouterPlacement;
 
         let g = &parse()[0];
         // Eight prefixes of two tenants (adapters a0, a1 in turn) on two workers with one LoRA
@@ -1148,18 +1168,15 @@ mod tests {
                 adapter_weight,
                 ..KvAwareConfig::default()
             };
-            let mut policy = Policy::KvAware(Box::new(
+            let policy = Policy::KvAware(Box::new(
                 KvAware::new(config, PyRandom::from_seed(0)).unwrap(),
             ));
             let mut step = RoutingStep::new(g.config.hasher.block_size());
             step.track_adapters(Some(1));
             step.add_worker("w0");
             step.add_worker("w1");
-            let mut placement = StepPlacement {
-                step: &mut step,
-                index: None,
-                policy: &mut policy,
-            };
+            let mut router = Router::new(step, policy, None);
+            let mut placement = RouterPlacement::new(&mut router, None);
             let engines = (0..2)
                 .map(|_| {
                     let c = &g.config;

@@ -7,35 +7,31 @@
 //! replica knows only its own decisions and refreshes; with it (`mesh_lag` given), every
 //! decision, its first token and end, and every refresh reach the other replicas `mesh_lag`
 //! seconds later and are applied there by the rule the live router follows
-//! (`kvroute_core::mesh::apply`), and each worker's retention is sent by one replica only: its owner
-//! by rendezvous hashing over the replicas (`kvroute_core::mesh::retention_owner`).
+//! (`kvroute_core::routing::Router::apply_peer`), and each worker's retention is sent by one
+//! replica only: its owner by rendezvous hashing over the replicas
+//! (`kvroute_core::mesh::retention_owner`).
+//!
+//! A run ends with [`Placement::settle`]: the messages still in flight are applied, and the
+//! balancer's draws start again from its seed, so that a trial's measured requests draw the
+//! same replicas whatever its warmup.
 //!
 //! Deliveries due by a callback's time are applied at its start (a callback without a time,
 //! the first token, uses the last time seen, which is at most one engine step old).
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{HashMap, HashSet, VecDeque};
 use std::sync::Arc;
 
 use kvroute_core::kvevents::events::KvCacheEvent;
-use kvroute_core::mesh::apply::{
-    apply_peer_decision, apply_peer_refresh, peer_finished, peer_first_token,
-};
 use kvroute_core::mesh::retention_owner;
 use kvroute_core::mesh::{DecisionHandle, PeerDecision};
+use kvroute_core::policies::Choose;
 use kvroute_core::pyrandom::PyRandom;
-use kvroute_core::retention::{Refresh, Retention};
+use kvroute_core::retention::Refresh;
+use kvroute_core::routing::Request;
 
 use crate::hash_events::HashEvents;
 
-use super::placement::{Placed, Placement, StepPlacement, route_retaining};
-
-/// One replica's state: its routing step, index and policy, and its retention model.
-pub struct Replica<'a> {
-    /// Its routing step, index and policy.
-    pub placement: StepPlacement<'a>,
-    /// Its retention model (None: retention off).
-    pub retention: Option<&'a mut Retention>,
-}
+use super::placement::{Placed, Placement, RouterPlacement, joined_for};
 
 /// A message on its way between replicas.
 enum Delivery {
@@ -60,14 +56,14 @@ enum Delivery {
     },
 }
 
-/// N replicas behind a random balancer (see the module docs).
-pub struct ReplicaPlacement<'a> {
-    replicas: Vec<Replica<'a>>,
+/// N replicas behind a random balancer (see the module docs), each a router with its index.
+pub struct ReplicaPlacement<'a, P> {
+    replicas: Vec<RouterPlacement<'a, P>>,
     /// The mesh's delivery lag (None: no mesh).
     mesh_lag: Option<f64>,
     balancer: PyRandom,
-    /// Each worker's retention owner (with the mesh), by slot.
-    owners: Vec<usize>,
+    /// The balancer's seed: its draws start from it at each run.
+    seed: u64,
     /// Messages in flight: when due, from which replica, what.
     queue: VecDeque<(f64, usize, Delivery)>,
     /// Per open decision: the replica that made it.
@@ -79,17 +75,23 @@ pub struct ReplicaPlacement<'a> {
     pending: Vec<Refresh>,
 }
 
-impl<'a> ReplicaPlacement<'a> {
+impl<'a, P: Choose> ReplicaPlacement<'a, P> {
     /// `replicas` (at least one, each with slots for the same `workers`, named alike) behind a
     /// balancer seeded with `seed`; `mesh_lag` the mesh's delivery lag in seconds (None: no
-    /// mesh, each replica alone).
-    pub fn new(replicas: Vec<Replica<'a>>, mesh_lag: Option<f64>, seed: u64) -> Self {
+    /// mesh, each replica alone). Each replica's router owns the retention of every worker
+    /// without the mesh (each alone, as live replicas without one), of the workers it is the
+    /// owner of with it.
+    pub fn new(
+        mut replicas: Vec<RouterPlacement<'a, P>>,
+        mesh_lag: Option<f64>,
+        seed: u64,
+    ) -> Self {
         assert!(!replicas.is_empty(), "at least one replica");
         let names: Vec<String> = (0..replicas.len())
             .map(|i| format!("replica-{i}"))
             .collect();
-        let step = &replicas[0].placement.step;
-        let owners = (0..step.slot_count())
+        let step = replicas[0].router.step();
+        let owners: Vec<usize> = (0..step.slot_count())
             .map(|slot| {
                 let worker = &step.state(slot).name;
                 let owner =
@@ -97,11 +99,19 @@ impl<'a> ReplicaPlacement<'a> {
                 names.iter().position(|n| n == owner).expect("one of them")
             })
             .collect();
+        for (r, replica) in replicas.iter_mut().enumerate() {
+            let owned = mesh_lag.map(|_| {
+                (0..owners.len())
+                    .filter(|&slot| owners[slot] == r)
+                    .collect::<HashSet<usize>>()
+            });
+            replica.router.set_retention_owned(owned);
+        }
         Self {
             replicas,
             mesh_lag,
             balancer: PyRandom::from_seed(i128::from(seed)),
-            owners,
+            seed,
             queue: VecDeque::new(),
             origin: HashMap::new(),
             applied: HashMap::new(),
@@ -109,21 +119,6 @@ impl<'a> ReplicaPlacement<'a> {
             clock: 0.0,
             pending: Vec::new(),
         }
-    }
-
-    /// Apply every message still in flight, as if the lag had passed: after a run, so that
-    /// each replica's accounting is whole for the next run over the same replicas (a driver
-    /// that runs a warmup, then the measured requests, with a fresh placement each time).
-    pub fn settle(&mut self) {
-        let clock = self.clock;
-        self.deliver(f64::INFINITY);
-        self.clock = clock;
-    }
-
-    /// Whether replica `r` sends worker `slot`'s refreshes: all do without the mesh (each
-    /// alone, as live replicas without one), the owner only with it.
-    fn owns(&self, r: usize, slot: usize) -> bool {
-        self.mesh_lag.is_none() || self.owners.get(slot) == Some(&r)
     }
 
     /// Publish `delivery` from replica `from` at `now` (nothing without the mesh).
@@ -163,10 +158,8 @@ impl<'a> ReplicaPlacement<'a> {
     }
 
     fn apply(&mut self, to: usize, delivery: &Delivery, now: f64) {
-        let owned = self.owns(to, delivery_worker(delivery).unwrap_or(usize::MAX));
         let start = self.pending.len();
-        let r = &mut self.replicas[to];
-        let p = &mut r.placement;
+        let p = &mut self.replicas[to];
         match delivery {
             Delivery::Routed {
                 decision,
@@ -177,15 +170,11 @@ impl<'a> ReplicaPlacement<'a> {
                 overlap,
                 adapter,
             } => {
-                let candidates = p.step.live_slots().to_vec();
-                let handle = apply_peer_decision(
-                    p.step,
+                let candidates = p.router.step().live_slots().to_vec();
+                let handle = p.router.apply_peer(
                     p.index.as_deref_mut(),
-                    p.policy,
-                    r.retention.as_deref_mut(),
                     *worker,
                     &candidates,
-                    owned,
                     &PeerDecision {
                         block_hashes,
                         prompt,
@@ -201,28 +190,21 @@ impl<'a> ReplicaPlacement<'a> {
             }
             Delivery::FirstToken { decision } => {
                 if let Some(h) = self.applied.get_mut(&(to, *decision)) {
-                    peer_first_token(p.step, h);
+                    p.router.peer_first_token(h);
                     h.first_token = true;
                 }
             }
             Delivery::Finished { decision } => {
                 if let Some(h) = self.applied.remove(&(to, *decision)) {
-                    peer_finished(p.step, h, now);
+                    p.router.peer_finished(h, now);
                 }
             }
             Delivery::Refreshed {
                 worker,
                 block_hashes,
             } => {
-                let name = p.step.state(*worker).name.clone();
-                apply_peer_refresh(
-                    p.index.as_deref_mut(),
-                    r.retention.as_deref_mut(),
-                    *worker,
-                    &name,
-                    block_hashes,
-                    now,
-                );
+                p.router
+                    .apply_peer_refresh(p.index.as_deref_mut(), *worker, block_hashes, now);
             }
         }
         // What the peer decision asked of this replica as its worker's owner goes out too.
@@ -230,17 +212,9 @@ impl<'a> ReplicaPlacement<'a> {
     }
 }
 
-/// The worker a delivery concerns, where it names one.
-fn delivery_worker(delivery: &Delivery) -> Option<usize> {
-    match delivery {
-        Delivery::Routed { worker, .. } | Delivery::Refreshed { worker, .. } => Some(*worker),
-        Delivery::FirstToken { .. } | Delivery::Finished { .. } => None,
-    }
-}
-
-impl Placement for ReplicaPlacement<'_> {
+impl<P: Choose> Placement for ReplicaPlacement<'_, P> {
     fn wants_events(&self) -> bool {
-        self.replicas.iter().any(|r| r.placement.wants_events())
+        self.replicas.iter().any(|r| r.wants_events())
     }
 
     fn place(&mut self, block_hashes: &[u64], prompt_tokens: usize, now: f64) -> Placed {
@@ -260,52 +234,31 @@ impl Placement for ReplicaPlacement<'_> {
         let n = self.replicas.len();
         let to = if n > 1 { self.balancer.randrange(n) } else { 0 };
         self.next_decision += 1;
-        let decision = self.next_decision;
+        let serial = self.next_decision;
         let start = self.pending.len();
-        let with_retention = self.replicas[to].retention.is_some();
-        let prompt_tokens = prompt_head.len() + prompt_tail.len();
-        // The prompt's tokens travel (and are joined) only when retention needs them.
-        let prompt = if with_retention {
-            [prompt_head, prompt_tail].concat()
-        } else {
-            Vec::new()
-        };
         let replica = &mut self.replicas[to];
-        let r = match replica.retention.as_deref_mut() {
-            Some(retention) => {
-                // Ownership is the chosen worker's, known only once routed.
-                let (owners, mesh) = (&self.owners, self.mesh_lag.is_some());
-                route_retaining(
-                    &mut replica.placement,
-                    retention,
-                    |slot| !mesh || owners.get(slot) == Some(&to),
-                    block_hashes,
-                    &prompt,
-                    output_tokens,
-                    adapter,
-                    now,
-                    &mut self.pending,
-                )
-            }
-            None => {
-                let p = &mut replica.placement;
-                p.step.route(
-                    p.index.as_deref_mut(),
-                    p.policy,
-                    block_hashes,
-                    prompt_tokens,
-                    adapter,
-                    None,
-                    now,
-                )
-            }
+        // The prompt's tokens travel (and are joined) only when retention needs them.
+        let prompt = joined_for(replica.router, prompt_head, prompt_tail);
+        let request = Request {
+            block_hashes,
+            prompt: &prompt,
+            prompt_tokens: prompt_head.len() + prompt_tail.len(),
+            output_tokens,
+            adapter,
         };
-        self.origin.insert(decision, to);
+        let r = replica.router.route(
+            replica.index.as_deref_mut(),
+            &request,
+            None,
+            now,
+            &mut self.pending,
+        );
+        self.origin.insert(serial, to);
         self.publish_refreshes(to, start, now);
         self.publish(
             to,
             Delivery::Routed {
-                decision,
+                decision: serial,
                 worker: r.worker,
                 block_hashes: block_hashes.to_vec(),
                 prompt,
@@ -315,20 +268,23 @@ impl Placement for ReplicaPlacement<'_> {
             },
             now,
         );
-        Placed::from_routed(&r, decision)
+        Placed {
+            decision: r,
+            serial,
+        }
     }
 
     fn first_token(&mut self, placed: Placed) {
         let now = self.clock;
         self.deliver(now);
-        let Some(&r) = self.origin.get(&placed.decision) else {
+        let Some(&r) = self.origin.get(&placed.serial) else {
             return;
         };
-        self.replicas[r].placement.first_token(placed);
+        self.replicas[r].first_token(placed);
         self.publish(
             r,
             Delivery::FirstToken {
-                decision: placed.decision,
+                decision: placed.serial,
             },
             now,
         );
@@ -336,29 +292,18 @@ impl Placement for ReplicaPlacement<'_> {
 
     fn finished(&mut self, placed: Placed, now: f64) {
         self.deliver(now);
-        let Some(r) = self.origin.remove(&placed.decision) else {
+        let Some(r) = self.origin.remove(&placed.serial) else {
             return;
         };
-        self.replicas[r].placement.finished(placed, now);
-        if self.owns(r, placed.worker) {
-            let start = self.pending.len();
-            let replica = &mut self.replicas[r];
-            if let Some(retention) = replica.retention.as_deref_mut() {
-                let p = &mut replica.placement;
-                retention.poll_idle(
-                    p.step,
-                    p.index.as_deref_mut(),
-                    placed.worker,
-                    now,
-                    &mut self.pending,
-                );
-            }
-            self.publish_refreshes(r, start, now);
-        }
+        let start = self.pending.len();
+        let replica = &mut self.replicas[r];
+        replica.finished(placed, now);
+        replica.refreshes(now, &mut self.pending);
+        self.publish_refreshes(r, start, now);
         self.publish(
             r,
             Delivery::Finished {
-                decision: placed.decision,
+                decision: placed.serial,
             },
             now,
         );
@@ -367,20 +312,18 @@ impl Placement for ReplicaPlacement<'_> {
     fn apply_events(&mut self, worker: usize, events: &[KvCacheEvent], now: f64) {
         self.deliver(now);
         for r in &mut self.replicas {
-            r.placement.apply_events(worker, events, now);
+            r.apply_events(worker, events, now);
         }
     }
 
     fn wants_hash_events(&self) -> bool {
-        self.replicas
-            .iter()
-            .all(|r| r.placement.wants_hash_events())
+        self.replicas.iter().all(|r| r.wants_hash_events())
     }
 
     fn apply_hash_events(&mut self, worker: usize, events: &HashEvents, now: f64) {
         self.deliver(now);
         for r in &mut self.replicas {
-            r.placement.apply_hash_events(worker, events, now);
+            r.apply_hash_events(worker, events, now);
         }
     }
 
@@ -388,20 +331,26 @@ impl Placement for ReplicaPlacement<'_> {
         self.deliver(now);
         out.append(&mut self.pending);
     }
+
+    fn settle(&mut self) {
+        let clock = self.clock;
+        self.deliver(f64::INFINITY);
+        self.clock = clock;
+        self.pending.clear();
+        self.balancer = PyRandom::from_seed(i128::from(self.seed));
+    }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
     use crate::engine::cost::CostModel;
-    use crate::hash_events::trust_engine_hashes;
-    use crate::sim::placement::RetainingPlacement;
     use crate::sim::{RequestSet, Trial, TrialResult, WorkerConfig};
     use kvroute_core::blocks::{BlockHasher, DEFAULT_HASH_SEED};
     use kvroute_core::index::KvIndex;
     use kvroute_core::policies::{KvAware, KvAwareConfig, Policy};
-    use kvroute_core::retention::{RetentionConfig, RetentionMode};
-    use kvroute_core::routing::RoutingStep;
+    use kvroute_core::retention::{Retention, RetentionConfig, RetentionMode};
+    use kvroute_core::routing::{Router, RoutingStep};
 
     const BS: usize = 16;
     const WORKERS: usize = 6;
@@ -447,71 +396,51 @@ mod tests {
         }
     }
 
-    /// Each replica's own step, index, kv-aware policy and (optionally) retention.
+    /// Each replica's own router (step, kv-aware policy, optionally retention) and index.
     struct Parts {
-        steps: Vec<RoutingStep>,
+        routers: Vec<Router>,
         indexes: Vec<KvIndex>,
-        policies: Vec<Policy>,
-        retentions: Vec<Retention>,
     }
 
     fn parts(n: usize, retention: bool) -> Parts {
         let hasher = BlockHasher::new(BS, DEFAULT_HASH_SEED).unwrap();
         let mut p = Parts {
-            steps: vec![],
+            routers: vec![],
             indexes: vec![],
-            policies: vec![],
-            retentions: vec![],
         };
         for r in 0..n {
             let mut step = RoutingStep::new(BS);
             for w in 0..WORKERS {
                 step.add_worker(&format!("worker-{w}"));
             }
-            p.steps.push(step);
-            let mut index = KvIndex::new(hasher, Some(2.0), None, None).unwrap();
-            trust_engine_hashes(&mut index);
-            p.indexes.push(index);
-            p.policies.push(Policy::KvAware(Box::new(
+            let policy = Policy::KvAware(Box::new(
                 KvAware::new(KvAwareConfig::default(), PyRandom::from_seed(r as i128)).unwrap(),
-            )));
-            if retention {
-                p.retentions.push(Retention::new(RetentionConfig::new(
-                    RetentionMode::On,
-                    BS,
-                    BLOCKS - 1,
-                )));
-            }
+            ));
+            let retention = retention
+                .then(|| Retention::new(RetentionConfig::new(RetentionMode::On, BS, BLOCKS - 1)));
+            p.routers.push(Router::new(step, policy, retention));
+            let mut index = KvIndex::new(hasher, Some(2.0), None, None).unwrap();
+            crate::hash_events::trust_engine_hashes(&mut index);
+            p.indexes.push(index);
         }
         p
     }
 
     fn run(n: usize, mesh_lag: Option<f64>, retention: bool, seed: u64) -> TrialResult {
         let mut p = parts(n, retention);
-        let mut retentions = p.retentions.iter_mut().map(Some).collect::<Vec<_>>();
-        retentions.resize_with(n, || None);
         let replicas = p
-            .steps
+            .routers
             .iter_mut()
             .zip(&mut p.indexes)
-            .zip(&mut p.policies)
-            .zip(retentions)
-            .map(|(((step, index), policy), retention)| Replica {
-                placement: StepPlacement {
-                    step,
-                    index: Some(index),
-                    policy,
-                },
-                retention,
-            })
+            .map(|(router, index)| RouterPlacement::new(router, Some(index)))
             .collect();
         let mut placement = ReplicaPlacement::new(replicas, mesh_lag, seed);
         let result = trial().run(&mut placement).unwrap();
         placement.settle();
         drop(placement);
-        for step in &p.steps {
+        for router in &p.routers {
             for w in 0..WORKERS {
-                let s = step.state(w);
+                let s = router.step().state(w);
                 assert_eq!(s.in_flight, 0, "every replica's load returns to zero");
                 assert_eq!(s.in_flight_tokens, 0);
             }
@@ -525,27 +454,20 @@ mod tests {
         cached as f64 / prompt as f64
     }
 
+    /// The mean hit rate over 8 balancer seeds.
     fn mean_hit_rate(n: usize, mesh_lag: Option<f64>, retention: bool) -> f64 {
-        (0..4)
+        (0..8)
             .map(|seed| hit_rate(&run(n, mesh_lag, retention, seed)))
             .sum::<f64>()
-            / 4.0
+            / 8.0
     }
 
     #[test]
     fn one_replica_is_todays_placement_exactly() {
         for retention in [false, true] {
             let mut p = parts(1, retention);
-            let placement = StepPlacement {
-                step: &mut p.steps[0],
-                index: Some(&mut p.indexes[0]),
-                policy: &mut p.policies[0],
-            };
-            let today = match p.retentions.first_mut() {
-                Some(r) => trial().run(&mut RetainingPlacement::new(placement, r)),
-                None => trial().run(&mut { placement }),
-            }
-            .unwrap();
+            let mut placement = RouterPlacement::new(&mut p.routers[0], Some(&mut p.indexes[0]));
+            let today = trial().run(&mut placement).unwrap();
             for mesh in [None, Some(0.001)] {
                 assert_eq!(run(1, mesh, retention, 3), today, "retention {retention}");
             }

@@ -1,4 +1,5 @@
-//! The one routing step, used by the simulator and the live router alike.
+//! The one routing step, used by the simulator and the live router alike (through the
+//! routing operation, `Router`, which owns it beside the policy and retention).
 //!
 //! Per request: look the prompt up in the index (when the policy needs the overlap: every
 //! candidate's, with each one's cached blocks; otherwise, after the decision, the chosen
@@ -28,9 +29,27 @@ use crate::index::{KvIndex, WorkerId};
 use crate::kvevents::events::KvCacheEvent;
 use crate::policies::{Choose, RequestView, WorkerState};
 
-/// The outcome of one routing step.
+/// One request as the routing step and the routing operation see it.
+#[derive(Clone, Copy, Debug, Default, PartialEq)]
+pub struct Request<'a> {
+    /// The prompt's own block hashes (adapter and salt keyed in).
+    pub block_hashes: &'a [u64],
+    /// The prompt's token ids (empty where the front does not know them: retention then
+    /// leaves the request out).
+    pub prompt: &'a [u32],
+    /// The prompt's length in tokens.
+    pub prompt_tokens: usize,
+    /// Its output budget (what retention's model allocates beside the prompt).
+    pub output_tokens: usize,
+    /// Its LoRA adapter (`crate::policies::adapter_id`; None: the base model).
+    pub adapter: Option<u64>,
+}
+
+/// A routing decision: the one name for it wherever it is made (the step, the routing
+/// operation, the simulator's placements, the live router); what carries more around it is
+/// named for that.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
-pub struct Routed {
+pub struct Decision {
     /// The chosen worker's slot.
     pub worker: usize,
     /// Leading prompt blocks the index credits the chosen worker with.
@@ -53,7 +72,7 @@ pub enum JournalEntry {
         /// The request's adapter (`crate::policies::adapter_id`), if any.
         adapter: Option<u64>,
         now: f64,
-        routed: Routed,
+        decision: Decision,
     },
     /// A request's first token.
     FirstToken {
@@ -241,21 +260,24 @@ impl RoutingStep {
         self.resolved_epoch = Some(index.epoch());
     }
 
-    /// Route one request: a prompt with these own block hashes and length, under LoRA
-    /// `adapter` (`crate::policies::adapter_id`; None: a base model), among `candidates`
-    /// (slots, in the order the policy sees them; None: every worker in the step), at `now`.
-    /// Panics when there is no candidate.
-    #[allow(clippy::too_many_arguments)]
+    /// Route `request` (its block hashes, its length and its LoRA adapter; its tokens and
+    /// output budget are retention's, not the step's) among `candidates` (slots, in the order
+    /// the policy sees them; None: every worker in the step), at `now`. Panics when there is
+    /// no candidate.
     pub fn route(
         &mut self,
         mut index: Option<&mut KvIndex>,
         policy: &mut dyn Choose,
-        block_hashes: &[u64],
-        prompt_tokens: usize,
-        adapter: Option<u64>,
+        request: &Request<'_>,
         candidates: Option<&[usize]>,
         now: f64,
-    ) -> Routed {
+    ) -> Decision {
+        let Request {
+            block_hashes,
+            prompt_tokens,
+            adapter,
+            ..
+        } = *request;
         let seen_adapter = adapter.filter(|_| self.max_loras.is_some());
         let all;
         let cands: &[usize] = match candidates {
@@ -313,16 +335,7 @@ impl RoutingStep {
                 (i, self.overlap_of(maybe_index, cands[i], block_hashes, now))
             }
         };
-        self.commit(
-            index,
-            cands[i],
-            overlap,
-            block_hashes,
-            prompt_tokens,
-            adapter,
-            candidates,
-            now,
-        )
+        self.commit(index, cands[i], overlap, request, candidates, now)
     }
 
     /// Route one request to `worker`, chosen by the caller rather than the policy (which
@@ -337,18 +350,15 @@ impl RoutingStep {
         prompt_tokens: usize,
         adapter: Option<u64>,
         now: f64,
-    ) -> Routed {
+    ) -> Decision {
         let overlap = self.overlap_of(index.as_deref_mut(), worker, block_hashes, now);
-        self.commit(
-            index,
-            worker,
-            overlap,
+        let request = Request {
             block_hashes,
             prompt_tokens,
             adapter,
-            Some(&[worker]),
-            now,
-        )
+            ..Request::default()
+        };
+        self.commit(index, worker, overlap, &request, Some(&[worker]), now)
     }
 
     /// The leading blocks of the prompt the index credits `worker` with (0 without one).
@@ -370,19 +380,23 @@ impl RoutingStep {
         }
     }
 
-    /// Count a decision: the prediction in the index, the load, the LoRA slots, the journal.
-    #[allow(clippy::too_many_arguments)]
+    /// Count a decision for `request` (to `worker`, credited with `overlap` blocks): the
+    /// prediction in the index, the load, the LoRA slots, the journal.
     fn commit(
         &mut self,
         index: Option<&mut KvIndex>,
         worker: usize,
         overlap: usize,
-        block_hashes: &[u64],
-        prompt_tokens: usize,
-        adapter: Option<u64>,
+        request: &Request<'_>,
         candidates: Option<&[usize]>,
         now: f64,
-    ) -> Routed {
+    ) -> Decision {
+        let Request {
+            block_hashes,
+            prompt_tokens,
+            adapter,
+            ..
+        } = *request;
         if let Some(ix) = index {
             let id = match self.slots[worker].index_id {
                 Some(id) if self.resolved_epoch == Some(ix.epoch()) => id,
@@ -403,7 +417,7 @@ impl RoutingStep {
             .admission
             .as_mut()
             .map(|a| a.routed(worker, block_hashes, prompt_tokens, now));
-        let routed = Routed {
+        let decision = Decision {
             worker,
             overlap,
             prefill_tokens,
@@ -416,10 +430,10 @@ impl RoutingStep {
                 candidates: candidates.map(<[usize]>::to_vec),
                 adapter,
                 now,
-                routed,
+                decision,
             });
         }
-        routed
+        decision
     }
 
     /// The request routed to `worker` with `prefill_tokens` produced its first token.
@@ -433,7 +447,7 @@ impl RoutingStep {
         }
     }
 
-    /// A request routed to `worker` (with `ticket`, see [`Routed`]) finished at `now`.
+    /// A request routed to `worker` (with `ticket`, see [`Decision`]) finished at `now`.
     pub fn finished(&mut self, worker: usize, ticket: Option<u64>, now: f64) {
         self.slots[worker].state.in_flight -= 1;
         if let (Some(a), Some(t)) = (&mut self.admission, ticket) {
@@ -510,9 +524,12 @@ mod tests {
             let r = step.route(
                 Some(&mut index),
                 &mut policy,
-                &cached_hashes,
-                1600,
-                None,
+                &Request {
+                    block_hashes: &cached_hashes,
+                    prompt_tokens: 1600,
+                    adapter: None,
+                    ..Request::default()
+                },
                 None,
                 1.1,
             );
@@ -548,9 +565,12 @@ mod tests {
         let r = step.route(
             Some(&mut index),
             &mut policy,
-            &prompt(1000),
-            64,
-            sql,
+            &Request {
+                block_hashes: &prompt(1000),
+                prompt_tokens: 64,
+                adapter: sql,
+                ..Request::default()
+            },
             None,
             0.1,
         );
@@ -559,9 +579,12 @@ mod tests {
         let r = step.route(
             Some(&mut index),
             &mut policy,
-            &prompt(2000),
-            64,
-            chat,
+            &Request {
+                block_hashes: &prompt(2000),
+                prompt_tokens: 64,
+                adapter: chat,
+                ..Request::default()
+            },
             None,
             0.2,
         );
@@ -573,9 +596,12 @@ mod tests {
         let r = step.route(
             Some(&mut index),
             &mut policy,
-            &prompt(3000),
-            64,
-            sql,
+            &Request {
+                block_hashes: &prompt(3000),
+                prompt_tokens: 64,
+                adapter: sql,
+                ..Request::default()
+            },
             None,
             0.3,
         );
