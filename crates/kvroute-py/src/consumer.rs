@@ -12,8 +12,32 @@ use kvroute_io::{Consumer, Item, Notice, Subscription};
 use pyo3::exceptions::{PyRuntimeError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyList};
+use serde::Deserialize;
+
+use crate::config::read_config;
 
 use crate::index::PyKvIndex;
+
+/// `add_worker`'s keyword options (see there), with their defaults.
+#[derive(Deserialize)]
+#[serde(default, deny_unknown_fields)]
+struct StreamOptions {
+    topic: String,
+    bind: bool,
+    replay_timeout: f64,
+    catch_up: bool,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        Self {
+            topic: String::new(),
+            bind: false,
+            replay_timeout: 1.0,
+            catch_up: true,
+        }
+    }
+}
 use crate::kvevents::NativeEventBatch;
 
 /// One thread following workers' KV event streams (``kvroute-io``; what ``kvroute serve`` runs).
@@ -82,30 +106,31 @@ impl KvEventConsumer {
     /// ``catch_up``: replay the engine's buffer first. Returns the SUB socket's address (the
     /// bound one when binding); raises ValueError for an address that cannot be followed (not
     /// ``tcp://HOST:PORT`` or ``ipc://PATH``, or a bind that fails).
-    #[pyo3(signature = (worker, endpoint, replay_endpoint = None, *, topic = "", bind = false, replay_timeout = 1.0, catch_up = true))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (worker, endpoint, replay_endpoint = None, **options))]
     fn add_worker(
         &self,
         worker: &str,
         endpoint: &str,
         replay_endpoint: Option<String>,
-        topic: &str,
-        bind: bool,
-        replay_timeout: f64,
-        catch_up: bool,
+        options: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<String> {
-        let replay_timeout = Duration::try_from_secs_f64(replay_timeout)
-            .map_err(|_| PyValueError::new_err(format!("bad replay timeout {replay_timeout}")))?;
+        let options: StreamOptions = match options {
+            Some(options) => read_config(options.as_any())?,
+            None => StreamOptions::default(),
+        };
+        let replay_timeout = Duration::try_from_secs_f64(options.replay_timeout).map_err(|_| {
+            PyValueError::new_err(format!("bad replay timeout {}", options.replay_timeout))
+        })?;
         self.inner
             .add_worker(
                 worker,
                 Subscription {
                     endpoint: endpoint.to_string(),
                     replay_endpoint,
-                    topic: topic.as_bytes().to_vec(),
-                    bind,
+                    topic: options.topic.into_bytes(),
+                    bind: options.bind,
                     replay_timeout,
-                    catch_up,
+                    catch_up: options.catch_up,
                 },
             )
             .map_err(PyValueError::new_err)

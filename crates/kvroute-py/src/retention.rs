@@ -20,11 +20,8 @@ type RefreshTuple = (Vec<u32>, Vec<u64>, usize);
 /// Args:
 ///     mode: ``off``, ``on`` or ``auto`` (only with slack, and only where it pays).
 ///     block_size: tokens per KV block.
-///     capacity_blocks: usable KV blocks per worker (``num_gpu_blocks`` − 1).
-///     margin_requests, refresh_cost_tokens, value_ratio, min_prefix_blocks, max_tracked,
-///     reserve_factor, min_coverage, min_reuses, refresh_after_requests,
-///     room_slack_requests, room_max_fill, min_payoff_tokens: the knobs of ``RetentionConfig`` (defaults
-///     when None).
+///     capacity_blocks: usable KV blocks per worker (``num_gpu_blocks`` − 1); the other knobs
+///         are ``RetentionConfig``'s defaults (``kvroute_core::retention``).
 #[pyclass(module = "kvroute._native", name = "Retention")]
 pub struct PyRetention {
     pub(crate) inner: retention::Retention,
@@ -33,70 +30,12 @@ pub struct PyRetention {
 #[pymethods]
 impl PyRetention {
     #[new]
-    #[pyo3(signature = (mode, block_size, capacity_blocks, margin_requests = None, refresh_cost_tokens = None, value_ratio = None, min_prefix_blocks = None, max_tracked = None, reserve_factor = None, min_coverage = None, min_reuses = None, refresh_after_requests = None, room_slack_requests = None, room_max_fill = None, min_payoff_tokens = None, pressure_tokens = None))]
-    #[allow(clippy::too_many_arguments)]
-    fn new(
-        mode: &str,
-        block_size: usize,
-        capacity_blocks: usize,
-        margin_requests: Option<f64>,
-        refresh_cost_tokens: Option<f64>,
-        value_ratio: Option<f64>,
-        min_prefix_blocks: Option<usize>,
-        max_tracked: Option<usize>,
-        reserve_factor: Option<f64>,
-        min_coverage: Option<f64>,
-        min_reuses: Option<u32>,
-        refresh_after_requests: Option<u64>,
-        room_slack_requests: Option<f64>,
-        room_max_fill: Option<f64>,
-        min_payoff_tokens: Option<f64>,
-        pressure_tokens: Option<f64>,
-    ) -> PyResult<Self> {
+    fn new(mode: &str, block_size: usize, capacity_blocks: usize) -> PyResult<Self> {
         let mode: retention::RetentionMode = mode.parse().map_err(PyValueError::new_err)?;
         if block_size == 0 {
             return Err(PyValueError::new_err("block size must be positive, got 0"));
         }
-        let mut config = retention::RetentionConfig::new(mode, block_size, capacity_blocks);
-        if let Some(v) = margin_requests {
-            config.margin_requests = v;
-        }
-        if let Some(v) = refresh_cost_tokens {
-            config.refresh_cost_tokens = v;
-        }
-        if let Some(v) = value_ratio {
-            config.value_ratio = v;
-        }
-        if let Some(v) = min_prefix_blocks {
-            config.min_prefix_blocks = v.max(1);
-        }
-        if let Some(v) = max_tracked {
-            config.max_tracked = v.max(1);
-        }
-        if let Some(v) = reserve_factor {
-            config.reserve_factor = v.max(0.0);
-        }
-        if let Some(v) = min_coverage {
-            config.min_coverage = v;
-        }
-        if let Some(v) = min_reuses {
-            config.min_reuses = v;
-        }
-        if let Some(v) = refresh_after_requests {
-            config.refresh_after_requests = v;
-        }
-        if let Some(v) = room_slack_requests {
-            config.room_slack_requests = v;
-        }
-        if let Some(v) = room_max_fill {
-            config.room_max_fill = v;
-        }
-        if let Some(v) = min_payoff_tokens {
-            config.min_payoff_tokens = v;
-        }
-        if let Some(v) = pressure_tokens {
-            config.pressure_tokens = v;
-        }
+        let config = retention::RetentionConfig::new(mode, block_size, capacity_blocks);
         Ok(Self {
             inner: retention::Retention::new(config),
         })
@@ -111,10 +50,8 @@ impl PyRetention {
     /// A request was routed to ``slot``: its own block hashes, its prompt token ids, the
     /// overlap the step credited, its output budget.
     #[pyo3(signature = (slot, block_hashes, prompt, overlap, output_tokens, now))]
-    #[allow(clippy::too_many_arguments)]
     fn routed(
         &mut self,
-        py: Python<'_>,
         slot: usize,
         block_hashes: Vec<u64>,
         prompt: &Bound<'_, PyAny>,
@@ -122,7 +59,7 @@ impl PyRetention {
         output_tokens: usize,
         now: f64,
     ) -> PyResult<()> {
-        let tokens = crate::tokens::extract_tokens(py, prompt)?;
+        let tokens = crate::tokens::extract_tokens(prompt.py(), prompt)?;
         if tokens.is_empty() {
             return Ok(());
         }
