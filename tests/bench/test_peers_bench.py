@@ -14,7 +14,7 @@ import time
 import aiohttp
 import pytest
 from aiohttp import web
-from paths import ROOT
+from support.paths import ROOT
 
 from kvroute.workers import cpu_seconds, cpu_times, free_ports
 

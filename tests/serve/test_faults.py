@@ -18,7 +18,8 @@ import numpy as np
 import zmq
 import zmq.asyncio
 from aiohttp import web
-from paths import ROOT
+from support.paths import ROOT
+from support.waiting import until
 
 from kvroute.blocks import BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers
@@ -40,12 +41,6 @@ _spec.loader.exec_module(soak)
 
 BS = 16
 
-
-async def until(predicate, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.01)
 
 
 # --- worker death --------------------------------------------------------------------------

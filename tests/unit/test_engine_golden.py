@@ -13,7 +13,7 @@ import json
 import sys
 
 import pytest
-from paths import DATA
+from support.paths import DATA
 
 _PATH = DATA / "golden" / "engine_scenarios.py"
 _spec = importlib.util.spec_from_file_location("engine_scenarios", _PATH)
