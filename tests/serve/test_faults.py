@@ -18,6 +18,7 @@ import numpy as np
 import zmq
 import zmq.asyncio
 from aiohttp import web
+from support.fake_worker import FakeWorker, ok_completion
 from support.machine import slowest_answer
 from support.paths import ROOT
 from support.waiting import until
@@ -130,32 +131,6 @@ def stored(tokens: list[int], first_engine_hash: int, parent: int | None = None)
 
 def batch(*events, shape: str = "map") -> bytes:
     return encode_batch(EventBatch(time.time(), list(events)), shape)
-
-
-async def _ok_completion(request: web.Request) -> web.Response:
-    await request.read()
-    return web.json_response({"id": "c", "object": "text_completion", "choices": [], "usage": {}})
-
-
-async def _ok(request: web.Request) -> web.Response:
-    return web.Response()
-
-
-class FakeWorker:
-    def __init__(self, generate=_ok_completion, health=_ok) -> None:
-        self.app = web.Application()
-        self.app.router.add_post("/v1/completions", generate)
-        self.app.router.add_post("/v1/chat/completions", generate)
-        self.app.router.add_get("/health", health)
-
-    async def __aenter__(self) -> str:
-        self.runner = web.AppRunner(self.app, handler_cancellation=True, shutdown_timeout=0.1)
-        await self.runner.setup()
-        await web.TCPSite(self.runner, "127.0.0.1", 0).start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    async def __aexit__(self, *exc) -> None:
-        await self.runner.cleanup()
 
 
 def overlap(router, tokens: list[int], worker: str) -> int:
@@ -345,7 +320,7 @@ async def test_hanging_generations_eject_a_worker_whose_health_check_passes():
     async def hangs(request: web.Request) -> web.Response:
         await request.read()
         await release.wait()
-        return await _ok_completion(request)
+        return await ok_completion(request)
 
     async with FakeWorker(hangs) as wedged, FakeWorker() as good, aiohttp.ClientSession() as s:
         # Every wait below is in units of the first-byte timeout: 0.1 s, or ten times what a
