@@ -1,6 +1,6 @@
 """Chat-template render time per request: the native renderer (``kvroute._native.ChatTemplate``,
 minijinja set up as ``transformers`` sets up jinja2) against jinja2 itself (the reference
-model in tests/jinja_reference.py, what ``transformers`` and vLLM render with).
+model in tests/support/jinja_reference.py, what ``transformers`` and vLLM render with).
 
 The router renders every ``/v1/chat/completions`` request before it tokenizes it, so this is
 per-request CPU. Both renderers get the same compiled template and the same messages (a
@@ -27,8 +27,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from jinja_reference import compile_reference, render_reference  # noqa: E402
-from test_chat_template import LLAMA3_STYLE, QWEN3_STYLE, SPECIAL_TOKENS  # noqa: E402
+from support.chat_templates import LLAMA3_STYLE, QWEN3_STYLE, SPECIAL_TOKENS  # noqa: E402
+from support.jinja_reference import compile_reference, render_reference  # noqa: E402
 
 from kvroute._native import ChatTemplate  # noqa: E402
 from kvroute.tokens import CHATML_TEMPLATE  # noqa: E402

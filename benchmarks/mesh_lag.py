@@ -27,8 +27,8 @@ from pathlib import Path
 
 import aiohttp
 
-from kvroute.bench.files import ResultsWriter
 from kvroute.bench.runner import BenchTarget, BenchWorkload, SweepHooks
+from kvroute.bench.writer import ResultsWriter
 from kvroute.commands.experiment import EMULATED_KV_EVENTS
 from kvroute.errors import UserError
 from kvroute.experiment import ExperimentPlan, ExperimentResult, run_experiment

@@ -43,7 +43,6 @@ from kvroute.analytic import (
     capacity_for_mean_lengths,
     num_kv_blocks,
 )
-from kvroute.bench.files import ResultsWriter, Timelines
 from kvroute.bench.prompts import BenchWorkload, PromptEncoder, reference_workload, trace_workload
 from kvroute.bench.runner import (
     BenchOptions,
@@ -56,6 +55,8 @@ from kvroute.bench.runner import (
     simulate_points,
     simulate_trace_points,
 )
+from kvroute.bench.samples import Timelines
+from kvroute.bench.writer import ResultsWriter
 from kvroute.errors import UserError
 from kvroute.gateway import run_envoy
 from kvroute.kvevents import EventsSettings, EventsSource

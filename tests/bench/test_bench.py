@@ -20,10 +20,10 @@ from kvroute.bench import (
     trace_workload,
 )
 from kvroute.bench.client import StreamResult, read_sse
-from kvroute.bench.files import ResultsWriter
 from kvroute.bench.prompts import poisson_schedule
 from kvroute.bench.runner import TrialSink, discover_model, simulate_points
 from kvroute.bench.scrape import metrics_endpoint, parse_metrics, window_token_hit_rate
+from kvroute.bench.writer import ResultsWriter
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.errors import UserError
 from kvroute.router import RouterConfig, start_router

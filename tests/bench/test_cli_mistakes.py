@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-from paths import ROOT
+from support.paths import ROOT
 
 
 def kvroute(*args: str, timeout: float = 60) -> subprocess.CompletedProcess:

@@ -39,8 +39,9 @@ def _tagged_pids(tag: str) -> set[int]:
     return pids
 
 
-def _listening_ports(pids: set[int]) -> set[int]:
-    """TCP ports in LISTEN state owned by any of ``pids``."""
+def _listeners(pids: set[int]) -> set[tuple[int, str]]:
+    """``(port, socket inode)`` of the TCP sockets in LISTEN state owned by any of ``pids``:
+    the inode tells the socket apart from a later one of another process on the same port."""
     inodes = set()
     for pid in pids:
         try:
@@ -50,7 +51,7 @@ def _listening_ports(pids: set[int]) -> set[int]:
                     inodes.add(target[8:-1])
         except OSError:
             continue
-    return {port for port, inode in _listen_table() if inode in inodes}
+    return {(port, inode) for port, inode in _listen_table() if inode in inodes}
 
 
 def _listen_table() -> list[tuple[int, str]]:
@@ -79,36 +80,38 @@ def _start(tmp_path: Path, tag: str, *extra: str) -> subprocess.Popen:
     )
 
 
-def _wait_for_children(proc: subprocess.Popen, tag: str, timeout_s: float = 60.0) -> set[int]:
-    """Wait until the experiment's workers listen on ports; return those ports."""
+def _wait_for_children(proc: subprocess.Popen, tag: str, timeout_s: float = 60.0) -> set[tuple[int, str]]:
+    """Wait until the experiment's workers listen on ports; return their listeners."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read().decode(errors="replace")
         children = _tagged_pids(tag) - {proc.pid}
-        ports = _listening_ports(children)
-        if len(ports) >= 2:
-            return ports
+        listeners = _listeners(children)
+        if len(listeners) >= 2:
+            return listeners
         time.sleep(0.2)
     raise AssertionError("the experiment's workers never started listening")
 
 
-def _assert_nothing_left(tag: str, ports: set[int]) -> None:
+def _assert_nothing_left(tag: str, listeners: set[tuple[int, str]]) -> None:
     deadline = time.monotonic() + 10.0
     while _tagged_pids(tag) and time.monotonic() < deadline:
         time.sleep(0.1)
     left = _tagged_pids(tag)
     assert not left, f"processes left behind: {left}"
-    still = {port for port, _ in _listen_table()} & ports
-    assert not still, f"ports still listening: {still}"
+    # The sockets themselves, not their port numbers: once released, a port may be taken by
+    # any process on the machine (a busy one runs other suites beside this one).
+    still = set(_listen_table()) & listeners
+    assert not still, f"ports still listening: {sorted(port for port, _ in still)}"
 
 
 def test_normal_exit_leaves_nothing(tmp_path):
     tag = uuid.uuid4().hex
     proc = _start(tmp_path, tag, "--requests", "400", "--time-scale", "1")
-    ports = _wait_for_children(proc, tag)
+    listeners = _wait_for_children(proc, tag)
     out, _ = proc.communicate(timeout=180)
     assert proc.returncode == 0, out.decode(errors="replace")
-    _assert_nothing_left(tag, ports)
+    _assert_nothing_left(tag, listeners)
     assert (tmp_path / "out").is_dir()
 
 
@@ -116,7 +119,7 @@ def test_ctrl_c_leaves_nothing(tmp_path):
     tag = uuid.uuid4().hex
     # Many requests at real-time GPU timing: still running when interrupted.
     proc = _start(tmp_path, tag, "--requests", "5000", "--timing", "reference-gpu", "--time-scale", "1")
-    ports = _wait_for_children(proc, tag)
+    listeners = _wait_for_children(proc, tag)
     time.sleep(1.0)
     # Ctrl-C in a terminal signals the whole foreground process group.
     os.killpg(proc.pid, signal.SIGINT)
@@ -124,13 +127,13 @@ def test_ctrl_c_leaves_nothing(tmp_path):
     text = out.decode(errors="replace")
     assert proc.returncode != 0
     assert "Traceback" not in text, text
-    _assert_nothing_left(tag, ports)
+    _assert_nothing_left(tag, listeners)
 
 
 def test_worker_crash_leaves_nothing(tmp_path):
     tag = uuid.uuid4().hex
     proc = _start(tmp_path, tag, "--requests", "5000", "--timing", "reference-gpu", "--time-scale", "1")
-    ports = _wait_for_children(proc, tag)
+    listeners = _wait_for_children(proc, tag)
     time.sleep(1.0)
     workers = _tagged_pids(tag) - {proc.pid}
     for pid in workers:
@@ -139,7 +142,7 @@ def test_worker_crash_leaves_nothing(tmp_path):
     text = out.decode(errors="replace")
     assert proc.returncode != 0
     assert "Traceback" not in text, text
-    _assert_nothing_left(tag, ports)
+    _assert_nothing_left(tag, listeners)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="parent-death signal is Linux's")
@@ -148,10 +151,10 @@ def test_killed_experiment_leaves_no_workers(tmp_path):
     workers it started must end on their own when it dies."""
     tag = uuid.uuid4().hex
     proc = _start(tmp_path, tag, "--requests", "5000", "--timing", "reference-gpu", "--time-scale", "1")
-    ports = _wait_for_children(proc, tag)
+    listeners = _wait_for_children(proc, tag)
     os.kill(proc.pid, signal.SIGKILL)  # the experiment alone, not its process group
     proc.communicate(timeout=30)
-    _assert_nothing_left(tag, ports)
+    _assert_nothing_left(tag, listeners)
 
 
 def test_sigterm_is_handled_like_ctrl_c(tmp_path):
@@ -160,7 +163,7 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     tag = uuid.uuid4().hex
     # Two concurrencies: signalled as the first point's trial ends, during the second one's.
     proc = _start(tmp_path, tag, "--requests", "2000", "--concurrency", "1,2", "--topology", "service")
-    ports = _wait_for_children(proc, tag)
+    listeners = _wait_for_children(proc, tag)
     out_dir = tmp_path / "out"
     deadline = time.monotonic() + 120
     while not (out_dir / "windows.jsonl").exists():  # written when the first trial ends
@@ -174,4 +177,4 @@ def test_sigterm_is_handled_like_ctrl_c(tmp_path):
     assert "stopped early" in text and "windows.jsonl" in text, text
     for name in ("summary.json", "points.csv", "report.html", "records.jsonl"):
         assert (out_dir / name).exists(), name
-    _assert_nothing_left(tag, ports)
+    _assert_nothing_left(tag, listeners)

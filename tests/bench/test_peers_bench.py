@@ -6,15 +6,15 @@ import asyncio
 import importlib.util
 import json
 import os
+import select
 import shutil
 import subprocess
 import sys
-import time
 
 import aiohttp
 import pytest
 from aiohttp import web
-from paths import ROOT
+from support.paths import ROOT
 
 from kvroute.workers import cpu_seconds, cpu_times, free_ports
 
@@ -62,15 +62,16 @@ async def test_a_marked_venv_is_reused_without_pip(tmp_path):
 
 
 def test_router_cpu_time_includes_its_children():
-    # A parent that sleeps, a child that burns CPU: the tree's time is the child's.
-    child = "import time\nt=time.process_time()\nwhile time.process_time()-t<0.3: pass\ntime.sleep(30)"
+    # A parent that sleeps, a child that burns CPU and then says so: once it has, the tree
+    # is idle and its time (the child's, mostly) holds still between the readings below.
+    child = ("import time\nt=time.process_time()\nwhile time.process_time()-t<0.3: pass\n"
+             "print('burned', flush=True)\ntime.sleep(30)")
     proc = subprocess.Popen([sys.executable, "-c",
                              f"import subprocess,sys,time; subprocess.Popen([sys.executable,'-c',{child!r}]); time.sleep(30)"],
-                            start_new_session=True)
+                            start_new_session=True, stdout=subprocess.PIPE, text=True)
     try:
-        deadline = time.monotonic() + 10
-        while cpu_seconds(proc.pid) < 0.3 and time.monotonic() < deadline:
-            time.sleep(0.05)
+        ready, _, _ = select.select([proc.stdout], [], [], 30)
+        assert ready and proc.stdout.readline() == "burned\n"
         assert cpu_seconds(proc.pid) >= 0.3
         assert cpu_seconds(os.getpid()) > 0
         user, system = cpu_times(proc.pid)  # the same time, split (the child now sleeps)

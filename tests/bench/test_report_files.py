@@ -14,14 +14,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kvroute.bench.files import (
-    PointSamples,
-    plot_hit_rate,
-    plot_ttft_cdf,
-    plot_ttft_vs_concurrency,
-    write_html,
-    write_plots,
-)
+from kvroute.bench.plots import plot_hit_rate, plot_ttft_cdf, plot_ttft_vs_concurrency, write_plots
+from kvroute.bench.report_html import write_html
+from kvroute.bench.samples import PointSamples
 from kvroute.engine import get_preset
 from kvroute.records import Point
 from kvroute.report import print_hit_rate_table, print_latency_tables
@@ -119,7 +114,7 @@ def test_hit_rate_is_one_panel_per_fleet_with_the_bounds(sweep):
 
 
 def _report(tmp_path: Path, points: list[Point], samples: dict) -> Path:
-    from kvroute.bench.files import tables_as_html
+    from kvroute.bench.report_html import tables_as_html
 
     pngs = write_plots(tmp_path, points, samples, CAPACITY, points)
     meta = {"command": "experiment", "engine": "emulator", "workers": list(WORKERS),
@@ -244,7 +239,7 @@ def test_headline_says_the_answer_in_one_sentence() -> None:
 
 
 def test_report_opens_with_the_headline_and_captions_its_plots(tmp_path: Path) -> None:
-    from kvroute.bench.files import PLOT_CAPTIONS, write_html
+    from kvroute.bench.report_html import PLOT_CAPTIONS, write_html
 
     png = tmp_path / "ttft_cdf.png"
     png.write_bytes(b"\x89PNG\r\n\x1a\n")
@@ -257,7 +252,7 @@ def test_report_opens_with_the_headline_and_captions_its_plots(tmp_path: Path) -
 
 
 def test_log_axes_label_plain_ticks_as_dense_as_the_axis_allows() -> None:
-    from kvroute.bench.files import _plain_log_ticks
+    from kvroute.bench.plots import _plain_log_ticks
     from kvroute.plotting import pyplot
 
     plt = pyplot()

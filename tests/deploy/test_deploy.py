@@ -25,7 +25,7 @@ import kubernetes_validate.utils
 import pytest
 import yaml
 from lightkube import KubeConfig
-from paths import DATA, ROOT
+from support.paths import DATA, ROOT
 
 from kvroute.router.k8s import EndpointSliceDiscovery
 

@@ -5,7 +5,7 @@ file verbatim, so a change of the rule that forgets the docs fails here."""
 import re
 from pathlib import Path
 
-from paths import ROOT
+from support.paths import ROOT
 
 QUOTE = re.compile(r"`(crates/[\w./-]+\.rs)`[^`]*?(?:`[^`]*`[^`]*?)*?\n\n```rust\n(.*?)```", re.S)
 

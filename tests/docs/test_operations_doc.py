@@ -11,7 +11,7 @@ import subprocess
 import sys
 import urllib.request
 
-from paths import ROOT
+from support.paths import ROOT
 
 
 def _script():

@@ -19,7 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from paths import ROOT
+from support.paths import ROOT
 
 README = ROOT / "README.md"
 

@@ -18,7 +18,7 @@ import zmq
 import zmq.asyncio
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from paths import DATA
+from support.paths import DATA
 
 from kvroute.engine.events import (
     AllBlocksCleared,

@@ -18,7 +18,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 import yaml
-from kv_events import EVENTS, events_for
+from support.kv_events import EVENTS, events_for
+from support.waiting import until
 
 from kvroute.blocks import BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers
@@ -38,12 +39,6 @@ UPSTREAM = "x-gateway-upstream-host"
 def endpoint(worker) -> str:
     return worker.url.removeprefix("http://")
 
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 @contextlib.asynccontextmanager
@@ -423,7 +418,7 @@ def test_the_phases_benchmark_finds_every_phase_in_envoy_s_log(tmp_path):
     Envoy the tests use, so that a line it relies on changing in Envoy fails here."""
     import subprocess
 
-    from paths import ROOT
+    from support.paths import ROOT
 
     out = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gateway_phases.py"), "--requests", "10",
                           "--prompt-words", "100", "--out", str(tmp_path)], capture_output=True, text=True,

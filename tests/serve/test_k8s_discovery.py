@@ -21,9 +21,9 @@ from collections.abc import AsyncIterator
 import aiohttp
 import pytest
 from aiohttp import web
-from fake_kube import END, FakeKubeApi, Handler
 from lightkube import KubeConfig
 from lightkube.models.discovery_v1 import EndpointSlice as SliceModel
+from support.fake_kube import END, FakeKubeApi, Handler
 
 from kvroute.errors import UserError
 from kvroute.router.discovery import Endpoint

@@ -9,7 +9,8 @@ import time
 
 import aiohttp
 import pytest
-from kv_events import EVENTS, events_for
+from support.kv_events import EVENTS, events_for
+from support.waiting import until
 
 from kvroute.blocks import BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers
@@ -122,12 +123,6 @@ async def test_max_loras_makes_another_adapter_wait_for_a_slot():
         now = engine.step(now).end
     assert (engine.lora_loads, now) == (2, 0.5)
 
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def test_the_router_routes_salted_and_adapter_traffic_on_the_hits_it_can_get():

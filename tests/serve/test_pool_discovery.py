@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 
 import pytest
 from aiohttp import web
-from fake_kube import FakeKubeApi, Handler
 from lightkube import KubeConfig
+from support.fake_kube import FakeKubeApi, Handler
 
 from kvroute.errors import UserError
 from kvroute.router.discovery import Endpoint

@@ -16,8 +16,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 from aiohttp import web
-from chat_templates import TOOL_CALLS_STYLE
-from jinja_reference import compile_reference
+from support.chat_templates import TOOL_CALLS_STYLE
+from support.jinja_reference import compile_reference
 
 from kvroute.blocks import DEFAULT_HASH_SEED, BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers

@@ -14,6 +14,7 @@ import aiohttp
 import openai
 import pytest
 from aiohttp import web
+from support.fake_worker import FakeWorker, ok
 
 from kvroute.emulator import EmulatorConfig, start_workers
 from kvroute.router import WORKER_HEADER, RouterConfig, start_router
@@ -41,30 +42,6 @@ def refused_url() -> str:
     """A loopback URL nothing listens on (the port was just bound and released)."""
     (port,) = free_ports(1)
     return f"http://127.0.0.1:{port}"
-
-
-async def _ok(request: web.Request) -> web.Response:
-    return web.Response()
-
-
-class FakeWorker:
-    """A worker whose answers the test scripts: ``handler`` gets the aiohttp request."""
-
-    def __init__(self, handler, health=_ok) -> None:
-        self.app = web.Application()
-        self.app.router.add_post("/v1/completions", handler)
-        self.app.router.add_post("/v1/chat/completions", handler)
-        self.app.router.add_get("/health", health)
-
-    async def __aenter__(self) -> str:
-        self.runner = web.AppRunner(self.app, handler_cancellation=True)
-        await self.runner.setup()
-        site = web.TCPSite(self.runner, "127.0.0.1", 0)
-        await site.start()
-        return f"http://127.0.0.1:{self.runner.addresses[0][1]}"
-
-    async def __aexit__(self, *exc) -> None:
-        await self.runner.cleanup()
 
 
 def sse(payload: dict) -> bytes:
@@ -386,7 +363,7 @@ async def test_failed_health_check_takes_a_worker_out_and_drops_its_index_entrie
     async def health(request: web.Request) -> web.Response:
         return web.Response(status=200 if states["ok"] else 500)
 
-    async with FakeWorker(_ok, health) as url, start_router(RouterConfig(workers=[url], health_interval_s=0.05)) as router:
+    async with FakeWorker(ok, health) as url, start_router(RouterConfig(workers=[url], health_interval_s=0.05)) as router:
         router.index.record_routed(url, [1, 2, 3], 0.0)
         assert router.index.worker_blocks(url) == 3
         states["ok"] = False

@@ -11,7 +11,8 @@ import aiohttp
 import pytest
 import zmq
 import zmq.asyncio
-from kv_events import EVENTS, events_for
+from support.kv_events import EVENTS, events_for
+from support.waiting import until
 
 from kvroute.blocks import BlockHasher
 from kvroute.emulator import EmulatorConfig, start_workers
@@ -22,12 +23,6 @@ from kvroute.router import WORKER_HEADER, EventsSettings, EventsSource, RouterCo
 
 BS = 16
 
-
-async def until(predicate, timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.02)
 
 
 async def complete(session: aiohttp.ClientSession, url: str, prompt: list[int], max_tokens: int = 1) -> str:

@@ -5,7 +5,7 @@ import json
 
 import numpy as np
 import pytest
-from paths import DATA
+from support.paths import DATA
 
 from kvroute.blocks import DEFAULT_HASH_SEED, BlockHasher
 

@@ -1,5 +1,5 @@
 """The native chat-template renderer (``kvroute._native.ChatTemplate``) renders every template
-it is given exactly as ``transformers``' jinja2 environment does (tests/jinja_reference.py).
+it is given exactly as ``transformers``' jinja2 environment does (tests/support/jinja_reference.py).
 
 Templates compared: kvroute's own ChatML (what ``make-tiny-model`` writes), templates written
 here to reach every compatibility setting (thinking, tools in tojson, strftime_now, Python
@@ -25,21 +25,14 @@ from typing import Any
 
 import jinja2
 import pytest
-from chat_templates import LLAMA3_STYLE, QWEN3_STYLE, TOOL_CALLS_STYLE
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from jinja_reference import compile_reference, render_reference
+from support.chat_templates import LLAMA3_STYLE, QWEN3_STYLE, SPECIAL_TOKENS, TOOL_CALLS_STYLE
+from support.jinja_reference import compile_reference, render_reference
 
 from kvroute._native import ChatTemplate
 from kvroute.tokens import CHATML_TEMPLATE
 
-SPECIAL_TOKENS = {
-    "bos_token": "<s>",
-    "eos_token": "</s>",
-    "unk_token": "<unk>",
-    "pad_token": "<|endoftext|>",
-    "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
-}
 NOW = datetime(2026, 12, 1, 20, 5, 9)
 
 #: A Qwen3-style template: thinking split out of assistant content with Python string methods,

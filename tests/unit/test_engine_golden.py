@@ -3,7 +3,9 @@ replaced: every request's cached tokens, first-token and finish time and preempt
 step's prefill tokens, decoding sequences and KV events, and the final counters.
 
 The scenarios and their driver live in ``tests/data/golden/engine_scenarios.py`` (which also
-re-records them); see its docstring for what each one exercises.
+re-records them); see its docstring for what each one exercises. Here the engine is driven
+through the Python bindings; ``crates/kvroute-sim/tests/engine_golden`` replays the same
+traces against the Rust engine under ``cargo nextest``.
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ import json
 import sys
 
 import pytest
-from paths import DATA
+from support.paths import DATA
 
 _PATH = DATA / "golden" / "engine_scenarios.py"
 _spec = importlib.util.spec_from_file_location("engine_scenarios", _PATH)

@@ -9,7 +9,7 @@ import importlib.util
 import json
 
 import pytest
-from paths import DATA
+from support.paths import DATA
 
 GOLDEN = DATA / "golden"
 _spec = importlib.util.spec_from_file_location("record_sim", GOLDEN / "record_sim.py")

@@ -14,17 +14,13 @@ from __future__ import annotations
 
 import json
 import random
-import sys
-from pathlib import Path
 
 import aiohttp
 import pytest
+from support.chat_templates import LLAMA3_STYLE, QWEN3_STYLE, TOOL_CALLS_STYLE
 
 from kvroute._native import ChatTemplate
 from kvroute.tokens import load_tokenizer
-
-sys.path.insert(0, str(Path(__file__).parents[1]))
-from chat_templates import LLAMA3_STYLE, QWEN3_STYLE, TOOL_CALLS_STYLE  # noqa: E402
 
 pytestmark = pytest.mark.vllm
 

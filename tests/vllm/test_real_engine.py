@@ -25,8 +25,8 @@ import aiohttp
 import numpy as np
 import pytest
 
-from kvroute.bench.files import ResultsWriter
 from kvroute.bench.runner import SweepHooks
+from kvroute.bench.writer import ResultsWriter
 from kvroute.blocks import BlockHasher
 from kvroute.engine.events import AllBlocksCleared, BlockRemoved, BlockStored
 from kvroute.experiment import ExperimentResult, run_experiment

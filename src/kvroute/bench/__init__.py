@@ -10,11 +10,12 @@ Embeddable (``kvroute experiment`` runs it per topology over the same seeded req
                              sink=ResultsWriter(out_dir))
 
 Modules: ``prompts`` (requests to send), ``client`` (streaming client, load generators),
-``scrape`` (Prometheus counters), ``runner`` (trials and sweeps), ``files`` (outputs).
+``scrape`` (Prometheus counters), ``runner`` (trials and sweeps), ``writer`` (the output
+folder), ``plots``, ``report_html`` (the HTML report) and ``samples`` (what the plots draw).
 """
 
 #: Where each of the package's names lives: imported on first use (PEP 562), so that a
-#: command needing one module (``kvroute sim`` writes its plots with ``files``) does not
+#: command needing one module (``kvroute sim`` writes its plots with ``plots``) does not
 #: import the HTTP client (aiohttp: ~0.4 s) with it.
 _LAZY = {
     "BenchClient": "client",
@@ -24,7 +25,7 @@ _LAZY = {
     "BenchTarget": "runner",
     "BenchWorkload": "prompts",
     "PromptEncoder": "prompts",
-    "ResultsWriter": "files",
+    "ResultsWriter": "writer",
     "SessionSpec": "prompts",
     "SweepHooks": "runner",
     "TrialResult": "runner",

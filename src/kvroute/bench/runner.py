@@ -162,7 +162,7 @@ class TrialResult:
 
 
 class TrialSink:
-    """Receives every finished trial (``files.ResultsWriter`` writes them to disk)."""
+    """Receives every finished trial (``writer.ResultsWriter`` writes them to disk)."""
 
     def trial_done(self, result: TrialResult) -> None:
         pass

@@ -16,7 +16,8 @@ from pathlib import Path
 from rich import box
 from rich.table import Table
 
-from kvroute.bench.files import PointSamples, Timelines, write_plots
+from kvroute.bench.plots import write_plots
+from kvroute.bench.samples import PointSamples, Timelines
 from kvroute.commands._common import add_trace_window_arguments
 from kvroute.engine import get_preset
 from kvroute.engine.pool import usable_blocks

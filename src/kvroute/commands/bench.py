@@ -12,7 +12,6 @@ from rich.console import Console
 
 from kvroute import aio
 from kvroute.bench.client import check_bench_url, openai_base_url
-from kvroute.bench.files import ResultsWriter, tables_as_html
 from kvroute.bench.progress import ProgressHooks
 from kvroute.bench.prompts import (
     PROMPT_FORMATS,
@@ -23,6 +22,7 @@ from kvroute.bench.prompts import (
     session_workload,
     trace_workload,
 )
+from kvroute.bench.report_html import tables_as_html
 from kvroute.bench.router_metrics import read_router, router_metrics_url
 from kvroute.bench.runner import (
     BenchOptions,
@@ -33,6 +33,7 @@ from kvroute.bench.runner import (
     server_cache_config,
     simulate_points,
 )
+from kvroute.bench.writer import ResultsWriter
 from kvroute.commands._common import (
     add_trace_window_arguments,
     add_worker_arguments,

@@ -12,8 +12,9 @@ from rich.progress import Progress
 from kvroute import aio
 from kvroute.aio import Terminated, stop_on_sigterm
 from kvroute.analytic import MODEL_PRESETS
-from kvroute.bench.files import ResultsWriter, tables_as_html
 from kvroute.bench.progress import ProgressHooks
+from kvroute.bench.report_html import tables_as_html
+from kvroute.bench.writer import ResultsWriter
 from kvroute.commands._common import add_trace_window_arguments, add_workload_arguments, workload_spec
 from kvroute.emulator.config import DEFAULT_MAX_MODEL_LEN
 from kvroute.engine import PRESETS

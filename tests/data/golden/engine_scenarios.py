@@ -2,11 +2,14 @@
 
 The traces in ``engine_*.json`` were recorded from the pure-Python engine (``BlockPool`` and the
 scheduler of ``kvroute.engine`` before they moved to ``kvroute-core``) and
-``tests/unit/test_engine_golden.py`` replays them against today's engine, requiring exact equality.
+``tests/unit/test_engine_golden.py`` (through the Python bindings) and
+``crates/kvroute-sim/tests/engine_golden`` (the Rust engine, with this driver and the workload
+generator ported) replay them against today's engine, requiring exact equality.
 So this file must keep driving an engine exactly as it did when the traces were recorded:
 change a scenario or the driver and the traces mean nothing.
 
-Each scenario drives ONE engine (``emit_events=True``) with a seeded workload from
+The scenarios are the entries of ``engine_scenarios.json``. Each drives ONE engine
+(``emit_events=True``) with a seeded workload from
 ``concurrency`` closed-loop clients: a client adds its next request the moment its previous one
 finishes (or is aborted), at the end of that step. Optional turns: warmup requests one at a
 time first, a prefix-cache reset between warmup and the measured requests, aborts of a random
@@ -51,75 +54,50 @@ HERE = Path(__file__).parent
 
 @dataclass(frozen=True)
 class Scenario:
+    """One scenario of ``engine_scenarios.json`` (its ``defaults`` fill what an entry leaves
+    out; ``crates/kvroute-sim/tests/engine_golden`` reads the same file)."""
+
     name: str
     seed: int
     prefixes: int
     num_blocks: int
     concurrency: int
-    prefix_tokens: str = "2032"
-    suffix_tokens: str = "339"
-    output_tokens: int = 64
+    prefix_tokens: str
+    suffix_tokens: str
+    output_tokens: int
     #: Each request generates a seeded number of tokens in [1, output_tokens].
-    vary_output: bool = False
-    requests: int = 60
-    zipf_alpha: float = 0.0
-    block_size: int = 16
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-    enable_caching: bool = True
+    vary_output: bool
+    requests: int
+    zipf_alpha: float
+    block_size: int
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    enable_caching: bool
     #: Send the warmup (one request per prefix) one at a time first.
-    warmup: bool = True
+    warmup: bool
     #: Reset the prefix cache between warmup and measured requests (the engine is idle then).
-    reset_after_warmup: bool = False
+    reset_after_warmup: bool
     #: Abort a random in-flight request every this many steps (0: never).
-    abort_every: int = 0
+    abort_every: int
     #: Try a prefix-cache reset every this many steps (refused while requests hold blocks).
-    reset_every: int = 0
+    reset_every: int
     #: A client's next prompt continues its last one (prompt + output + a new suffix).
-    multi_turn: bool = False
-    step_base_s: float = 0.006
-    prefill_token_s: float = 0.0000334
-    decode_seq_s: float = 0.0002
+    multi_turn: bool
+    step_base_s: float
+    prefill_token_s: float
+    decode_seq_s: float
 
 
-SCENARIOS = [
-    # The reference shapes (2,032-token prefixes, 339-token suffixes, 64 output tokens).
-    Scenario("reference_k2_c1", seed=1, prefixes=2, num_blocks=585, concurrency=1),
-    Scenario("reference_k24_c4", seed=2, prefixes=24, num_blocks=585, concurrency=4, requests=80),
-    Scenario("reference_k7_c8", seed=3, prefixes=7, num_blocks=585, concurrency=8, requests=80),
-    # A small KV cache: eviction and preemption.
-    Scenario("small_kv_preempt", seed=4, prefixes=3, num_blocks=200, concurrency=8,
-             requests=50, vary_output=True, output_tokens=200),
-    Scenario("tiny_kv_c16", seed=5, prefixes=4, num_blocks=60, concurrency=16,
-             prefix_tokens="300:600", suffix_tokens="0:200", output_tokens=120, vary_output=True,
-             requests=80),
-    # Zipf popularity and mixed lengths; chunked prefill through a small token budget.
-    Scenario("zipf_mixed_chunked", seed=6, prefixes=12, num_blocks=600, concurrency=6,
-             zipf_alpha=1.1, prefix_tokens="500:3000", suffix_tokens="20:800",
-             max_num_batched_tokens=512, requests=80, vary_output=True),
-    Scenario("zipf_chunked_tight", seed=7, prefixes=8, num_blocks=300, concurrency=12,
-             zipf_alpha=0.8, prefix_tokens="500:3000", suffix_tokens="0:400",
-             max_num_batched_tokens=256, max_num_seqs=5, requests=70, vary_output=True,
-             output_tokens=90),
-    # Aborts and resets.
-    Scenario("aborts_resets", seed=8, prefixes=5, num_blocks=250, concurrency=10,
-             prefix_tokens="200:1500", suffix_tokens="1:300", abort_every=7, reset_every=11,
-             reset_after_warmup=True, requests=80, vary_output=True),
-    # Multi-turn sessions: generated tokens become later prompts' cached prefix.
-    Scenario("multi_turn", seed=9, prefixes=4, num_blocks=400, concurrency=4, multi_turn=True,
-             prefix_tokens="100:700", suffix_tokens="10:120", output_tokens=40, vary_output=True,
-             requests=60, warmup=False),
-    Scenario("multi_turn_small_kv", seed=10, prefixes=3, num_blocks=90, concurrency=6,
-             multi_turn=True, prefix_tokens="50:400", suffix_tokens="5:60", output_tokens=50,
-             vary_output=True, requests=70, block_size=8, max_num_batched_tokens=128),
-    # Block size 4, no caching, short everything.
-    Scenario("no_caching", seed=11, prefixes=3, num_blocks=120, concurrency=5,
-             prefix_tokens="20:80", suffix_tokens="1:30", output_tokens=30, vary_output=True,
-             block_size=4, enable_caching=False, requests=50),
-    Scenario("bs4_many_seeds", seed=12, prefixes=6, num_blocks=150, concurrency=9,
-             prefix_tokens="10:120", suffix_tokens="0:40", output_tokens=25, vary_output=True,
-             block_size=4, max_num_batched_tokens=64, abort_every=13, requests=90),
-]
+def _load_scenarios() -> list[Scenario]:
+    table = json.loads((HERE / "engine_scenarios.json").read_text())
+    return [Scenario(**{**table["defaults"], **entry}) for entry in table["scenarios"]]
+
+
+#: The reference shapes (2,032-token prefixes, 339-token suffixes, 64 output tokens); a small
+#: KV cache (eviction and preemption); Zipf popularity and mixed lengths with chunked prefill
+#: through a small token budget; aborts and resets; multi-turn sessions (generated tokens
+#: become later prompts' cached prefix); block size 4 without caching, and short everything.
+SCENARIOS = _load_scenarios()
 
 
 def _digest(values) -> str:

@@ -1,5 +1,14 @@
 """Chat templates in the styles real models ship (Qwen3's, a tool-calling one, Llama 3's), shared by
-the renderer's tests and the real-vLLM tier's."""
+the renderer's tests and the real-vLLM tier's, and the special tokens they render with."""
+
+#: The tokenizer's special tokens the templates see.
+SPECIAL_TOKENS = {
+    "bos_token": "<s>",
+    "eos_token": "</s>",
+    "unk_token": "<unk>",
+    "pad_token": "<|endoftext|>",
+    "additional_special_tokens": ["<|im_start|>", "<|im_end|>"],
+}
 
 QWEN3_STYLE = """\
 {%- if tools %}

@@ -2,8 +2,8 @@
 
 from pathlib import Path
 
-#: The tests folder (on ``sys.path`` for every test: its conftest.py is there).
-TESTS = Path(__file__).resolve().parent
+#: The tests folder.
+TESTS = Path(__file__).resolve().parent.parent
 #: The repository's root.
 ROOT = TESTS.parent
 #: Recorded inputs and golden outputs (tests/data).
