@@ -469,6 +469,8 @@ impl EngineRequest {
         request_id, prompt_token_ids, output_token_ids, arrival_time, block_hashes = None,
         max_tokens = -1, *, lora_name = None, lora_id = None, cache_salt = None
     ))]
+    // Mirrors vLLM's `Request` constructor (id, prompt and output ids, arrival, block hashes,
+    // max tokens, LoRA and salt), as the emulator and the engine parity tests build one.
     #[allow(clippy::too_many_arguments)]
     fn new(
         py: Python<'_>,

@@ -103,6 +103,9 @@ type TenantTuple = (Option<String>, Option<i64>, Option<String>);
 ///     ``window_refresh_requests`` and ``window_refresh_engine_s``.
 #[pyfunction]
 #[pyo3(signature = (engines, routing, now, prefixes, prefix_ids, suffix_tokens, suffix_offsets, output_tokens, output, concurrency = None, send_times = None, retention = None, tenants = None, replicas = None, replica_retention = None, mesh_lag = None, balancer_seed = 0, warmup = None))]
+// The one entry point from `kvroute.sim` into the native event loop: its arguments are the
+// run's arrays (read without copies) and its options, each a keyword on the Python side; a
+// struct here would only be rebuilt from those same keywords.
 #[allow(clippy::too_many_arguments)]
 fn simulate<'py>(
     py: Python<'py>,
@@ -167,20 +170,20 @@ fn simulate<'py>(
         }
     };
     if let Some(replicas) = replicas {
-        let (now, result, refreshes) = run_replicas(
-            py,
-            &replicas,
-            replica_retention.as_deref(),
+        let fleet = ReplicaFleet {
+            steps: &replicas,
+            retention: replica_retention.as_deref(),
             mesh_lag,
             balancer_seed,
-            &engines,
-            now,
+        };
+        let inputs = RunInputs {
             config,
             prefixes,
             output,
             sends,
             tenants,
-        )?;
+        };
+        let (now, result, refreshes) = run_replicas(py, fleet, &engines, now, inputs)?;
         return records_dict(py, now, result, refreshes);
     }
     let mut step = routing.borrow_mut();
@@ -341,23 +344,51 @@ fn run_requests(sim: &mut Simulation<'_>, sends: Sends<'_>) -> Result<Ran, SimEr
     }
 }
 
-/// One run through N replicas (see `simulate`'s ``replicas``) on `engines` (put back after
-/// it): the clock, the records and the refreshes.
-#[allow(clippy::too_many_arguments, clippy::type_complexity)]
-fn run_replicas(
-    py: Python<'_>,
-    replicas: &[Bound<'_, RoutingStep>],
-    retention: Option<&[Bound<'_, PyRetention>]>,
+/// The router replicas of a run (see `simulate`'s ``replicas``).
+struct ReplicaFleet<'a, 'py> {
+    /// One routing step per replica.
+    steps: &'a [Bound<'py, RoutingStep>],
+    /// One retention model per replica (None: off).
+    retention: Option<&'a [Bound<'py, PyRetention>]>,
+    /// The mesh's delivery lag (None: no mesh).
     mesh_lag: Option<f64>,
-    seed: u64,
-    engines: &[Bound<'_, Engine>],
-    now: f64,
+    /// Seeds the balancer's draw of a replica per request.
+    balancer_seed: u64,
+}
+
+/// What a run simulates: the workers' configuration, the shared prefixes and the output
+/// tokens, what is sent and how, and the prefixes' tenants.
+struct RunInputs<'a> {
     config: WorkerConfig,
     prefixes: Vec<Arc<[u32]>>,
     output: Arc<[u32]>,
-    sends: Sends<'_>,
+    sends: Sends<'a>,
     tenants: Vec<Tenant>,
+}
+
+/// One run through the replicas of `fleet` on `engines` (put back after it), from `now`:
+/// the clock, the records and the refreshes.
+#[allow(clippy::type_complexity)]
+fn run_replicas(
+    py: Python<'_>,
+    fleet: ReplicaFleet<'_, '_>,
+    engines: &[Bound<'_, Engine>],
+    now: f64,
+    inputs: RunInputs<'_>,
 ) -> PyResult<(f64, Result<Ran, SimError>, RefreshStats)> {
+    let ReplicaFleet {
+        steps: replicas,
+        retention,
+        mesh_lag,
+        balancer_seed: seed,
+    } = fleet;
+    let RunInputs {
+        config,
+        prefixes,
+        output,
+        sends,
+        tenants,
+    } = inputs;
     let fail = |msg: &str| Err(PyValueError::new_err(msg.to_owned()));
     if replicas.is_empty() || retention.is_some_and(|r| r.len() != replicas.len()) {
         return fail("one routing step (and one retention, if any) per replica");
