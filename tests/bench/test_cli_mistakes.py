@@ -29,7 +29,7 @@ def one_error_line(proc: subprocess.CompletedProcess) -> str:
 def test_serve_names_the_policy_option_whose_value_is_not_a_number() -> None:
     line = one_error_line(kvroute("serve", "--port", "0", "--worker", "http://127.0.0.1:9",
                                   "--policy-option", "admission_wait=abc"))
-    assert "option admission_wait takes a number or none, got 'abc'" in line
+    assert '--policy-option kv-aware: option admission_wait: invalid type: string "abc"' in line
 
 
 def test_serve_refuses_a_port_past_65535() -> None:

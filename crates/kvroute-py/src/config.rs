@@ -16,13 +16,27 @@ pub fn config_error(e: ConfigError) -> PyErr {
     }
 }
 
-/// What a setting's reader said, in a user's words: Python's `OverflowError` is what a
-/// negative (or huge) number given to a count or a size gets.
+/// What a setting's reader said, in a user's words: Python's own errors for a negative (or
+/// huge) number given to a count or a size, and for none given to a number, are said of the
+/// setting.
 pub fn user_words(error: &impl std::fmt::Display) -> String {
-    match error.to_string() {
-        m if m.starts_with("OverflowError") => "must be a whole number >= 0 (and in range)".into(),
-        m => m,
+    let message = error.to_string();
+    let python = [
+        (
+            "OverflowError",
+            "must be a whole number >= 0 (and in range)",
+        ),
+        (
+            "TypeError: must be real number, not NoneType",
+            "must be a number, got none",
+        ),
+    ];
+    for (words, said) in python {
+        if let Some(at) = message.find(words) {
+            return format!("{}{said}", &message[..at]);
+        }
     }
+    message
 }
 
 /// `value` read as a `T` by serde; a mistake names the field it is in (the path's first

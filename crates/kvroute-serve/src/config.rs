@@ -89,12 +89,22 @@ impl PolicySpec {
         name: &str,
         options: D,
     ) -> Result<Self, D::Error> {
+        use serde::de::Error;
+        // The option at fault is named: serde's own message says only what was wrong.
+        let named = |e: serde_path_to_error::Error<D::Error>| match e.path().to_string() {
+            path if path == "?" || path == "." => D::Error::custom(e.into_inner()),
+            path => D::Error::custom(format!("option {path}: {}", e.into_inner())),
+        };
         let mut spec = Self::named(name);
         match name {
-            "kv-aware" => spec.kv_aware = KvAwareConfig::deserialize(options)?,
-            "prefix-hash" => spec.prefix_hash = PrefixHashConfig::deserialize(options)?,
+            "kv-aware" => {
+                spec.kv_aware = serde_path_to_error::deserialize(options).map_err(named)?
+            }
+            "prefix-hash" => {
+                spec.prefix_hash = serde_path_to_error::deserialize(options).map_err(named)?
+            }
             _ => {
-                NoOptions::deserialize(options)?;
+                serde_path_to_error::deserialize::<_, NoOptions>(options).map_err(named)?;
             }
         }
         Ok(spec)
