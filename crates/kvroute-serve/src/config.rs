@@ -90,10 +90,16 @@ impl PolicySpec {
         options: D,
     ) -> Result<Self, D::Error> {
         use serde::de::Error;
-        // The option at fault is named: serde's own message says only what was wrong.
-        let named = |e: serde_path_to_error::Error<D::Error>| match e.path().to_string() {
-            path if path == "?" || path == "." => D::Error::custom(e.into_inner()),
-            path => D::Error::custom(format!("option {path}: {}", e.into_inner())),
+        // The option at fault is named: serde's own message says only what was wrong with its
+        // value (an unknown option's message names it already).
+        let named = |e: serde_path_to_error::Error<D::Error>| {
+            let path = e.path().to_string();
+            let inner = e.into_inner();
+            if path == "?" || path == "." || inner.to_string().starts_with("unknown field") {
+                D::Error::custom(inner)
+            } else {
+                D::Error::custom(format!("option {path}: {inner}"))
+            }
         };
         let mut spec = Self::named(name);
         match name {
