@@ -10,7 +10,7 @@
 //!
 //! A request also pays `frontend_s` once before it reaches the engine (HTTP, tokenization,
 //! detokenizer start), which is why a fully cached prompt still sees tens of milliseconds of
-//! TTFT. The presets are calibrated in their docs (check with `benchmarks/calibration.py`).
+//! TTFT. Each preset's docs say what it was calibrated against.
 
 /// Linear step-time model; all times in seconds. Also carries the scheduler's limits, as
 /// vLLM's `--max-num-batched-tokens` and `--max-num-seqs` go with the timing they produce.

@@ -1,13 +1,12 @@
 //! The simulator's event loop: engine models on a virtual clock, fed by closed-loop clients
 //! (or by a trace of arrival times), with a [`Placement`] deciding where each request goes.
 //!
-//! This is `kvroute.sim`'s loop, event for event, so its results equal the Python simulator's:
+//! This is the loop `kvroute.sim` runs (through the bindings):
 //!
 //! * A trial ([`Simulation::run_trial`]; [`Trial::run`] on fresh workers) = the warmup (one
 //!   request per prefix, sent one at a time through the same placement, not measured), then
-//!   the measured requests in their order
-//!   from `concurrency` closed-loop clients: each client sends its next request when its
-//!   previous one completes.
+//!   the measured requests in their order from `concurrency` closed-loop clients: each client
+//!   sends its next request when its previous one completes.
 //! * A request reaches its worker's engine `frontend_s` after it is sent; TTFT is from send to
 //!   the end of the step that produced the first token, e2e to the end of the step that
 //!   produced its last.
@@ -813,14 +812,21 @@ impl Trial {
 
 #[cfg(test)]
 mod tests {
-    //! Against `tests/data/golden/sim_round_robin.txt`: round-robin runs first recorded from the
-    //! Python simulator, re-recorded once for vLLM 0.32's free order (see `tests/data/golden/sim_round_robin.py` for the format and the
-    //! token formula rebuilt here).
+    //! Against `tests/data/golden/sim_round_robin.txt`: recorded round-robin runs (see
+    //! `tests/data/golden/sim_round_robin.py` for the format and the token formula rebuilt
+    //! here).
     use super::*;
     use kvroute_core::blocks::DEFAULT_HASH_SEED;
     use kvroute_core::kvevents::events::KvCacheEvent;
 
-    const GOLDEN: &str = include_str!("../../../../tests/data/golden/sim_round_robin.txt");
+    /// The recorded runs, read from the repository at test time.
+    fn golden() -> String {
+        let path = concat!(
+            env!("CARGO_MANIFEST_DIR"),
+            "/../../tests/data/golden/sim_round_robin.txt"
+        );
+        std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"))
+    }
     const SUFFIX_BASE: u64 = 1 << 40;
 
     fn splitmix64(x: u64) -> u64 {
@@ -903,7 +909,8 @@ mod tests {
 
     fn parse() -> Vec<Golden> {
         let mut out = Vec::new();
-        let mut lines = GOLDEN.lines();
+        let golden = golden();
+        let mut lines = golden.lines();
         while let Some(line) = lines.next() {
             let name = line.strip_prefix("run ").expect("a run").to_string();
             let c: Vec<&str> = lines.next().unwrap().split_whitespace().skip(1).collect();

@@ -2,7 +2,15 @@
 
 use super::*;
 
-const GOLDEN: &str = include_str!("../../../../../tests/data/golden/kvevents_payloads.json");
+/// `tests/data/golden/kvevents_payloads.json`, read from the repository at test time.
+fn golden() -> serde_json::Value {
+    let path = concat!(
+        env!("CARGO_MANIFEST_DIR"),
+        "/../../tests/data/golden/kvevents_payloads.json"
+    );
+    let text = std::fs::read_to_string(path).unwrap_or_else(|e| panic!("{path}: {e}"));
+    serde_json::from_str(&text).unwrap()
+}
 
 fn unhex(s: &str) -> Vec<u8> {
     (0..s.len())
@@ -11,31 +19,28 @@ fn unhex(s: &str) -> Vec<u8> {
         .collect()
 }
 
-/// `(wire_format, payload)` of every recorded `encode` case (a minimal scan of the JSON: each
-/// case has `"wire_format": "…"` before its `"payload": "…"`).
+/// The recorded cases of one part (`encode` or `decode`).
+fn cases(part: &str) -> Vec<serde_json::Value> {
+    golden()[part].as_array().unwrap().clone()
+}
+
+fn payload(case: &serde_json::Value) -> Vec<u8> {
+    unhex(case["payload"].as_str().unwrap())
+}
+
+/// `(wire_format, payload)` of every recorded `encode` case.
 fn golden_encoded() -> Vec<(WireFormat, Vec<u8>)> {
-    let decode_part = GOLDEN.find("\"decode\"").unwrap();
-    let encode_part = &GOLDEN[..decode_part];
-    let mut out = Vec::new();
-    let mut rest = encode_part;
-    while let Some(at) = rest.find("\"wire_format\": \"") {
-        rest = &rest[at + 16..];
-        let format = WireFormat::from_name(&rest[..rest.find('"').unwrap()]).unwrap();
-        let p = rest.find("\"payload\": \"").unwrap() + 12;
-        rest = &rest[p..];
-        out.push((format, unhex(&rest[..rest.find('"').unwrap()])));
-    }
-    out
+    cases("encode")
+        .iter()
+        .map(|c| {
+            let format = WireFormat::from_name(c["wire_format"].as_str().unwrap()).unwrap();
+            (format, payload(c))
+        })
+        .collect()
 }
 
 fn golden_decode_payloads() -> Vec<Vec<u8>> {
-    let mut rest = &GOLDEN[GOLDEN.find("\"decode\"").unwrap()..];
-    let mut out = Vec::new();
-    while let Some(at) = rest.find("\"payload\": \"") {
-        rest = &rest[at + 12..];
-        out.push(unhex(&rest[..rest.find('"').unwrap()]));
-    }
-    out
+    cases("decode").iter().map(payload).collect()
 }
 
 #[test]
