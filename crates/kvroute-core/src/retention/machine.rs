@@ -495,21 +495,7 @@ impl Retention {
         let in_flight = load.in_flight.max(0) as f64;
         let reserve = (self.config.reserve_factor * in_flight * m.new_blocks).ceil() as usize;
         let budget = capacity.saturating_sub(reserve);
-        let mut ranked: Vec<(f64, u64, usize)> = m
-            .tracked
-            .iter()
-            .map(|(&k, t)| (t.interval(requests), k, t.blocks))
-            .collect();
-        ranked.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
-        let mut used = 0usize;
-        let mut retained: Vec<(u64, f64)> = Vec::new();
-        for (interval, k, blocks) in ranked {
-            if used + blocks > budget {
-                break;
-            }
-            used += blocks;
-            retained.push((k, interval));
-        }
+        let mut retained = retained_by_demand(m, requests, budget);
         if retained.is_empty() {
             return;
         }
@@ -522,13 +508,7 @@ impl Retention {
                 stats.declined_payoff += 1;
                 return;
             }
-            let demand = |interval: f64| 1.0 / interval;
-            let total: f64 = m
-                .tracked
-                .values()
-                .map(|t| demand(t.interval(requests)))
-                .sum();
-            let kept: f64 = retained.iter().map(|&(_, i)| demand(i)).sum();
+            let (kept, total) = demand_kept(m, requests, &retained);
             if kept < self.config.min_coverage * total {
                 stats.declined_coverage += 1;
                 return;
@@ -553,32 +533,15 @@ impl Retention {
         let (running_pinned, running) = m.running(load.in_flight);
         let running_pinned = running_pinned + incoming_blocks;
         loop {
-            // The retained prefix nearest the head, if it is within the margin.
-            let mut distance = uncached;
-            let mut danger: Option<u64> = None;
-            for s in &m.queue.segments {
-                if let Some(k) = s.key
-                    && retained.iter().any(|&(r, _)| r == k)
-                    && distance < margin
-                {
-                    danger = Some(k);
-                    break;
-                }
-                distance += s.blocks as f64;
-            }
-            // Then one the model lost track of, or one left untouched too long while the cache
-            // is full (allocations evict: where the free queue still has room, nothing is).
-            if danger.is_none() {
-                danger = retained.iter().map(|&(k, _)| k).find(|k| {
-                    let t = &m.tracked[k];
-                    !t.gone
-                        && (m.queue.holds(*k) == 0
-                            || (refresh_after > 0
-                                && uncached < margin
-                                && requests.saturating_sub(t.last_touch) >= refresh_after))
-                });
-            }
-            let Some(k) = danger else { break };
+            let danger = Danger {
+                uncached,
+                margin,
+                refresh_after,
+                requests,
+            };
+            let Some(k) = danger.next(m, &retained) else {
+                break;
+            };
             retained.retain(|&(r, _)| r != k);
             let t = m
                 .tracked
@@ -664,6 +627,79 @@ impl Retention {
             m.queue.take(k);
             m.queue.push_tail(Some(k), held);
         }
+    }
+}
+
+/// The tracked prefixes of `m` that deserve their blocks, as `(key, interval)`: the most
+/// demanded first (the shortest interval between uses), while they fit in `budget` blocks
+/// beside the running requests' own.
+fn retained_by_demand(m: &WorkerModel, requests: u64, budget: usize) -> Vec<(u64, f64)> {
+    let mut ranked: Vec<(f64, u64, usize)> = m
+        .tracked
+        .iter()
+        .map(|(&k, t)| (t.interval(requests), k, t.blocks))
+        .collect();
+    ranked.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let mut used = 0usize;
+    let mut retained = Vec::new();
+    for (interval, k, blocks) in ranked {
+        if used + blocks > budget {
+            break;
+        }
+        used += blocks;
+        retained.push((k, interval));
+    }
+    retained
+}
+
+/// `m`'s demand (uses per request) that the `retained` prefixes carry, and over every
+/// tracked prefix.
+fn demand_kept(m: &WorkerModel, requests: u64, retained: &[(u64, f64)]) -> (f64, f64) {
+    let demand = |interval: f64| 1.0 / interval;
+    let total: f64 = m
+        .tracked
+        .values()
+        .map(|t| demand(t.interval(requests)))
+        .sum();
+    let kept: f64 = retained.iter().map(|&(_, i)| demand(i)).sum();
+    (kept, total)
+}
+
+/// When a retained prefix is in danger of eviction (see [`Danger::next`]).
+struct Danger {
+    /// Blocks of the cache not yet filled (allocations take them before they evict).
+    uncached: f64,
+    /// How many blocks from the head of the free queue count as near it.
+    margin: f64,
+    /// A prefix untouched for this many requests is refreshed once the cache is full (0: off).
+    refresh_after: u64,
+    /// The worker's requests so far.
+    requests: u64,
+}
+
+impl Danger {
+    /// The retained prefix nearest the head of `m`'s free queue, if it is within the margin;
+    /// else one the model lost track of, or one left untouched too long while the cache is
+    /// full (allocations evict: where the free queue still has room, nothing is).
+    fn next(&self, m: &WorkerModel, retained: &[(u64, f64)]) -> Option<u64> {
+        let mut distance = self.uncached;
+        for s in &m.queue.segments {
+            if let Some(k) = s.key
+                && retained.iter().any(|&(r, _)| r == k)
+                && distance < self.margin
+            {
+                return Some(k);
+            }
+            distance += s.blocks as f64;
+        }
+        retained.iter().map(|&(k, _)| k).find(|k| {
+            let t = &m.tracked[k];
+            !t.gone
+                && (m.queue.holds(*k) == 0
+                    || (self.refresh_after > 0
+                        && self.uncached < self.margin
+                        && self.requests.saturating_sub(t.last_touch) >= self.refresh_after))
+        })
     }
 }
 
