@@ -21,6 +21,7 @@ import contextlib
 import ctypes
 import json
 import os
+import random
 import re
 import shutil
 import signal
@@ -238,15 +239,46 @@ class VllmServer:
         return "\n".join(text.splitlines()[-lines:])
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """``count`` distinct ports that are free now (held open together so none repeats).
+#: Where the kernel draws the ports of sockets bound to port 0 (Linux's default range when
+#: the system does not say).
+_EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+#: The lowest port :func:`free_ports` hands out (below it, well-known and registered services).
+_LOWEST_PORT = 10000
 
-    Another process may still take one before vLLM binds it; the fleet then fails to start
-    with the server's log saying so, and a retry picks new ports.
-    """
-    socks = []
+
+def _ephemeral_low() -> int:
+    """The first port of the kernel's ephemeral range (32768 when it cannot be read)."""
     try:
-        for _ in range(count):
+        return int(_EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """``count`` distinct ports that are free now, for servers that bind them later.
+
+    They are drawn below the kernel's ephemeral range: a port handed out there could be
+    taken before the server binds it by any socket bound to port 0 meanwhile (a vLLM server
+    starting beside it picks its internal ports so, and binds its KV-event socket only after
+    loading its model), while no process gets a port below the range without asking for it.
+    Each is bound to check it is free, and they are held open together so none repeats; where
+    no such port is free, the kernel's own pick is taken.
+    """
+    rng = random.Random()
+    candidates = range(_LOWEST_PORT, max(_LOWEST_PORT + 1, _ephemeral_low()))
+    socks: list[socket.socket] = []
+    try:
+        for port in rng.sample(candidates, min(len(candidates), 64 * count)):
+            if len(socks) == count:
+                break
+            s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+            try:
+                s.bind((host, port))
+            except OSError:
+                s.close()
+                continue
+            socks.append(s)
+        while len(socks) < count:
             s = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
             s.bind((host, 0))
             socks.append(s)
