@@ -110,6 +110,19 @@ impl<'a, P: Choose> RouterPlacement<'a, P> {
             pending: Vec::new(),
         }
     }
+
+    /// The router's decision for `request` among all the workers, its refreshes kept for
+    /// the driver.
+    fn route(&mut self, request: &Request<'_>, now: f64) -> Placed {
+        let decision = self.router.route(
+            self.index.as_deref_mut(),
+            request,
+            None,
+            now,
+            &mut self.pending,
+        );
+        Placed::new(decision)
+    }
 }
 
 impl<P: Choose> Placement for RouterPlacement<'_, P> {
@@ -123,14 +136,7 @@ impl<P: Choose> Placement for RouterPlacement<'_, P> {
             prompt_tokens,
             ..Request::default()
         };
-        let r = self.router.route(
-            self.index.as_deref_mut(),
-            &request,
-            None,
-            now,
-            &mut self.pending,
-        );
-        Placed::new(r)
+        self.route(&request, now)
     }
 
     fn place_request(
@@ -150,14 +156,7 @@ impl<P: Choose> Placement for RouterPlacement<'_, P> {
             output_tokens,
             adapter,
         };
-        let r = self.router.route(
-            self.index.as_deref_mut(),
-            &request,
-            None,
-            now,
-            &mut self.pending,
-        );
-        Placed::new(r)
+        self.route(&request, now)
     }
 
     fn first_token(&mut self, placed: Placed) {
